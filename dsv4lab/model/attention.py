@@ -1,0 +1,146 @@
+"""DSV4 attention: low-rank queries, one shared K=V head, sliding window + compressed entries.
+
+q = RoPE(rms(wq_b(q_norm(wq_a(x))))) per head; kv = RoPE(kv_norm(wkv(x))) (one head, K == V);
+logits over [sliding-window keys | compressed entries] scaled by head_dim^-0.5, a learned per-head
+sink logit joins the softmax (not scaled), masked slots get -inf. The output's rope slice is
+rotated back (RoPE at -pos), then the grouped projection wo_a (per group) and wo_b.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import DSV4Config, SLIDING, CSA
+from .compressor import Compressor
+from .hooks import HookPoint
+from .indexer import Indexer
+from .linear import QLinear
+from .norms import RMSNorm, unweighted_rms_norm
+from .rope import Rotary, apply_rope
+from .state import LayerState
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DSV4Config, layer: int) -> None:
+        super().__init__()
+        c = config
+        self.layer_type = c.layer_types[layer]
+        self.n_heads = c.num_attention_heads
+        self.head_dim = c.head_dim
+        self.window = c.sliding_window
+        self.groups = c.o_groups
+        self.eps = c.rms_norm_eps
+        self.scale = c.head_dim ** -0.5
+        self.wq_a = QLinear(c.hidden_size, c.q_lora_rank)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = QLinear(c.q_lora_rank, c.num_attention_heads * c.head_dim)
+        self.wkv = QLinear(c.hidden_size, c.head_dim)
+        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.wo_a = QLinear(c.num_attention_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank)
+        self.wo_b = QLinear(c.o_groups * c.o_lora_rank, c.hidden_size)
+        self.sink = nn.Parameter(torch.zeros(c.num_attention_heads))
+        self.rotary = Rotary(c, "main" if self.layer_type == SLIDING else "compress")
+        self.ratio = c.compress_ratio(layer)
+        self.compressor = None if self.layer_type == SLIDING else Compressor(c, c.head_dim, self.ratio, self.layer_type == CSA)
+        self.indexer = Indexer(c, self.ratio) if self.layer_type == CSA else None
+        self.hook_q = HookPoint("queries [B,S,H,Dh] after norm and RoPE")
+        self.hook_kv = HookPoint("new shared K=V [B,S,Dh] after kv_norm and RoPE")
+        self.hook_probs = HookPoint("attention probabilities [B,H,S,L+1], last column = sink")
+        self.hook_out = HookPoint("attention block output [B,S,D]")
+
+    # -------------------------------------------------------------- pieces
+    def _q_kv(self, x: torch.Tensor, positions: torch.Tensor):
+        B, S, _ = x.shape
+        q_res = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
+        q = unweighted_rms_norm(q, self.eps)
+        cos, sin = self.rotary(positions)  # [S, rd/2]
+        q = self.hook_q(apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)))
+        kv = self.hook_kv(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
+        return q_res, q, kv, cos, sin
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """q [B,S,H,Dh], keys [B,L,Dh] (also the values), bias [B or 1,S,L] -> [B,S,H,Dh]."""
+        B, S, H, _ = q.shape
+        logits = torch.matmul(q.transpose(1, 2), keys.unsqueeze(1).transpose(-1, -2)) * self.scale  # [B,H,S,L]
+        logits = logits + bias.unsqueeze(1).to(logits.dtype)
+        sinks = self.sink.to(logits.dtype).view(1, H, 1, 1).expand(B, H, S, 1)
+        combined = torch.cat([logits, sinks], dim=-1)
+        combined = combined - combined.amax(dim=-1, keepdim=True)
+        probs = self.hook_probs(torch.softmax(combined, dim=-1))
+        out = torch.matmul(probs[..., :-1].to(keys.dtype), keys.unsqueeze(1))  # [B,H,S,Dh]
+        return out.transpose(1, 2)
+
+    def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        out = apply_rope(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))
+        B, S = out.shape[:2]
+        grouped = self.wo_a.grouped(out.reshape(B, S, self.groups, -1), self.groups).flatten(2)
+        return self.hook_out(self.wo_b(grouped))
+
+    # -------------------------------------------------------------- prefill
+    def prefill(self, x: torch.Tensor, start: int, st: LayerState) -> torch.Tensor:
+        """Tokens at positions start..start+S-1 (host ints) against the state; updates it."""
+        B, S, _ = x.shape
+        dev = x.device
+        positions = torch.arange(start, start + S, device=dev)
+        q_res, q, kv, cos, sin = self._q_kv(x, positions)
+        W = self.window
+        prior_lo = max(0, start - W + 1)
+        prior_pos = torch.arange(prior_lo, start, device=dev)
+        keys = torch.cat([st.kv_ring.index_select(1, prior_pos % W).to(kv.dtype), kv], dim=1)
+        kpos = torch.cat([prior_pos, positions])
+        rel = positions.view(-1, 1) - kpos.view(1, -1)
+        neg = torch.tensor(float("-inf"), device=dev)
+        bias = torch.where((rel >= 0) & (rel < W), torch.zeros((), device=dev), neg).unsqueeze(0)  # [1,S,L]
+        if self.compressor is not None:
+            n_entries = self.compressor.prefill(x, start, st.compressor)
+            entries = st.compressor.entries[:, :n_entries]
+            visible = (positions + 1) // self.ratio  # entries w < visible[t] are closed for query t
+            ent_ok = torch.arange(n_entries, device=dev).view(1, -1) < visible.view(-1, 1)  # [S,T]
+            ent_bias = torch.where(ent_ok, torch.zeros((), device=dev), neg).unsqueeze(0).expand(B, -1, -1)
+            if self.indexer is not None:
+                n_idx = self.indexer.compressor.prefill(x, start, st.indexer)
+                ikeys = st.indexer.entries[:, :n_idx]
+                if self.indexer.enabled and n_idx > 0:
+                    idx = self.indexer.select(self.indexer.scores(x, q_res, positions, ikeys), visible)
+                    chosen = torch.full((B, S, n_entries + 1), float("-inf"), device=dev)
+                    chosen.scatter_(-1, torch.where(idx >= 0, idx, n_entries), 0.0)
+                    ent_bias = chosen[..., :n_entries]
+            keys = torch.cat([keys, entries.to(kv.dtype)], dim=1)
+            bias = torch.cat([bias.expand(B, -1, -1), ent_bias], dim=-1)
+        keep = min(S, W)
+        st.kv_ring.index_copy_(1, positions[-keep:] % W, kv[:, -keep:].to(st.kv_ring.dtype))
+        return self._output(self._attend(q, keys, bias), cos, sin)
+
+    # --------------------------------------------------------------- decode
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
+        """One token per sequence at device position ``pos``: fixed shapes, no host branches."""
+        B = x.shape[0]
+        dev = x.device
+        positions = pos.view(1)
+        q_res, q, kv, cos, sin = self._q_kv(x, positions)
+        W = self.window
+        st.kv_ring.index_copy_(1, (pos % W).view(1), kv.to(st.kv_ring.dtype))
+        zero = torch.zeros((), device=dev)
+        neg = torch.tensor(float("-inf"), device=dev)
+        bias = torch.where(torch.arange(W, device=dev) <= pos, zero, neg).view(1, 1, W).expand(B, 1, W)
+        keys = st.kv_ring.to(kv.dtype)
+        if self.compressor is not None:
+            n_entries = self.compressor.decode(x, pos, st.compressor)
+            entries = st.compressor.entries.to(kv.dtype)
+            T = entries.shape[1]
+            if self.indexer is not None:
+                n_idx = self.indexer.compressor.decode(x, pos, st.indexer)
+                if self.indexer.enabled:
+                    idx = self.indexer.select(
+                        self.indexer.scores(x, q_res, positions, st.indexer.entries), n_idx.view(1))  # [B,1,k]
+                    ok = idx >= 0
+                    entries = torch.gather(entries, 1, idx.clamp(min=0).view(B, -1, 1).expand(-1, -1, entries.shape[-1]))
+                    ent_bias = torch.where(ok, zero, neg)
+                else:
+                    ent_bias = torch.where(torch.arange(T, device=dev) < n_entries, zero, neg).view(1, 1, T).expand(B, 1, T)
+            else:
+                ent_bias = torch.where(torch.arange(T, device=dev) < n_entries, zero, neg).view(1, 1, T).expand(B, 1, T)
+            keys = torch.cat([keys, entries], dim=1)
+            bias = torch.cat([bias, ent_bias], dim=-1)
+        return self._output(self._attend(q, keys, bias), cos, sin)

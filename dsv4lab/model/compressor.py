@@ -1,0 +1,119 @@
+"""CSA / HCA KV compressor: one compressed entry per closed window of ``ratio`` tokens.
+
+Entry w = kv_norm( sum_slots softmax(Z + ape)_slot * C_slot ) with RoPE (compress theta) at
+position w*ratio. The position bias ``ape`` goes into the softmax logits only, never into C.
+HCA: the window's own ``ratio`` tokens. CSA (``overlap``): projections are 2*d wide, halves Ca|Cb;
+entry w pools Ca of window w-1 and Cb of window w over 2*ratio slots (window 0's Ca slots are
+empty: weight 0). The softmax runs per channel over the slots, in fp32.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import DSV4Config
+from .hooks import HookPoint
+from .linear import QLinear
+from .norms import RMSNorm
+from .rope import Rotary, apply_rope
+from .state import CompressorState
+
+
+class Compressor(nn.Module):
+    def __init__(self, config: DSV4Config, dim: int, ratio: int, overlap: bool) -> None:
+        super().__init__()
+        self.dim = dim
+        self.ratio = ratio
+        self.overlap = overlap
+        c = 2 if overlap else 1
+        self.wkv = QLinear(config.hidden_size, c * dim)
+        self.wgate = QLinear(config.hidden_size, c * dim)
+        self.ape = nn.Parameter(torch.zeros(ratio, c * dim))
+        self.norm = RMSNorm(dim, config.rms_norm_eps)
+        self.rotary = Rotary(config, "compress")
+        self.hook_weights = HookPoint("softmax pooling weights [B,n_windows,slots,d] (fp32; CSA slots = m prev-Ca then m Cb)")
+        self.hook_entries = HookPoint("new compressed entries [B,n_windows,d] (after kv_norm and RoPE)")
+
+    # ------------------------------------------------------------------ core
+    def project(self, x: torch.Tensor, slot_in_window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw C and Z + ape (fp32) for tokens x [B,S,D] at window offsets [S]."""
+        kv = self.wkv(x)
+        gate = self.wgate(x).float() + self.ape.float().index_select(0, slot_in_window)
+        return kv, gate
+
+    def pool(self, kv_slots: torch.Tensor, gate_slots: torch.Tensor, window_idx: torch.Tensor) -> torch.Tensor:
+        """[B,nW,L,d] slots -> entries [B,nW,d] at positions window_idx*ratio."""
+        w = self.hook_weights(torch.softmax(gate_slots, dim=2, dtype=torch.float32))
+        pooled = (kv_slots * w.to(kv_slots.dtype)).sum(dim=2)
+        entries = self.norm(pooled)
+        cos, sin = self.rotary(window_idx * self.ratio)
+        return self.hook_entries(apply_rope(entries, cos, sin))
+
+    def _slots(self, kv_w: torch.Tensor, gate_w: torch.Tensor, prev_kv: torch.Tensor, prev_gate: torch.Tensor):
+        """Per-window slots from window-shaped projections [B,n,m,c*d] (+ the window before)."""
+        if not self.overlap:
+            return kv_w, gate_w
+        d = self.dim
+        return (torch.cat([prev_kv[..., :d], kv_w[..., d:]], dim=2),
+                torch.cat([prev_gate[..., :d], gate_w[..., d:]], dim=2))
+
+    # --------------------------------------------------------------- prefill
+    def prefill(self, x: torch.Tensor, start: int, st: CompressorState) -> int:
+        """Process tokens at positions start..start+S-1; write closed windows' entries into
+        ``st.entries`` and the raw ring. Returns the number of entries now valid."""
+        B, S, _ = x.shape
+        m, R = self.ratio, st.ring_kv.shape[1]
+        pos = torch.arange(start, start + S, device=x.device)
+        kv, gate = self.project(x, pos % m)
+        w_first, w_last = start // m, (start + S) // m - 1
+        if w_last >= w_first:
+            lo = (w_first - 1) * m  # first position of the window before the first closing one
+            hi = (w_last + 1) * m
+            pieces_kv, pieces_gate = [], []
+            n_pad = max(0, -lo)
+            if n_pad:
+                pieces_kv.append(kv.new_zeros(B, n_pad, kv.shape[-1]))
+                pieces_gate.append(gate.new_full((B, n_pad, gate.shape[-1]), float("-inf")))
+            ring_lo = max(lo, 0)
+            if ring_lo < start:
+                slots = torch.arange(ring_lo, start, device=x.device) % R
+                pieces_kv.append(st.ring_kv.index_select(1, slots).to(kv.dtype))
+                pieces_gate.append(st.ring_gate.index_select(1, slots))
+            pieces_kv.append(kv[:, : hi - start])
+            pieces_gate.append(gate[:, : hi - start])
+            ext_kv = torch.cat(pieces_kv, 1).unflatten(1, (-1, m))      # [B, n+1, m, c*d]
+            ext_gate = torch.cat(pieces_gate, 1).unflatten(1, (-1, m))
+            kv_s, gate_s = self._slots(ext_kv[:, 1:], ext_gate[:, 1:], ext_kv[:, :-1], ext_gate[:, :-1])
+            widx = torch.arange(w_first, w_last + 1, device=x.device)
+            st.entries[:, w_first : w_last + 1] = self.pool(kv_s, gate_s, widx).to(st.entries.dtype)
+        # keep the last R raw positions in the ring
+        keep = min(S, R)
+        slots = pos[-keep:] % R
+        st.ring_kv.index_copy_(1, slots, kv[:, -keep:].to(st.ring_kv.dtype))
+        st.ring_gate.index_copy_(1, slots, gate[:, -keep:])
+        return (start + S) // m
+
+    # ---------------------------------------------------------------- decode
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState) -> torch.Tensor:
+        """One token (x [B,1,D]) at device position ``pos``; emits its window's entry on the
+        device when the window closes (masked write, no host branch). Returns the entry count."""
+        m, R = self.ratio, st.ring_kv.shape[1]
+        kv, gate = self.project(x, (pos % m).view(1))
+        slot = (pos % R).view(1)
+        st.ring_kv.index_copy_(1, slot, kv.to(st.ring_kv.dtype))
+        st.ring_gate.index_copy_(1, slot, gate)
+        w = pos // m
+        base = torch.arange(m, device=x.device)
+        if self.overlap:
+            cur = (w % 2) * m + base
+            prev = ((w + 1) % 2) * m + base
+            kv_s, gate_s = self._slots(st.ring_kv.index_select(1, cur).unsqueeze(1), st.ring_gate.index_select(1, cur).unsqueeze(1),
+                                       st.ring_kv.index_select(1, prev).unsqueeze(1), st.ring_gate.index_select(1, prev).unsqueeze(1))
+        else:
+            kv_s, gate_s = st.ring_kv.unsqueeze(1), st.ring_gate.unsqueeze(1)
+        entry = self.pool(kv_s.to(kv.dtype), gate_s, w.view(1))  # [B,1,d]
+        closes = (pos + 1) % m == 0
+        idx = torch.clamp(w, max=st.entries.shape[1] - 1).view(1)
+        old = st.entries.index_select(1, idx)
+        st.entries.index_copy_(1, idx, torch.where(closes, entry.to(old.dtype), old))
+        return (pos + 1) // m

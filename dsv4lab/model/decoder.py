@@ -1,0 +1,46 @@
+"""One DSV4 decoder layer: mHC around attention, mHC around the MoE."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import DSV4Config
+from .attention import Attention
+from .hooks import HookPoint
+from .mhc import HyperConnection
+from .moe import MoE
+from .norms import RMSNorm
+from .state import LayerState
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DSV4Config, layer: int) -> None:
+        super().__init__()
+        self.index = layer
+        self.attn_hc = HyperConnection(config)
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, layer)
+        self.ffn_hc = HyperConnection(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MoE(config, layer)
+        self.hook_resid_pre = HookPoint("residual streams entering the layer [B,S,hc,D]")
+        self.hook_resid_mid = HookPoint("residual streams after attention [B,S,hc,D]")
+        self.hook_resid_post = HookPoint("residual streams leaving the layer [B,S,hc,D]")
+
+    def _ffn(self, h: torch.Tensor, input_ids: torch.Tensor | None, graph_safe: bool) -> torch.Tensor:
+        h = self.hook_resid_mid(h)
+        post, comb, collapsed = self.ffn_hc(h)
+        out = self.mlp(self.ffn_norm(collapsed), input_ids, graph_safe)
+        return self.hook_resid_post(HyperConnection.expand(h, out, post, comb))
+
+    def prefill(self, h: torch.Tensor, input_ids: torch.Tensor | None, start: int, st: LayerState) -> torch.Tensor:
+        h = self.hook_resid_pre(h)
+        post, comb, collapsed = self.attn_hc(h)
+        a = self.attn.prefill(self.attn_norm(collapsed), start, st)
+        return self._ffn(HyperConnection.expand(h, a, post, comb), input_ids, graph_safe=False)
+
+    def decode(self, h: torch.Tensor, input_ids: torch.Tensor | None, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
+        h = self.hook_resid_pre(h)
+        post, comb, collapsed = self.attn_hc(h)
+        a = self.attn.decode(self.attn_norm(collapsed), pos, st)
+        return self._ffn(HyperConnection.expand(h, a, post, comb), input_ids, graph_safe=True)

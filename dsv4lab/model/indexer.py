@@ -1,0 +1,55 @@
+"""Lightning indexer (CSA layers): picks, per query, the top-k compressed entries to attend.
+
+score[t, s] = sum_h w[t,h] * ReLU(q[t,h] . K[s]) / sqrt(index_head_dim), with
+w = weights_proj(x) / sqrt(index_n_heads), q = RoPE(wq_b(q_residual)) (compress theta, no norm)
+and K the indexer's own compressed keys (a CSA-style compressor at index_head_dim). Keys are one
+shared set for all heads. Entries not yet closed for a query (s >= (t+1)//ratio) are excluded;
+selections past the valid range come back as -1.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import DSV4Config
+from .compressor import Compressor
+from .hooks import HookPoint
+from .linear import QLinear
+from .rope import Rotary, apply_rope
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: DSV4Config, ratio: int) -> None:
+        super().__init__()
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.topk = config.index_topk
+        self.ratio = ratio
+        self.wq_b = QLinear(config.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = QLinear(config.hidden_size, self.n_heads)
+        self.compressor = Compressor(config, self.head_dim, ratio, overlap=True)
+        self.rotary = Rotary(config, "compress")
+        self.enabled = True
+        self.hook_q = HookPoint("indexer queries [B,S,Hi,Ih] after RoPE")
+        self.hook_scores = HookPoint("index scores [B,S,T] (fp32, -inf for not-yet-closed entries)")
+        self.hook_indices = HookPoint("chosen entries [B,S,k] (long, -1 = none)")
+
+    def scores(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
+        cos, sin = self.rotary(positions)
+        q = self.hook_q(apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)))
+        s = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1))  # [B,S,H,T]
+        s = torch.relu(s) * self.head_dim ** -0.5
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        return (s * w.unsqueeze(-1)).sum(dim=2)
+
+    def select(self, scores: torch.Tensor, n_valid_for_query: torch.Tensor) -> torch.Tensor:
+        """Top-k valid entries per query; scores [B,S,T], n_valid [S] -> indices [B,S,k]."""
+        T = scores.shape[-1]
+        k = min(self.topk, T)
+        valid = torch.arange(T, device=scores.device).view(1, 1, -1) < n_valid_for_query.view(1, -1, 1)
+        scores = self.hook_scores(scores.masked_fill(~valid, float("-inf")))
+        idx = scores.topk(k, dim=-1).indices
+        idx = torch.where(idx < n_valid_for_query.view(1, -1, 1), idx, torch.full_like(idx, -1))
+        return self.hook_indices(idx)

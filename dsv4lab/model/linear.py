@@ -1,0 +1,138 @@
+"""QLinear: one linear layer whose weight may stay quantised, run under a precision mode.
+
+Modes (DESIGN section 4):
+  ``dense``  weight dequantised once and cached in the compute dtype (the ``bf16`` policy);
+  ``w4a16``  quantised weight kept as stored, dequantised per call (Hopper's FP4 path);
+  ``w4a4``   activations also fake-quantised to NVFP4 (global scale from runtime amax or the
+             checkpoint ``input_scale``: ``act_scale``);
+  ``w4a8``   activations fake-quantised to FP8 per 128 block (official expert math).
+A plain (unquantised) weight is an ``nn.Parameter`` and runs densely whatever the mode, except
+that ``w4a4``/``w4a8`` still quantise its activations.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODES = ("dense", "w4a16", "w4a4", "w4a8")
+ACT_FOR_MODE = {"dense": "none", "w4a16": "none", "w4a4": "nvfp4", "w4a8": "fp8"}
+
+
+class QLinear(nn.Module):
+    """Linear y = x W^T with a plain Parameter or a QuantWeight, under a precision mode."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.qweight = None  # dsv4lab.quant.weights.QuantWeight when quantised
+        self.mode = "w4a16"
+        self.act_scale = "amax"
+        self._dense_cache: torch.Tensor | None = None
+        self.kernel: Callable | None = None  # optional fast path f(x, qweight) -> y
+
+    # ---------------------------------------------------------------- weights
+    @property
+    def quantized(self) -> bool:
+        return self.qweight is not None
+
+    @property
+    def format(self) -> str:
+        return self.qweight.format if self.qweight is not None else "plain"
+
+    def set_weight(self, w) -> None:
+        """Install a plain tensor (as Parameter) or a QuantWeight (kept quantised)."""
+        from ..quant.weights import PlainWeight, QuantWeight
+
+        if isinstance(w, PlainWeight):
+            w = w.data
+        if isinstance(w, QuantWeight):
+            if tuple(w.shape) != (self.out_features, self.in_features):
+                raise ValueError(f"weight shape {tuple(w.shape)} != {(self.out_features, self.in_features)}")
+            self.qweight = w
+            self.weight = None
+        else:
+            if tuple(w.shape) != (self.out_features, self.in_features):
+                raise ValueError(f"weight shape {tuple(w.shape)} != {(self.out_features, self.in_features)}")
+            self.qweight = None
+            self.weight = nn.Parameter(w.detach().clone() if w.requires_grad else w, requires_grad=False)
+        self._dense_cache = None
+
+    def set_mode(self, mode: str, act_scale: str | None = None) -> None:
+        if mode == "bf16":
+            mode = "dense"
+        if mode not in MODES:
+            raise ValueError(f"unknown precision mode {mode!r}; choose from {MODES} (or 'bf16')")
+        if act_scale is not None:
+            if act_scale not in ("amax", "input_scale"):
+                raise ValueError("act_scale must be 'amax' or 'input_scale'")
+            self.act_scale = act_scale
+        self.mode = mode
+        if mode != "dense":
+            self._dense_cache = None
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as a dense matrix in ``dtype`` (cached only in ``dense`` mode)."""
+        if self.qweight is None:
+            return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+        if self.mode == "dense":
+            if self._dense_cache is None or self._dense_cache.dtype != dtype or self._dense_cache.device != self.qweight.device:
+                self._dense_cache = self.qweight.dequantize(dtype)
+            return self._dense_cache
+        return self.qweight.dequantize(dtype)
+
+    def memory_bytes(self) -> int:
+        n = 0 if self.qweight is None else self.qweight.nbytes
+        if self.weight is not None:
+            n += self.weight.numel() * self.weight.element_size()
+        if self._dense_cache is not None:
+            n += self._dense_cache.numel() * self._dense_cache.element_size()
+        return n
+
+    # ---------------------------------------------------------------- compute
+    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        act = ACT_FOR_MODE[self.mode]
+        if act == "none":
+            return x
+        from ..quant import activations as A
+
+        if act == "fp8":
+            return A.fake_quant_fp8_block(x)
+        if self.act_scale == "input_scale":
+            scale = getattr(self.qweight, "input_scale", None) if self.qweight is not None else None
+            if scale is None:
+                raise ValueError("act_scale='input_scale' needs a checkpoint input_scale on this weight")
+            gs = scale.to(x.device, torch.float32)
+        else:
+            gs = A.nvfp4_global_scale(x)
+        return A.fake_quant_nvfp4(x, gs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.quantize_input(x)
+        if self.kernel is not None and self.qweight is not None and self.mode != "dense":
+            return self.kernel(x, self.qweight)
+        return F.linear(x, self.dense_weight(x.dtype))
+
+    def grouped(self, x: torch.Tensor, groups: int) -> torch.Tensor:
+        """Block-diagonal use (grouped output projection): x [..., G, in] -> [..., G, out/G]."""
+        x = self.quantize_input(x)
+        w = self.dense_weight(x.dtype).view(groups, -1, x.shape[-1])  # [G, out/G, in]
+        lead = x.shape[:-2]
+        xg = x.reshape(-1, groups, x.shape[-1]).transpose(0, 1)  # [G, T, in]
+        y = torch.bmm(xg, w.transpose(1, 2)).transpose(0, 1)  # [T, G, out/G]
+        return y.reshape(*lead, groups, -1)
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        if self.qweight is not None:
+            # move quantised tensors to the new device but never change their dtypes
+            self.qweight = self.qweight.to(fn(torch.empty(0)).device)
+            self._dense_cache = None
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}->{self.out_features}, format={self.format}, mode={self.mode}"

@@ -1,0 +1,89 @@
+"""Manifold-constrained hyper-connections (mHC): hc_mult residual streams per token.
+
+Per site: RMS-normalised flattened streams -> linear ``fn`` -> split into pre [hc], post [hc],
+comb [hc, hc] logits (in that order); pre = sigmoid(.)+eps, post = 2*sigmoid(.), comb =
+Sinkhorn(softmax(.)+eps). The block input is sum_j pre_j * stream_j; the new streams are
+post_k * block_out + sum_j comb[j, k] * stream_j (comb used TRANSPOSED).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import DSV4Config
+from .hooks import HookPoint
+from .norms import unweighted_rms_norm
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Doubly-stochastic projection as the reference does it: softmax rows (+eps) first."""
+    comb = torch.softmax(logits, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+class HyperConnection(nn.Module):
+    """One mHC site (attention or FFN): computes pre/post/comb and collapses the streams."""
+
+    def __init__(self, config: DSV4Config) -> None:
+        super().__init__()
+        hc = config.hc_mult
+        self.hc = hc
+        self.iters = config.hc_sinkhorn_iters
+        self.hc_eps = config.hc_eps
+        self.norm_eps = config.rms_norm_eps
+        mix = (2 + hc) * hc
+        self.fn = nn.Parameter(torch.zeros(mix, hc * config.hidden_size))
+        self.base = nn.Parameter(torch.zeros(mix))
+        self.scale = nn.Parameter(torch.ones(3))
+        self.hook_pre = HookPoint("stream collapse weights [B,S,hc] (fp32)")
+        self.hook_post = HookPoint("block-output placement weights [B,S,hc] (fp32, in [0,2])")
+        self.hook_comb = HookPoint("Sinkhorn stream mixer [B,S,hc,hc] (fp32, doubly stochastic)")
+        self.hook_collapsed = HookPoint("collapsed block input [B,S,D]")
+
+    def mixes(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hc = self.hc
+        flat = unweighted_rms_norm(streams.flatten(start_dim=2).float(), self.norm_eps)
+        pre_w, post_w, comb_w = F.linear(flat, self.fn.float()).split([hc, hc, hc * hc], dim=-1)
+        pre_b, post_b, comb_b = self.base.float().split([hc, hc, hc * hc])
+        s_pre, s_post, s_comb = self.scale.float().unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        comb = sinkhorn(comb_w.unflatten(-1, (hc, hc)) * s_comb + comb_b.view(hc, hc), self.iters, self.hc_eps)
+        return self.hook_pre(pre), self.hook_post(post), self.hook_comb(comb)
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [B,S,hc,D] -> (post, comb, collapsed [B,S,D])."""
+        pre, post, comb = self.mixes(streams)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+        return post, comb, self.hook_collapsed(collapsed)
+
+    @staticmethod
+    def expand(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """New streams: post_k * out + sum_j comb[j,k] stream_j (comb transposed)."""
+        dtype = streams.dtype
+        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the hc streams before the output norm and head."""
+
+    def __init__(self, config: DSV4Config) -> None:
+        super().__init__()
+        hc = config.hc_mult
+        self.eps = config.hc_eps
+        self.norm_eps = config.rms_norm_eps
+        self.fn = nn.Parameter(torch.zeros(hc, hc * config.hidden_size))
+        self.base = nn.Parameter(torch.zeros(hc))
+        self.scale = nn.Parameter(torch.ones(1))
+        self.hook_pre = HookPoint("final collapse weights [B,S,hc] (fp32)")
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float() + self.base.float()) + self.eps
+        pre = self.hook_pre(pre)
+        return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)

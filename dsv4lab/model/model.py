@@ -1,0 +1,141 @@
+"""DSV4Model: embedding -> decoder layers over hc streams -> hc head -> norm -> head.
+
+Three ways in: ``forward(ids)`` (stateless full prefill, like the oracle without cache),
+``prefill(ids, state)`` (a chunk against fixed-shape decode state) and ``decode_step(ids, state)``
+(one token, device-side position, graph-capturable). ``generate`` = prefill + decode steps.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from ..config import DSV4Config
+from .decoder import DecoderLayer
+from .hooks import HookPoint
+from .linear import QLinear
+from .mhc import HyperHead
+from .norms import RMSNorm
+from .state import DecodeState
+
+
+class DSV4Model(nn.Module):
+    def __init__(self, config: DSV4Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.hc_head = HyperHead(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = QLinear(config.hidden_size, config.vocab_size)
+        self.hook_embed = HookPoint("token embeddings [B,S,D]")
+        self.hook_final_hidden = HookPoint("final hidden after hc_head and norm [B,S,D]")
+        self.hook_logits = HookPoint("logits [B,S,V] (fp32)")
+
+    # ------------------------------------------------------------ utilities
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def hook_points(self) -> Iterator[tuple[str, HookPoint]]:
+        for name, mod in self.named_modules():
+            if isinstance(mod, HookPoint):
+                yield name, mod
+
+    def hook_names(self) -> list[str]:
+        return [n for n, _ in self.hook_points()]
+
+    def qlinears(self) -> Iterator[tuple[str, QLinear]]:
+        for name, mod in self.named_modules():
+            if isinstance(mod, QLinear):
+                yield name, mod
+
+    def layer_devices(self) -> list[torch.device]:
+        return [layer.attn_norm.weight.device for layer in self.layers]
+
+    def new_state(self, batch: int, max_len: int) -> DecodeState:
+        return DecodeState.allocate(self.config, batch, max_len, self.dtype, self.layer_devices())
+
+    # -------------------------------------------------------------- compute
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.hook_embed(self.embed(input_ids))
+        return x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+
+    def _final(self, h: torch.Tensor) -> torch.Tensor:
+        h = h.to(self.head_device())
+        x = self.hook_final_hidden(self.norm(self.hc_head(h)))
+        return self.hook_logits(self.head(x).float())
+
+    def head_device(self) -> torch.device:
+        return self.norm.weight.device
+
+    def prefill(self, input_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """Run a chunk of tokens against ``state`` (host-known positions); returns logits."""
+        B, S = input_ids.shape
+        start = state.pos
+        if start + S > state.max_len:
+            raise ValueError(f"state holds {state.max_len} tokens; {start}+{S} requested")
+        h = self._embed(input_ids)
+        for layer, st in zip(self.layers, state.layers):
+            dev = st.kv_ring.device
+            h = layer.prefill(h.to(dev), input_ids.to(dev), start, st)
+        state.pos += S
+        state.pos_t.fill_(state.pos)
+        return self._final(h)
+
+    def forward(self, input_ids: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
+        """Logits [B,S,V] for the whole sequence (fresh state unless one is given)."""
+        if state is None:
+            state = self.new_state(input_ids.shape[0], input_ids.shape[1])
+        return self.prefill(input_ids, state)
+
+    @torch.no_grad()
+    def decode_step(self, input_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """One token per sequence (input_ids [B,1]) at ``state.pos_t``; fixed shapes, no host
+        syncs; advances ``pos_t`` on the device. Returns logits [B,1,V]."""
+        pos = state.pos_t
+        h = self._embed(input_ids)
+        for layer, st in zip(self.layers, state.layers):
+            dev = st.kv_ring.device
+            h = layer.decode(h.to(dev), input_ids.to(dev), pos.to(dev), st)
+        logits = self._final(h)
+        state.pos_t.add_(1)
+        return logits
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, state: DecodeState | None = None,
+                 eos_token_id: int | None = None, prefill_chunk: int | None = None,
+                 step_fn=None, return_logits: bool = False):
+        """Greedy decoding -> [B, S+N] (and the per-step logits if asked).
+
+        ``step_fn(ids, state)`` replaces ``decode_step`` (e.g. a CUDA-graph replay). The stop
+        check on ``eos_token_id`` is the only host sync per step, outside the step itself.
+        """
+        B, S = input_ids.shape
+        if state is None:
+            state = self.new_state(B, S + max_new_tokens)
+        chunk = prefill_chunk or S
+        logits = None
+        for i in range(0, S, chunk):
+            logits = self.prefill(input_ids[:, i : i + chunk], state)
+        step = step_fn or self.decode_step
+        tokens = [input_ids]
+        all_logits = [logits[:, -1]]
+        nxt = logits[:, -1].argmax(-1, keepdim=True).to(input_ids.device)
+        for t in range(max_new_tokens):
+            tokens.append(nxt)
+            if eos_token_id is not None and bool((nxt == eos_token_id).all()):
+                break
+            if t == max_new_tokens - 1:
+                break
+            lg = step(nxt, state)
+            state.pos += 1
+            all_logits.append(lg[:, -1])
+            nxt = lg[:, -1].argmax(-1, keepdim=True).to(input_ids.device)
+        out = torch.cat(tokens, dim=1)
+        return (out, torch.stack(all_logits, 1)) if return_logits else out

@@ -1,0 +1,146 @@
+"""Mixture of experts: hash or top-k router, routed SwiGLU experts, one shared expert.
+
+Router scores = sqrt(softplus(logits)) (or softmax/sigmoid); top-k layers choose by
+scores + bias (bias only for choosing), hash layers by tid2eid[token]; weights are the chosen
+scores renormalised and times routed_scaling_factor. Expert: w2(silu(clamp(w1 x, max=L)) *
+clamp(w3 x, -L, L)) -- the clamp comes BEFORE SiLU.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import DSV4Config, HASH_MOE
+from .hooks import HookPoint
+from .linear import QLinear
+
+
+def score_fn(name: str, logits: torch.Tensor) -> torch.Tensor:
+    if name == "sqrtsoftplus":
+        return torch.sqrt(F.softplus(logits))
+    if name == "softmax":
+        return torch.softmax(logits, dim=-1)
+    return torch.sigmoid(logits)
+
+
+class Router(QLinear):
+    """Top-k (learned, bias-corrected) or hash (tid2eid lookup) expert choice.
+
+    It IS the gate linear (a QLinear, so its precision can be flipped like any linear)."""
+
+    def __init__(self, config: DSV4Config, is_hash: bool) -> None:
+        super().__init__(config.hidden_size, config.n_routed_experts)
+        self.is_hash = is_hash
+        self.top_k = config.num_experts_per_tok
+        self.scoring = config.scoring_func
+        self.scale = config.routed_scaling_factor
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.register_buffer("bias", torch.zeros(config.n_routed_experts))
+        self.hook_logits = HookPoint("router logits [T,E] (fp32)")
+        self.hook_ids = HookPoint("chosen experts [T,k] (long)")
+        self.hook_weights = HookPoint("routing weights [T,k] (fp32, scaled)")
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.hook_logits(QLinear.forward(self, flat).float())
+        scores = score_fn(self.scoring, logits)
+        if self.is_hash:
+            if input_ids is None:
+                raise ValueError("hash-routed layer needs input_ids")
+            ids = self.tid2eid[input_ids.reshape(-1)].long()
+        else:
+            ids = torch.topk(scores + self.bias.float(), self.top_k, dim=-1, sorted=False).indices
+        ids = self.hook_ids(ids)
+        w = scores.gather(1, ids)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, self.hook_weights(w * self.scale)
+
+
+class Expert(nn.Module):
+    """One SwiGLU FFN with the DSV4 clamp (also the shared expert)."""
+
+    def __init__(self, config: DSV4Config) -> None:
+        super().__init__()
+        self.limit = config.swiglu_limit
+        self.w1 = QLinear(config.hidden_size, config.moe_intermediate_size)
+        self.w3 = QLinear(config.hidden_size, config.moe_intermediate_size)
+        self.w2 = QLinear(config.moe_intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x).clamp(max=self.limit)
+        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
+        return self.w2(F.silu(gate) * up)
+
+
+class SharedExpert(Expert):
+    def __init__(self, config: DSV4Config) -> None:
+        super().__init__(config)
+        self.hook_out = HookPoint("shared expert output [B,S,D]")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hook_out(super().forward(x))
+
+
+class Experts(nn.Module):
+    """Routed experts. ``sparse`` (prefill) visits only hit experts (host sync); ``masked``
+    (decode, graph-safe) runs every expert and zero-weights the unchosen."""
+
+    def __init__(self, config: DSV4Config) -> None:
+        super().__init__()
+        self.n_experts = config.n_routed_experts
+        for e in range(self.n_experts):  # children named "0", "1", ... -> mlp.experts.E.w1
+            self.add_module(str(e), Expert(config))
+        self.hook_expert_out = HookPoint("per-token chosen experts' outputs [T,k,D], unweighted")
+        self.hook_out = HookPoint("routed sum [T,D]")
+
+    def __getitem__(self, i: int) -> Expert:
+        return self._modules[str(i)]
+
+    def __len__(self) -> int:
+        return self.n_experts
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, graph_safe: bool = False) -> torch.Tensor:
+        T, D = x.shape
+        k = ids.shape[1]
+        out = torch.zeros_like(x)
+        want_each = self.hook_expert_out.active
+        each = x.new_zeros(T, k, D) if want_each else None
+        if graph_safe:
+            for e in range(self.n_experts):
+                expert = self[e]
+                hit = ids == e  # [T,k]
+                w_e = (weights * hit).sum(-1, keepdim=True)
+                y = expert(x)
+                out = out + (y * w_e.to(y.dtype))
+                if want_each:
+                    each = each + hit.unsqueeze(-1).to(y.dtype) * y.unsqueeze(1)
+        else:
+            for e in torch.unique(ids).tolist():
+                pos_t, pos_k = torch.where(ids == e)
+                y = self[e](x[pos_t])
+                out.index_add_(0, pos_t, (y * weights[pos_t, pos_k, None].to(y.dtype)).to(out.dtype))
+                if want_each:
+                    each[pos_t, pos_k] = y.to(each.dtype)
+        if want_each:
+            self.hook_expert_out(each)
+        return self.hook_out(out)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: DSV4Config, layer: int) -> None:
+        super().__init__()
+        self.router = Router(config, config.mlp_layer_types[layer] == HASH_MOE)
+        self.experts = Experts(config)
+        self.shared_expert = SharedExpert(config) if config.n_shared_experts else None
+        self.hook_out = HookPoint("MoE block output [B,S,D]")
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None, graph_safe: bool = False) -> torch.Tensor:
+        B, S, D = x.shape
+        ids, w = self.router(x, input_ids)
+        routed = self.experts(x.reshape(-1, D), ids, w, graph_safe).view(B, S, D)
+        if self.shared_expert is not None:
+            routed = routed + self.shared_expert(x)
+        return self.hook_out(routed)

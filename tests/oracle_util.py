@@ -1,0 +1,46 @@
+"""Helpers to build random tiny configs and the transformers oracle for parity tests."""
+from __future__ import annotations
+
+import torch
+
+from dsv4lab.config import DSV4Config, config_from_dict
+
+
+def tiny_config(**over) -> DSV4Config:
+    d = dict(vocab_size=97, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=4,
+             num_attention_heads=4, head_dim=16, partial_rotary_factor=0.5, q_lora_rank=16,
+             num_experts_per_tok=2, n_routed_experts=4, o_groups=2, o_lora_rank=8, index_n_heads=8,
+             index_head_dim=16, index_topk=3, sliding_window=8,
+             layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                          "compressed_sparse_attention"],
+             compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+             mlp_layer_types=["hash_moe", "moe", "moe", "moe"], hc_sinkhorn_iters=5, swiglu_limit=1.0,
+             routed_scaling_factor=1.5)
+    d.update(over)
+    return config_from_dict(d)
+
+
+def oracle(cfg: DSV4Config, seed: int = 0):
+    """A transformers DeepseekV4ForCausalLM with random (non-trivial) weights."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    torch.manual_seed(seed)
+    hf_cfg = DeepseekV4Config(**{k: v for k, v in cfg.to_transformers_dict().items() if k not in ("architectures", "model_type")})
+    hf_cfg._attn_implementation = "eager"
+    m = DeepseekV4ForCausalLM(hf_cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.5 / p.shape[-1] ** 0.5) * 2)
+            elif name.endswith("scale"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g) + (1.0 if "norm" in name or "layernorm" in name else 0.0))
+        for name, b in m.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[: cfg.num_experts_per_tok]
+                                     for _ in range(b.shape[0])]))
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    return m
