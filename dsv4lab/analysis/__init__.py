@@ -1,0 +1,1 @@
+"""Triage tools on top of the model: caching, interventions, component swaps, comparisons."""
