@@ -90,7 +90,7 @@ class Attention(nn.Module):
         keys = torch.cat([st.kv_ring.index_select(1, prior_pos % W).to(kv.dtype), kv], dim=1)
         kpos = torch.cat([prior_pos, positions])
         rel = positions.view(-1, 1) - kpos.view(1, -1)
-        neg = torch.tensor(float("-inf"), device=dev)
+        neg = torch.full((), float("-inf"), device=dev)
         bias = torch.where((rel >= 0) & (rel < W), torch.zeros((), device=dev), neg).unsqueeze(0)  # [1,S,L]
         if self.compressor is not None:
             n_entries = self.compressor.prefill(x, start, st.compressor)
@@ -122,7 +122,7 @@ class Attention(nn.Module):
         W = self.window
         st.kv_ring.index_copy_(1, (pos % W).view(1), kv.to(st.kv_ring.dtype))
         zero = torch.zeros((), device=dev)
-        neg = torch.tensor(float("-inf"), device=dev)
+        neg = torch.full((), float("-inf"), device=dev)
         bias = torch.where(torch.arange(W, device=dev) <= pos, zero, neg).view(1, 1, W).expand(B, 1, W)
         keys = st.kv_ring.to(kv.dtype)
         if self.compressor is not None:

@@ -85,8 +85,7 @@ class DSV4Model(WorkbenchMixin, nn.Module):
         for layer, st in zip(self.layers, state.layers):
             dev = st.kv_ring.device
             h = layer.prefill(h.to(dev), input_ids.to(dev), start, st)
-        state.pos += S
-        state.pos_t.fill_(state.pos)
+        state.set_pos(start + S)
         return self._final(h)
 
     def forward(self, input_ids: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
@@ -95,18 +94,40 @@ class DSV4Model(WorkbenchMixin, nn.Module):
             state = self.new_state(input_ids.shape[0], input_ids.shape[1])
         return self.prefill(input_ids, state)
 
+    def decode_segments(self) -> list[tuple[torch.device, range]]:
+        """Contiguous runs of layers on one device (one CUDA graph each)."""
+        segs: list[tuple[torch.device, range]] = []
+        devs = self.layer_devices()
+        start = 0
+        for i in range(1, len(devs) + 1):
+            if i == len(devs) or devs[i] != devs[start]:
+                segs.append((devs[start], range(start, i)))
+                start = i
+        return segs
+
+    @torch.no_grad()
+    def decode_segment(self, seg: int, h_or_ids: torch.Tensor, input_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """Decode part ``seg`` of :meth:`decode_segments`: the first takes token ids and embeds,
+        the last ends with the head (returns logits); each advances its device's position."""
+        segs = self.decode_segments()
+        dev, layers = segs[seg]
+        pos = state.pos_on(dev)
+        h = self._embed(h_or_ids) if seg == 0 else h_or_ids
+        for i in layers:
+            h = self.layers[i].decode(h, input_ids, pos, state.layers[i])
+        out = self._final(h) if seg == len(segs) - 1 else h
+        pos.add_(1)
+        return out
+
     @torch.no_grad()
     def decode_step(self, input_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        """One token per sequence (input_ids [B,1]) at ``state.pos_t``; fixed shapes, no host
-        syncs; advances ``pos_t`` on the device. Returns logits [B,1,V]."""
-        pos = state.pos_t
-        h = self._embed(input_ids)
-        for layer, st in zip(self.layers, state.layers):
-            dev = st.kv_ring.device
-            h = layer.decode(h.to(dev), input_ids.to(dev), pos.to(dev), st)
-        logits = self._final(h)
-        state.pos_t.add_(1)
-        return logits
+        """One token per sequence (input_ids [B,1]) at the state's device position; fixed
+        shapes, no host syncs; advances the positions on the device. Returns logits [B,1,V].
+        The host mirror ``state.pos`` is advanced by the caller (generate does it)."""
+        h = input_ids
+        for k, (dev, _) in enumerate(self.decode_segments()):
+            h = self.decode_segment(k, h.to(dev), input_ids.to(dev), state)
+        return h
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, state: DecodeState | None = None,

@@ -43,7 +43,7 @@ class DecodeState:
     """All decode buffers of a model for ``batch`` sequences of at most ``max_len`` tokens."""
 
     layers: list[LayerState]
-    pos_t: torch.Tensor          # 0-dim long on the device: position of the next token
+    pos_t: torch.Tensor          # 0-dim long on the first device: position of the next token
     pos: int = 0                 # host mirror, advanced by the host driver (never read back)
     max_len: int = 0
     batch: int = 1
@@ -65,11 +65,25 @@ class DecodeState:
                 if t == CSA:
                     ls.indexer = CompressorState.empty(batch, m, config.index_head_dim, True, max_len, dtype, dev)
             layers.append(ls)
-        return cls(layers=layers, pos_t=torch.zeros((), dtype=torch.long, device=devs[0]), pos=0,
-                   max_len=max_len, batch=batch)
+        st = cls(layers=layers, pos_t=torch.zeros((), dtype=torch.long, device=devs[0]), pos=0,
+                 max_len=max_len, batch=batch)
+        # one position counter per device, so a per-device CUDA graph never reads another GPU
+        st.extra["pos_by_device"] = {devs[0]: st.pos_t}
+        for d in devs:
+            st.extra["pos_by_device"].setdefault(d, torch.zeros((), dtype=torch.long, device=d))
+        return st
+
+    def pos_on(self, device: torch.device) -> torch.Tensor:
+        return self.extra["pos_by_device"][torch.device(device)]
+
+    def set_pos(self, pos: int) -> None:
+        """Host-driven reset/advance (prefill): every device counter gets ``pos``."""
+        self.pos = pos
+        for t in self.extra["pos_by_device"].values():
+            t.fill_(pos)
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [self.pos_t]
+        out = list(self.extra["pos_by_device"].values())
         for ls in self.layers:
             out.append(ls.kv_ring)
             for cs in (ls.compressor, ls.indexer):
@@ -84,5 +98,7 @@ class DecodeState:
         def cc(cs):
             return None if cs is None else CompressorState(cs.ring_kv.clone(), cs.ring_gate.clone(), cs.entries.clone())
 
+        pbd = {d: t.clone() for d, t in self.extra["pos_by_device"].items()}
+        first = next(iter(pbd))
         return DecodeState([LayerState(ls.kv_ring.clone(), cc(ls.compressor), cc(ls.indexer)) for ls in self.layers],
-                           self.pos_t.clone(), self.pos, self.max_len, self.batch, dict(self.extra))
+                           pbd[first], self.pos, self.max_len, self.batch, {"pos_by_device": pbd})

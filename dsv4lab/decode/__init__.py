@@ -1,0 +1,1 @@
+"""Decode drivers: eager steps, CUDA-graph replay per device, sync inventory, checks."""

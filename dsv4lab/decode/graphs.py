@@ -1,0 +1,126 @@
+"""CUDA-graph decode: one graph per device segment, explicit streams and events.
+
+Each device's contiguous layers are captured once on that device's own (non-default) stream,
+over the fixed-shape decode state. Inputs enter through static buffers; hidden states cross
+devices between replays with a copy ordered by events. Capturing on the default/legacy stream
+of a non-default GPU is what made our users' replays return zeros, so every capture and replay
+here names its stream and device explicitly.
+
+The graphs are rebuilt automatically when anything they baked in changes: a component swap, a
+precision mode, the set of registered hooks (``signature``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.hooks import HookPoint
+from ..model.state import DecodeState
+
+
+def model_signature(model) -> tuple:
+    """What a captured graph depends on besides the state: modules, modes and hooks."""
+    sig = []
+    for name, mod in model.named_modules():
+        entry = (name, type(mod).__qualname__, id(mod))
+        mode = getattr(mod, "mode", None)
+        if mode is not None:
+            entry += (mode, getattr(mod, "act_scale", None), getattr(mod, "quantized", None), id(getattr(mod, "kernel", None)))
+        if isinstance(mod, HookPoint):
+            entry += (tuple(id(h) for h in mod._forward_hooks.values()),)
+        if hasattr(mod, "enabled"):
+            entry += (mod.enabled,)
+        sig.append(entry)
+    return tuple(sig)
+
+
+@dataclass
+class _Segment:
+    device: torch.device
+    stream: torch.cuda.Stream
+    graph: torch.cuda.CUDAGraph
+    static_in: torch.Tensor     # ids (first segment) or hidden streams
+    static_ids: torch.Tensor    # token ids on this device (hash routing)
+    static_out: torch.Tensor
+    done: torch.cuda.Event
+
+
+class GraphDecoder:
+    """Replays captured decode steps; ``step(ids, state)`` is a drop-in for ``decode_step``."""
+
+    def __init__(self, model, state: DecodeState, warmup: int = 2) -> None:
+        if not all(d.type == "cuda" for d, _ in model.decode_segments()):
+            raise RuntimeError("CUDA-graph decode needs every layer on a CUDA device")
+        self.model = model
+        self.state = state
+        self.warmup = warmup
+        self.segments: list[_Segment] = []
+        self.signature = None
+        self.captures = 0
+
+    # ------------------------------------------------------------- capture
+    def _snapshot(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self.state.tensors()]
+
+    def _restore(self, snap: list[torch.Tensor]) -> None:
+        for t, s in zip(self.state.tensors(), snap):
+            t.copy_(s)
+
+    def capture(self) -> None:
+        model, state = self.model, self.state
+        segs = model.decode_segments()
+        snap = self._snapshot()  # warm-up runs write the state; put it back afterwards
+        self.segments = []
+        B = state.batch
+        ids0 = torch.zeros(B, 1, dtype=torch.long, device=segs[0][0])
+        h_prev = None
+        for k, (dev, _) in enumerate(segs):
+            with torch.cuda.device(dev):
+                stream = torch.cuda.Stream(device=dev)
+                static_ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
+                static_in = ids0 if k == 0 else torch.zeros_like(h_prev, device=dev)
+                stream.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(stream):
+                    for _ in range(self.warmup):
+                        out = model.decode_segment(k, static_in, static_ids, state)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    out = model.decode_segment(k, static_in, static_ids, state)
+                stream.synchronize()
+                self.segments.append(_Segment(dev, stream, graph, static_in, static_ids, out, torch.cuda.Event()))
+                h_prev = out
+        self._restore(snap)
+        for dev in {s.device for s in self.segments}:
+            torch.cuda.synchronize(dev)
+        self.signature = model_signature(model)
+        self.captures += 1
+
+    def ensure_current(self) -> None:
+        if not self.segments or model_signature(self.model) != self.signature:
+            self.capture()
+
+    # -------------------------------------------------------------- replay
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
+        if state is not None and state is not self.state:
+            raise ValueError("this GraphDecoder was captured over a different DecodeState")
+        self.ensure_current()
+        prev: _Segment | None = None
+        for k, seg in enumerate(self.segments):
+            cur = torch.cuda.current_stream(seg.device)
+            seg.stream.wait_stream(cur)
+            with torch.cuda.stream(seg.stream):
+                if prev is not None:
+                    seg.stream.wait_event(prev.done)
+                    seg.static_in.copy_(prev.static_out, non_blocking=True)
+                elif k == 0:
+                    seg.static_in.copy_(input_ids, non_blocking=True)
+                seg.static_ids.copy_(input_ids, non_blocking=True)
+                seg.graph.replay()
+                seg.done.record(seg.stream)
+            prev = seg
+        last = self.segments[-1]
+        torch.cuda.current_stream(last.device).wait_event(last.done)
+        return last.static_out
