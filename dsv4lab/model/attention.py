@@ -43,6 +43,7 @@ class Attention(nn.Module):
         self.ratio = c.compress_ratio(layer)
         self.compressor = None if self.layer_type == SLIDING else Compressor(c, c.head_dim, self.ratio, self.layer_type == CSA)
         self.indexer = Indexer(c, self.ratio) if self.layer_type == CSA else None
+        self.use_compressed = True  # False: attend the sliding window only (ablation)
         self.hook_q = HookPoint("queries [B,S,H,Dh] after norm and RoPE")
         self.hook_kv = HookPoint("new shared K=V [B,S,Dh] after kv_norm and RoPE")
         self.hook_probs = HookPoint("attention probabilities [B,H,S,L+1], last column = sink")
@@ -68,6 +69,7 @@ class Attention(nn.Module):
         combined = torch.cat([logits, sinks], dim=-1)
         combined = combined - combined.amax(dim=-1, keepdim=True)
         probs = self.hook_probs(torch.softmax(combined, dim=-1))
+        self._last_probs = probs if self.training else None
         out = torch.matmul(probs[..., :-1].to(keys.dtype), keys.unsqueeze(1))  # [B,H,S,Dh]
         return out.transpose(1, 2)
 
@@ -98,19 +100,31 @@ class Attention(nn.Module):
             visible = (positions + 1) // self.ratio  # entries w < visible[t] are closed for query t
             ent_ok = torch.arange(n_entries, device=dev).view(1, -1) < visible.view(-1, 1)  # [S,T]
             ent_bias = torch.where(ent_ok, torch.zeros((), device=dev), neg).unsqueeze(0).expand(B, -1, -1)
+            distill = None
             if self.indexer is not None:
-                n_idx = self.indexer.compressor.prefill(x, start, st.indexer)
+                train_ix = self.training and torch.is_grad_enabled()
+                xi, qi = (x.detach(), q_res.detach()) if train_ix else (x, q_res)
+                n_idx = self.indexer.compressor.prefill(xi, start, st.indexer)
                 ikeys = st.indexer.entries[:, :n_idx]
                 if self.indexer.enabled and n_idx > 0:
-                    idx = self.indexer.select(self.indexer.scores(x, q_res, positions, ikeys), visible)
-                    chosen = torch.full((B, S, n_entries + 1), float("-inf"), device=dev)
-                    chosen.scatter_(-1, torch.where(idx >= 0, idx, n_entries), 0.0)
-                    ent_bias = chosen[..., :n_entries]
+                    iscores = self.indexer.scores(xi, qi, positions, ikeys)
+                    if train_ix:
+                        distill = (iscores, ent_ok)
+                    if not (train_ix and self.indexer.train_dense):
+                        idx = self.indexer.select(iscores.detach() if train_ix else iscores, visible)
+                        chosen = torch.full((B, S, n_entries + 1), float("-inf"), device=dev)
+                        chosen.scatter_(-1, torch.where(idx >= 0, idx, n_entries), 0.0)
+                        ent_bias = chosen[..., :n_entries]
+            if not self.use_compressed:
+                ent_bias = torch.full_like(ent_bias, float("-inf"))
             keys = torch.cat([keys, entries.to(kv.dtype)], dim=1)
             bias = torch.cat([bias.expand(B, -1, -1), ent_bias], dim=-1)
         keep = min(S, W)
         st.kv_ring.index_copy_(1, positions[-keep:] % W, kv[:, -keep:].to(st.kv_ring.dtype))
-        return self._output(self._attend(q, keys, bias), cos, sin)
+        out = self._attend(q, keys, bias)
+        if self.compressor is not None and distill is not None:
+            self.indexer.distill(distill[0], self._last_probs[..., keys.shape[1] - n_entries : keys.shape[1]], distill[1])
+        return self._output(out, cos, sin)
 
     # --------------------------------------------------------------- decode
     def decode(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
@@ -141,6 +155,8 @@ class Attention(nn.Module):
                     ent_bias = torch.where(torch.arange(T, device=dev) < n_entries, zero, neg).view(1, 1, T).expand(B, 1, T)
             else:
                 ent_bias = torch.where(torch.arange(T, device=dev) < n_entries, zero, neg).view(1, 1, T).expand(B, 1, T)
+            if not self.use_compressed:
+                ent_bias = torch.full_like(ent_bias, float("-inf"))
             keys = torch.cat([keys, entries], dim=1)
             bias = torch.cat([bias, ent_bias], dim=-1)
         return self._output(self._attend(q, keys, bias), cos, sin)

@@ -30,6 +30,8 @@ class Indexer(nn.Module):
         self.compressor = Compressor(config, self.head_dim, ratio, overlap=True)
         self.rotary = Rotary(config, "compress")
         self.enabled = True
+        self.train_dense = False  # training: attend every closed entry while the indexer distils
+        self.aux_loss: torch.Tensor | None = None
         self.hook_q = HookPoint("indexer queries [B,S,Hi,Ih] after RoPE")
         self.hook_scores = HookPoint("index scores [B,S,T] (fp32, -inf for not-yet-closed entries)")
         self.hook_indices = HookPoint("chosen entries [B,S,k] (long, -1 = none)")
@@ -53,3 +55,15 @@ class Indexer(nn.Module):
         idx = scores.topk(k, dim=-1).indices
         idx = torch.where(idx < n_valid_for_query.view(1, -1, 1), idx, torch.full_like(idx, -1))
         return self.hook_indices(idx)
+
+    def distill(self, scores: torch.Tensor, attn_probs: torch.Tensor, valid: torch.Tensor) -> None:
+        """Training only: KL(main attention over the entries, summed over heads || softmax of
+        the index scores), as DeepSeek trains its lightning indexer; stored in ``aux_loss``.
+        scores [B,S,T]; attn_probs [B,H,S,T]; valid [S,T]."""
+        target = attn_probs.detach().float().sum(1) * valid
+        mass = target.sum(-1, keepdim=True)
+        rows = (mass.squeeze(-1) > 1e-6) & (valid.sum(-1) > 1).unsqueeze(0)
+        target = target / mass.clamp_min(1e-9)
+        logp = torch.log_softmax(scores.masked_fill(~valid, -1e9), dim=-1)
+        kl = (target * (torch.log(target.clamp_min(1e-9)) - logp)).masked_fill(~valid, 0).sum(-1)
+        self.aux_loss = (kl * rows).sum() / rows.sum().clamp_min(1)
