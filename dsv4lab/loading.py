@@ -1,0 +1,152 @@
+"""Build a DSV4Model from a checkpoint, tensor by tensor, straight to each layer's device.
+
+The model is first built on the meta device (no memory), then every parameter is read lazily
+from its shard and placed where the device map says. Quantised linears stay quantised.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from .config import DSV4Config
+from .model import DSV4Model
+from .model.linear import QLinear
+from .model.rope import Rotary, inverse_frequencies
+
+# parameters DSV4 keeps in fp32 whatever the compute dtype (their math runs in fp32)
+FP32_SUFFIXES = ("_hc.fn", "_hc.base", "_hc.scale", "hc_head.fn", "hc_head.base", "hc_head.scale",
+                 "attn.sink", ".ape", "router.bias")
+
+TINY_DIR = Path(__file__).resolve().parent.parent / "data" / "tiny-dsv4"
+
+
+def resolve_path(path: str | os.PathLike | None) -> Path:
+    """``None`` or ``"tiny"`` -> the embedded default model; ``"tiny-nvfp4"`` -> its NVFP4 export."""
+    if path is None or str(path) == "tiny":
+        return TINY_DIR
+    if str(path) == "tiny-nvfp4":
+        return TINY_DIR / "nvfp4"
+    return Path(path)
+
+
+def _device_for(name: str, layer_devices: list[torch.device], first: torch.device, last: torch.device) -> torch.device:
+    if name.startswith("layers."):
+        return layer_devices[int(name.split(".")[1])]
+    if name.startswith("embed"):
+        return first
+    return last
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if attr in mod._parameters:
+        mod._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    elif attr in mod._buffers:
+        mod._buffers[attr] = value
+    else:
+        raise KeyError(name)
+
+
+def materialize(config: DSV4Config, get_weight: Callable, get_tensor: Callable, *, dtype: torch.dtype,
+                layer_devices: list[torch.device], progress: bool = True, dequantize: bool = False) -> DSV4Model:
+    """Fill a meta-built model. ``get_weight(base, device)`` -> Tensor|QuantWeight for a linear,
+    ``get_tensor(name, device)`` -> Tensor for any other parameter/buffer."""
+    from tqdm.auto import tqdm
+
+    with torch.device("meta"):
+        model = DSV4Model(config)
+    first, last = layer_devices[0], layer_devices[-1]
+    qnames = {n for n, _ in model.qlinears()}
+    names = [n for n, _ in model.named_parameters() if n.rpartition(".")[0] not in qnames or not n.endswith(".weight")]
+    names += [n for n, b in model.named_buffers() if not n.endswith("inv_freq")]
+    total = len(qnames) + len(names)
+    nbytes = 0
+    t0 = time.perf_counter()
+    bar = tqdm(total=total, desc="loading", unit="tensor", disable=not progress, leave=False)
+    for qname, ql in model.qlinears():
+        dev = _device_for(qname, layer_devices, first, last)
+        w = get_weight(qname, dev)
+        from .quant.weights import QuantWeight
+
+        if isinstance(w, QuantWeight) and w.format == "plain":
+            w = w.data
+        if isinstance(w, torch.Tensor):
+            w = w.to(dev, dtype)
+            nbytes += w.numel() * w.element_size()
+        else:
+            nbytes += w.nbytes
+            if dequantize:
+                w = w.dequantize(dtype)
+        ql.set_weight(w)
+        bar.update(1)
+        bar.set_postfix(GBps=f"{nbytes / max(time.perf_counter() - t0, 1e-9) / 1e9:.2f}")
+    for name in names:
+        dev = _device_for(name, layer_devices, first, last)
+        t = get_tensor(name, dev)
+        if t.is_floating_point():
+            t = t.to(dev, torch.float32 if name.endswith(FP32_SUFFIXES) else dtype)
+        else:
+            t = t.to(dev)
+        nbytes += t.numel() * t.element_size()
+        _set_tensor(model, name, t)
+        bar.update(1)
+    bar.close()
+    for mname, mod in model.named_modules():
+        if isinstance(mod, Rotary):
+            dev = _device_for(mname, layer_devices, first, last)
+            mod._buffers["inv_freq"] = inverse_frequencies(config, mod.kind).to(dev)
+    model.load_stats = {"bytes": nbytes, "seconds": time.perf_counter() - t0}
+    return model.eval()
+
+
+def from_state_dict(config: DSV4Config, state: Mapping[str, object], dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> DSV4Model:
+    """A model from canonical-name tensors / QuantWeights held in memory (tests, training)."""
+    dev = torch.device(device)
+
+    def get(name, _dev):
+        if name not in state:
+            raise KeyError(f"state has no tensor '{name}'")
+        return state[name] if not name.endswith(".weight") or name in state else state[name]
+
+    return materialize(config, lambda base, d: get(base + ".weight", d), get, dtype=dtype,
+                       layer_devices=[dev] * config.num_hidden_layers, progress=False)
+
+
+def load(path: str | os.PathLike | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+         device_map: Mapping[int, str] | list | None = None, precision=None, dequantize: bool = False,
+         progress: bool = True) -> DSV4Model:
+    """Load a DSV4 checkpoint (any supported layout/format) lazily, shard by shard.
+
+    ``device_map``: layer index -> device (list or dict); embedding goes with layer 0, the head
+    with the last layer. ``precision``: a mode for every linear ("bf16"/"w4a16"/"w4a4"/"w4a8") or a
+    policy object (dsv4lab.precision). ``dequantize=True`` turns quantised weights dense at load.
+    """
+    from .checkpoint.reader import CheckpointReader
+
+    reader = CheckpointReader(resolve_path(path))
+    config = reader.config
+    n = config.num_hidden_layers
+    if device_map is None:
+        layer_devices = [torch.device(device)] * n
+    elif isinstance(device_map, Mapping):
+        layer_devices = [torch.device(device_map[i]) for i in range(n)]
+    else:
+        layer_devices = [torch.device(d) for d in device_map]
+        if len(layer_devices) != n:
+            raise ValueError(f"device_map has {len(layer_devices)} entries for {n} layers")
+    reader.check()
+    model = materialize(config, lambda base, dev: reader.weight(base, dev), lambda name, dev: reader.tensor(name, dev),
+                        dtype=dtype, layer_devices=layer_devices, progress=progress, dequantize=dequantize)
+    model.source = str(reader.path)
+    if precision is not None:
+        from .precision import apply_precision
+
+        apply_precision(model, precision)
+    return model
