@@ -31,16 +31,16 @@ class DecoderLayer(nn.Module):
         h = self.hook_resid_mid(h)
         post, comb, collapsed = self.ffn_hc(h)
         out = self.mlp(self.ffn_norm(collapsed), input_ids, graph_safe)
-        return self.hook_resid_post(HyperConnection.expand(h, out, post, comb))
+        return self.hook_resid_post(self.ffn_hc.combine(h, out, post, comb))
 
     def prefill(self, h: torch.Tensor, input_ids: torch.Tensor | None, start: int, st: LayerState) -> torch.Tensor:
         h = self.hook_resid_pre(h)
         post, comb, collapsed = self.attn_hc(h)
         a = self.attn.prefill(self.attn_norm(collapsed), start, st)
-        return self._ffn(HyperConnection.expand(h, a, post, comb), input_ids, graph_safe=False)
+        return self._ffn(self.attn_hc.combine(h, a, post, comb), input_ids, graph_safe=False)
 
     def decode(self, h: torch.Tensor, input_ids: torch.Tensor | None, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
         h = self.hook_resid_pre(h)
         post, comb, collapsed = self.attn_hc(h)
         a = self.attn.decode(self.attn_norm(collapsed), pos, st)
-        return self._ffn(HyperConnection.expand(h, a, post, comb), input_ids, graph_safe=True)
+        return self._ffn(self.attn_hc.combine(h, a, post, comb), input_ids, graph_safe=True)

@@ -44,6 +44,7 @@ class HyperConnection(nn.Module):
         self.hook_post = HookPoint("block-output placement weights [B,S,hc] (fp32, in [0,2])")
         self.hook_comb = HookPoint("Sinkhorn stream mixer [B,S,hc,hc] (fp32, doubly stochastic)")
         self.hook_collapsed = HookPoint("collapsed block input [B,S,D]")
+        self.hook_streams = HookPoint("new residual streams after this site [B,S,hc,D]")
 
     def mixes(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hc = self.hc
@@ -61,6 +62,10 @@ class HyperConnection(nn.Module):
         pre, post, comb = self.mixes(streams)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
         return post, comb, self.hook_collapsed(collapsed)
+
+    def combine(self, streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """Instance entry point of the expansion (implementations may override ``expand``)."""
+        return self.hook_streams(self.expand(streams, block_out, post, comb))
 
     @staticmethod
     def expand(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
