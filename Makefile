@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not gpu"
 
 report: $(STAMP)
 	$(BIN)/python -m dsv4lab report --out reports
