@@ -93,6 +93,9 @@ class Experts(nn.Module):
         self.n_experts = config.n_routed_experts
         for e in range(self.n_experts):  # children named "0", "1", ... -> mlp.experts.E.w1
             self.add_module(str(e), Expert(config))
+        self.limit = config.swiglu_limit
+        self._stack = None
+        self.gather_in_decode = config.n_routed_experts > 16  # small E: the masked loop is as cheap
         self.hook_expert_out = HookPoint("per-token chosen experts' outputs [T,k,D], unweighted")
         self.hook_out = HookPoint("routed sum [T,D]")
 
@@ -102,12 +105,47 @@ class Experts(nn.Module):
     def __len__(self) -> int:
         return self.n_experts
 
+    def stack(self):
+        """The stacked view of the expert weights (built once, rebuilt if a weight was swapped);
+        None when the experts cannot share one stack (mixed formats or modes, or a replaced
+        expert implementation)."""
+        from .expert_stack import ExpertStack
+
+        modes = {(getattr(self[e], p).mode, getattr(self[e], p).act_scale) for e in range(self.n_experts) for p in ExpertStack.PROJ}
+        if len(modes) != 1 or any(type(self[e]) is not Expert for e in range(self.n_experts)):
+            return None
+        if self._stack is None or self._stack.key != ExpertStack.identity(self):
+            try:
+                self._stack = ExpertStack(self)
+            except ValueError:
+                return None
+        return self._stack
+
+    def _gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, stack) -> tuple[torch.Tensor, torch.Tensor]:
+        """Graph-safe decode: gather each token's k experts on the device, batched matmuls."""
+        T, D = x.shape
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        xr = self[0].w1.quantize_input(x).repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, D, 1]
+        dt = x.dtype
+        gate = torch.bmm(stack.gather("w1", flat, dt), xr).squeeze(-1).clamp(max=self.limit)
+        up = torch.bmm(stack.gather("w3", flat, dt), xr).squeeze(-1).clamp(min=-self.limit, max=self.limit)
+        h = self[0].w2.quantize_input(F.silu(gate) * up).unsqueeze(-1)
+        y = torch.bmm(stack.gather("w2", flat, dt), h).squeeze(-1).view(T, k, D)
+        return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1), y
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, graph_safe: bool = False) -> torch.Tensor:
         T, D = x.shape
         k = ids.shape[1]
         out = torch.zeros_like(x)
         want_each = self.hook_expert_out.active
         each = x.new_zeros(T, k, D) if want_each else None
+        stack = self.stack() if graph_safe and self.gather_in_decode else None
+        if stack is not None:
+            out, each_g = self._gathered(x, ids, weights, stack)
+            if want_each:
+                self.hook_expert_out(each_g)
+            return self.hook_out(out)
         if graph_safe:
             for e in range(self.n_experts):
                 expert = self[e]
