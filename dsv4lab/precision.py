@@ -102,3 +102,67 @@ def apply_precision(model, policy) -> dict:
             after += ql.memory_bytes()
     model.precision_policy = policy
     return {"changed": changed, "bytes_before": before, "bytes_after": after, "delta_bytes": after - before}
+
+
+# ------------------------------------------------------------------------------ helpers
+def linear_kinds(model) -> list[str]:
+    """The component kinds of the model's linears, in first-seen (execution-ish) order."""
+    seen: dict[str, None] = {}
+    for name, _ in model.qlinears():
+        seen.setdefault(linear_kind(name), None)
+    return list(seen)
+
+
+def precision_state(model) -> dict:
+    """Every linear's (mode, act_scale), to put back with :func:`restore_precision`."""
+    return {name: (ql.mode, ql.act_scale) for name, ql in model.qlinears()}
+
+
+def restore_precision(model, saved: dict) -> None:
+    for name, ql in model.qlinears():
+        if name in saved:
+            mode, act = saved[name]
+            ql.set_mode(mode, act)
+    model.__dict__.pop("precision_policy", None)
+
+
+def _select_linears(model, kinds=None, pattern=None):
+    kinds = None if kinds is None else ({kinds} if isinstance(kinds, str) else set(kinds))
+    for name, ql in model.qlinears():
+        if kinds is not None and linear_kind(name) not in kinds:
+            continue
+        if pattern is not None and not fnmatch.fnmatchcase(name, pattern):
+            continue
+        yield name, ql
+
+
+def quantize_linears(model, kinds=None, fmt: str = "nvfp4", pattern: str | None = None,
+                     input_scale: float | None = None) -> list[str]:
+    """Quantise plain linear weights in memory (tests / what-if studies before a checkpoint
+    exists): every linear, or those of ``kinds`` / matching ``pattern``. ``fmt``: ``nvfp4``
+    (ModelOpt recipe, global scale amax/(6*448)), ``mxfp4`` or ``fp8``. Linears already quantised,
+    or whose in_features the format cannot block, are left alone. Returns the names changed."""
+    from .quant import weights as W
+
+    qfn = {"nvfp4": lambda w: W.quantize_nvfp4(w, input_scale=input_scale), "mxfp4": W.quantize_mxfp4,
+           "fp8": W.quantize_fp8_block}[fmt]
+    block = {"nvfp4": 16, "mxfp4": 32, "fp8": 1}[fmt]
+    done = []
+    for name, ql in _select_linears(model, kinds, pattern):
+        if ql.quantized or ql.in_features % block:
+            continue
+        ql.set_weight(qfn(ql.weight.detach().float()))
+        done.append(name)
+    return done
+
+
+def dequantize_linears(model, dtype=None) -> list[str]:
+    """Replace every quantised linear weight by its dequantised plain tensor (in ``dtype``,
+    default the model dtype). Returns the names changed."""
+    dtype = dtype or model.dtype
+    done = []
+    for name, ql in model.qlinears():
+        if ql.quantized:
+            ql.set_weight(ql.qweight.dequantize(dtype).to(ql.qweight.device))
+            done.append(name)
+    return done
