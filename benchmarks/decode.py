@@ -1,0 +1,190 @@
+"""Decode benchmark for the device machine (CUDA). Prints JSON; ratios, not asserts.
+
+(a) the embedded tiny model: per-step latency, eager vs CUDA graph, token/logit agreement;
+(b) one V4-Pro-sized decoder layer (hidden 7168, 128 heads x 512, 384 experts top-6,
+    moe_intermediate 3072, NVFP4 experts/shared/attention, BF16 router + compressor/indexer
+    helper projections as our users' engine runs them), batch 1, eager vs graph, with achieved
+    weight bandwidth against a device-to-device copy ceiling measured in the same run.
+
+    python3 benchmarks/decode.py --json out.json [--kernels] [--steps 512]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dsv4lab.config import config_from_dict  # noqa: E402
+from dsv4lab.model.decoder import DecoderLayer  # noqa: E402
+from dsv4lab.model.linear import QLinear  # noqa: E402
+from dsv4lab.model.rope import Rotary, inverse_frequencies  # noqa: E402
+from dsv4lab.model.state import DecodeState  # noqa: E402
+from dsv4lab.quant.weights import NVFP4Weight  # noqa: E402
+
+
+def copy_ceiling(dev, nbytes=4 * 2**30, iters=10) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * nbytes * iters / (time.perf_counter() - t0)
+
+
+V4_PRO = dict(model_type="deepseek_v4", vocab_size=1024, hidden_size=7168, num_hidden_layers=1, num_attention_heads=128,
+              head_dim=512, qk_rope_head_dim=64, q_lora_rank=1536, o_groups=16, o_lora_rank=1024,
+              n_routed_experts=384, num_experts_per_tok=6, moe_intermediate_size=3072, index_n_heads=64,
+              index_head_dim=128, index_topk=512, sliding_window=128, hc_mult=4,
+              compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+              mlp_layer_types=["moe"])
+BF16_KINDS = ("router", "compressor.", "indexer.weights_proj", "indexer.compressor.")
+
+
+def random_nvfp4(out, inn, dev, g) -> NVFP4Weight:
+    packed = torch.randint(0, 256, (out, inn // 2), dtype=torch.uint8, device=dev, generator=g)
+    scale = (torch.rand(out, inn // 16, device=dev, generator=g) + 0.5).to(torch.float8_e4m3fn)
+    return NVFP4Weight(packed, scale, torch.tensor(0.02 / 6, device=dev))
+
+
+def build_layer(layer_type: str, dev, small: bool = False) -> tuple[DecoderLayer, object, int]:
+    spec = dict(V4_PRO, layer_types=[layer_type])
+    if small:  # CPU smoke test of this script
+        spec.update(hidden_size=256, num_attention_heads=8, head_dim=64, qk_rope_head_dim=32, q_lora_rank=64,
+                    o_groups=4, o_lora_rank=32, n_routed_experts=32, moe_intermediate_size=64, index_n_heads=4,
+                    index_head_dim=32)
+    cfg = config_from_dict(spec)
+    with torch.device("meta"):
+        layer = DecoderLayer(cfg, 0)
+    layer = layer.to_empty(device=dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    active_bytes = 0
+    for name, mod in layer.named_modules():
+        if isinstance(mod, QLinear):
+            is_expert = ".experts." in f".{name}."
+            if any(k in name for k in BF16_KINDS) or name == "mlp.router":
+                w = torch.randn(mod.out_features, mod.in_features, device=dev, generator=g, dtype=torch.bfloat16) * mod.in_features ** -0.5
+                mod.set_weight(w)
+                nb = w.numel() * 2
+            else:
+                mod.set_weight(random_nvfp4(mod.out_features, mod.in_features, dev, g))
+                nb = mod.qweight.nbytes
+            if not is_expert:
+                active_bytes += nb
+            elif name.startswith("mlp.experts.0."):
+                active_bytes += nb * cfg.num_experts_per_tok  # top-6 experts of this size
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "norm" in name or name.endswith(".scale"):
+                p.fill_(1.0)
+            elif p.dtype.is_floating_point:
+                p.copy_(torch.randn(p.shape, device=dev, generator=g) * 0.02)
+        for name, b in layer.named_buffers():
+            if name.endswith("router.bias"):
+                b.zero_()
+        for name, p in layer.named_parameters():  # compute dtype bf16; mHC/sink/ape stay fp32
+            if not any(k in name for k in ("_hc.", "sink", "ape")):
+                p.data = p.data.to(torch.bfloat16)
+        for mod in layer.modules():
+            if isinstance(mod, Rotary):
+                mod._buffers["inv_freq"] = inverse_frequencies(cfg, mod.kind).to(dev)
+    return layer.eval(), cfg, active_bytes
+
+
+def time_fn(fn, iters=50) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+@torch.no_grad()
+def bench_layer(layer_type: str, dev, ceiling: float, use_kernels: bool) -> dict:
+    layer, cfg, active = build_layer(layer_type, dev)
+    if use_kernels:
+        from kernels.dispatch import install
+        install(layer)
+    st = DecodeState.allocate(cfg, 1, 4096, torch.bfloat16, dev)
+    h = torch.randn(1, 1, cfg.hc_mult, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    pos = st.pos_on(dev)
+    pos.fill_(1000)
+    layer.decode(h, ids, pos, st.layers[0])  # warm caches (expert stack)
+    eager = time_fn(lambda: layer.decode(h, ids, pos, st.layers[0]))
+    s = torch.cuda.Stream(device=dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            layer.decode(h, ids, pos, st.layers[0])
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        out = layer.decode(h, ids, pos, st.layers[0])
+    graph = time_fn(g.replay)
+    return {"layer_type": layer_type, "active_weight_bytes": active, "eager_ms": eager * 1e3, "graph_ms": graph * 1e3,
+            "graph_speedup": eager / graph, "floor_ms": active / ceiling * 1e3,
+            "eager_fraction_of_ceiling": active / eager / ceiling, "graph_fraction_of_ceiling": active / graph / ceiling,
+            "kernels": use_kernels, "out_finite": bool(torch.isfinite(out).all())}
+
+
+def bench_tiny(steps: int) -> dict:
+    import dsv4lab
+    from dsv4lab.decode.check import decode_check
+
+    m = dsv4lab.load(device="cuda", dtype=torch.float32, progress=False)
+    ids = torch.randint(2, m.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    res = decode_check(m, ids, steps=steps).summary()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--steps", type=int, default=512)
+    ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--skip-tiny", action="store_true")
+    ap.add_argument("--cpu-smoke", action="store_true", help="build a shrunken layer on CPU and run one eager step")
+    args = ap.parse_args()
+    if args.cpu_smoke:
+        for lt in ("compressed_sparse_attention", "heavily_compressed_attention"):
+            layer, cfg, active = build_layer(lt, torch.device("cpu"), small=True)
+            st = DecodeState.allocate(cfg, 1, 512, torch.bfloat16, "cpu")
+            st.pos_on("cpu").fill_(300)
+            with torch.no_grad():
+                out = layer.decode(torch.randn(1, 1, 4, cfg.hidden_size, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.long),
+                                   st.pos_on("cpu"), st.layers[0])
+            print(lt, tuple(out.shape), out.dtype, bool(torch.isfinite(out).all()), active)
+        return
+    dev = torch.device("cuda")
+    ceiling = copy_ceiling(dev)
+    # the floor treats the copy rate (bytes read + written per second) as what HBM can stream
+    res = {"device": torch.cuda.get_device_name(dev), "copy_ceiling_GBps_read_plus_write": ceiling / 1e9}
+    if not args.skip_tiny:
+        res["tiny"] = bench_tiny(args.steps)
+        print(json.dumps(res["tiny"]), flush=True)
+    for lt in ("compressed_sparse_attention", "heavily_compressed_attention"):
+        for k in ([False, True] if args.kernels else [False]):
+            r = bench_layer(lt, dev, ceiling, k)
+            res.setdefault("v4_pro_layer", []).append(r)
+            print(json.dumps(r), flush=True)
+            torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
