@@ -280,6 +280,20 @@ def owner_of(model, name: str) -> str:
             continue
         if any(isinstance(m, HookPoint) for m in mod.modules()):
             return cand
-    return ""
+    return name  # a top-level module without hook points (e.g. ``head``): its output shows at root hooks
+
+
+def hook_inside(model, hook_name: str, component: str) -> bool:
+    """Does hook ``hook_name`` observe component ``component`` from inside (or, for a top-level
+    component without hook points such as ``head``, right after it at a root-level hook)?"""
+    owner = owner_of(model, component)
+    if hook_name.startswith(owner + "."):
+        return True
+    if "." not in hook_name and "." not in owner:
+        from ..model.hooks import HookPoint
+
+        mod = model.get_submodule(owner)
+        return not any(isinstance(m, HookPoint) for m in mod.modules())
+    return False
 
 
