@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .config import DSV4Config, ConfigError, load_config
 
-__all__ = ["DSV4Config", "ConfigError", "load_config", "load"]
+__all__ = ["DSV4Config", "ConfigError", "load_config", "load", "plan"]
 
 
 def load(path=None, **kwargs):
@@ -14,3 +14,10 @@ def load(path=None, **kwargs):
     from .loading import load as _load
 
     return _load(path, **kwargs)
+
+
+def plan(config_or_path="v4-pro", **kwargs):
+    """Memory plan over GPUs (see :func:`dsv4lab.plan.plan`)."""
+    from .plan import plan as _plan
+
+    return _plan(config_or_path, **kwargs)
