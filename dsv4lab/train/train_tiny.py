@@ -97,8 +97,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--aux-weight", type=float, default=0.1)
     ap.add_argument("--eval-every", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=0, help="DataLoader workers generating the corpus")
+    ap.add_argument("--autocast", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--max-minutes", type=float, default=0, help="stop early after this wall time (0: no limit)")
+    ap.add_argument("--minutes", type=float, default=0,
+                    help="wall-time budget: the schedule (lr, indexer phase) follows max(step/steps, time/budget) "
+                         "and training ends when either reaches 1 (0: steps only)")
     args = ap.parse_args(argv)
 
     from ..text.tokenizer import load_tokenizer
@@ -115,9 +119,23 @@ def main(argv=None) -> dict:
         p.requires_grad_(True)
     opt = torch.optim.AdamW([p for p in model.parameters()], lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, min(100, args.steps // 10))
+    t_start = time.time()
+
+    def progress(s: int) -> float:
+        p = s / args.steps
+        if args.minutes:
+            p = max(p, (time.time() - t_start) / (60 * args.minutes))
+        return min(1.0, p)
+
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))))
-    stream = corpus.training_stream(tok, seq_len=args.seq_len, seed=args.seed, total_steps=args.steps * args.batch)
+        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress(s)))))
+    if args.workers:
+        loader = torch.utils.data.DataLoader(
+            corpus.training_dataset(tok, seq_len=args.seq_len, seed=args.seed, total_steps=args.steps * args.batch // args.workers),
+            batch_size=None, num_workers=args.workers, prefetch_factor=8)
+        stream = iter(loader)
+    else:
+        stream = corpus.training_stream(tok, seq_len=args.seq_len, seed=args.seed, total_steps=args.steps * args.batch)
     evals = corpus.eval_sets(tok, seed=1234)
     routers = [layer.mlp.router for layer in model.layers if not layer.mlp.router.is_hash]
     loads: dict[int, torch.Tensor] = {}
@@ -126,16 +144,18 @@ def main(argv=None) -> dict:
     indexers = [layer.attn.indexer for layer in model.layers if layer.attn.indexer is not None]
     log = {"config": cfg.to_transformers_dict(), "args": vars(args), "steps": [], "evals": []}
     t0 = time.time()
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
+    use_ac = args.autocast == "on" or (args.autocast == "auto" and dev.type == "cuda")
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_ac)
     step = 0
     for step in range(args.steps):
-        dense = step < args.dense_indexer_frac * args.steps
+        prog = progress(step)
+        dense = prog < args.dense_indexer_frac
         for ix in indexers:
             ix.train_dense = dense
             ix.aux_loss = None
         batch = [next(stream) for _ in range(args.batch)]
-        ids = torch.stack([b[0] for b in batch]).to(dev)
-        mask = torch.stack([b[1] for b in batch]).to(dev)
+        ids = torch.stack([b[0] for b in batch]).to(dev, non_blocking=True)
+        mask = torch.stack([b[1] for b in batch]).to(dev, non_blocking=True)
         with autocast:
             logits = model(ids)
         tgt_mask = mask[:, 1:].float()
@@ -154,12 +174,12 @@ def main(argv=None) -> dict:
                     cnt = torch.bincount(loads[k].reshape(-1), minlength=cfg.n_routed_experts).float()
                     r.bias.add_(1e-3 * torch.sign(cnt.mean() - cnt))
         if step % 20 == 0 or step == args.steps - 1:
-            rec = {"step": step, "loss": float(loss), "aux": float(aux), "lr": sched.get_last_lr()[0],
+            rec = {"step": step, "progress": round(prog, 4), "loss": float(loss.detach()), "aux": float(aux.detach()) if torch.is_tensor(aux) else float(aux), "lr": sched.get_last_lr()[0],
                    "dense_indexer": dense, "elapsed_s": time.time() - t0}
             log["steps"].append(rec)
             print(json.dumps(rec), flush=True)
         last = step == args.steps - 1
-        out_of_time = args.max_minutes and (time.time() - t0) > 60 * args.max_minutes
+        out_of_time = bool(args.minutes) and progress(step + 1) >= 1.0
         if (args.eval_every and step and step % args.eval_every == 0) or last or out_of_time:
             model.eval()
             with autocast:
