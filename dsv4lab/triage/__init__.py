@@ -1,0 +1,7 @@
+"""Triage notebooks' library side: everything a notebook cell (or a widget callback) calls.
+
+Modules: :mod:`session` (model + tokenizer + prompts), :mod:`inspect_view`, :mod:`logits`,
+:mod:`ablation`, :mod:`compressor_view`, :mod:`decode_view`, :mod:`bugs`, :mod:`metrics`,
+:mod:`regression`, :mod:`plots`, :mod:`report`. The notebooks in ``notebooks/`` only glue these
+together, so a headless papermill run and an interactive session execute the same code.
+"""

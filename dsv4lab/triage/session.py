@@ -1,0 +1,172 @@
+"""Open the model a triage notebook works on, with its tokenizer and the probe encodings.
+
+``open_session(MODEL, DEVICE)``: ``None``/``"tiny"`` = the embedded model in ``data/tiny-dsv4``
+(falls back to seeded random weights of the same architecture, flagged ``trained=False``, while
+the trained checkpoint is not there); ``"random"`` = that fallback on purpose; anything else a
+checkpoint path for :func:`dsv4lab.load`.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+MODES = ("plain", "chat", "thinking")
+
+
+@dataclass
+class Session:
+    model: object
+    tokenizer: object
+    source: str                 # what was loaded (path or "random:...")
+    trained: bool               # the embedded trained model (behaviour metrics are meaningful)
+    path: Path | None = None    # checkpoint directory when loaded from disk
+    notes: list = field(default_factory=list)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self):
+        return self.model.device
+
+    # ------------------------------------------------------------------ text
+    def prompt_text(self, prompt, mode: str = "plain", **kw) -> str:
+        from ..text.chat import encode_prompt
+
+        return encode_prompt(prompt, mode, **kw)
+
+    def encode(self, prompt, mode: str = "plain", **kw) -> torch.Tensor:
+        """Token ids [1, S] of ``prompt`` encoded in ``mode`` (plain / chat / thinking)."""
+        ids = self.tokenizer.encode(self.prompt_text(prompt, mode, **kw), add_special_tokens=False)
+        return torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+
+    def token_id(self, text: str) -> int | None:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+
+    def tok(self, i: int) -> str:
+        """Readable text of one token id (leading space shown as a space)."""
+        return self.tokenizer.decode([int(i)])
+
+    def toks(self, ids) -> list[str]:
+        return [self.tok(i) for i in (ids.flatten().tolist() if hasattr(ids, "flatten") else ids)]
+
+    def describe(self) -> str:
+        c = self.config
+        n = sum(p.numel() for p in self.model.parameters() if p is not None)
+        state = "trained" if self.trained else "RANDOM WEIGHTS (behaviour checks are meaningless)"
+        return (f"{self.source}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.n_routed_experts} experts "
+                f"top-{c.num_experts_per_tok}, vocab {c.vocab_size}, {n / 1e6:.1f}M params on {self.device} [{state}]")
+
+
+def embedded_dir() -> Path:
+    from ..loading import TINY_DIR
+
+    return TINY_DIR
+
+
+def embedded_available() -> bool:
+    d = embedded_dir()
+    return (d / "config.json").is_file() and any(d.glob("*.safetensors"))
+
+
+def random_tiny(tokenizer=None, seed: int = 0, device="cpu", dtype=torch.float32):
+    from ..model.init import random_model
+    from ..train.tiny_config import tiny_dsv4_config
+
+    vocab = len(tokenizer) if tokenizer is not None else 2048
+    return random_model(tiny_dsv4_config(vocab), seed=seed, dtype=dtype, device=device)
+
+
+def set_threads(device: str = "cpu", threads: int | None = None) -> int:
+    """CPU thread count for torch: 1 by default on CPU. The tiny model's ops are too small to
+    gain from threads, and on a shared 2-core box oversubscribed OpenMP threads made forwards
+    ~100x slower (measured: 2 s vs 20 ms)."""
+    if str(device).startswith("cpu"):
+        n = threads or 1
+        torch.set_num_threads(n)
+        return n
+    return torch.get_num_threads()
+
+
+def open_session(model=None, device: str = "cpu", dtype=torch.float32, progress: bool = False,
+                 threads: int | None = None) -> Session:
+    from ..text import load_tokenizer
+
+    set_threads(device, threads)
+
+    if model is not None and not isinstance(model, (str, Path)):  # an already built model
+        tok = load_tokenizer()
+        return Session(model, tok, getattr(model, "source", "in-memory model"), True)
+    name = None if model is None else str(model)
+    if name in (None, "tiny") and not embedded_available():
+        warnings.warn("the embedded model (data/tiny-dsv4) is not there yet: using seeded random weights", stacklevel=2)
+        name = "random"
+    if name == "random":
+        tok = load_tokenizer()
+        m = random_tiny(tok, device=device, dtype=dtype)
+        return Session(m, tok, "random:tiny-dsv4-architecture(seed 0)", False,
+                       notes=["embedded trained model absent: random weights"])
+    import dsv4lab
+    from ..loading import resolve_path
+
+    path = resolve_path(name)
+    m = dsv4lab.load(name, device=device, dtype=dtype, progress=progress)
+    tok_dir = path if (path / "tokenizer.json").is_file() else (path.parent if (path.parent / "tokenizer.json").is_file() else None)
+    tok = load_tokenizer(tok_dir)
+    trained = path.resolve() in (embedded_dir().resolve(), (embedded_dir() / "nvfp4").resolve())
+    return Session(m, tok, str(path), trained, path=path)
+
+
+def quantized_twin(session: Session):
+    """The model under test in NVFP4 next to the session's (reference) model.
+
+    When the session holds plain weights: the embedded NVFP4 export if the session is the
+    embedded model and the export exists, else a copy quantised in memory (ModelOpt recipe).
+    When the session model is already quantised it is returned as is (with a dequantised copy
+    as the reference: ``reference_of``)."""
+    m = session.model
+    if any(ql.quantized for _, ql in m.qlinears()):
+        return m
+    nv = embedded_dir() / "nvfp4"
+    if session.trained and session.path is not None and session.path.resolve() == embedded_dir().resolve() \
+            and (nv / "config.json").is_file():
+        import dsv4lab
+
+        return dsv4lab.load("tiny-nvfp4", device=m.device, dtype=m.dtype, progress=False)
+    from ..precision import quantize_linears
+
+    q = copy.deepcopy(m)
+    quantize_linears(q, fmt="nvfp4")
+    return q
+
+
+def reference_of(session: Session, model_q):
+    """A BF16/fp32 reference for ``model_q``: the session model if it holds plain weights, else
+    a dequantised copy."""
+    if not any(ql.quantized for _, ql in session.model.qlinears()):
+        return session.model
+    from ..precision import dequantize_linears
+
+    ref = copy.deepcopy(model_q)
+    dequantize_linears(ref)
+    return ref
+
+
+def filler_prompt(session: Session, n_tokens: int = 96, seed: int = 0) -> torch.Tensor:
+    """A deterministic natural-ish prompt of about ``n_tokens`` tokens (facts from the corpus)."""
+    import random
+
+    from ..train.corpus import make_filler
+
+    rng = random.Random(seed)
+    text = ""
+    while len(session.tokenizer.encode(text, add_special_tokens=False)) < n_tokens:
+        text += make_filler(rng)
+    ids = session.tokenizer.encode(session.prompt_text(text, "plain"), add_special_tokens=False)[:n_tokens]
+    return torch.tensor([ids], dtype=torch.long, device=session.device)
