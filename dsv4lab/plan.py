@@ -444,8 +444,13 @@ class MemoryPlan:
     def fits(self) -> bool:
         return all(h >= 0 for h in self.headroom())
 
-    def device_map(self, prefix: str = "cuda") -> list[str]:
-        """Layer -> device string, for ``dsv4lab.load(path, device_map=...)``."""
+    def device_map(self, prefix: str = "cuda", devices: Sequence[Any] | None = None) -> list[str]:
+        """Layer -> device string, for ``dsv4lab.load(path, device_map=...)``: ``f"{prefix}:{gpu}"``,
+        or ``devices[gpu]`` when a list of devices (one per planned GPU) is given."""
+        if devices is not None:
+            if len(devices) < self.gpus:
+                raise ValueError(f"{len(devices)} devices for a plan over {self.gpus} GPUs")
+            return [str(devices[g]) for g in self.placement]
         return [f"{prefix}:{g}" for g in self.placement]
 
     # ----------------------------------------------------------------- output
@@ -676,3 +681,15 @@ def _refusal(p: MemoryPlan, fmt_given, has_checkpoint: bool, reserve, dense) -> 
 
 __all__ = ["plan", "MemoryPlan", "PlanError", "FORMATS", "state_bytes", "weights_from_checkpoint",
            "weights_from_config", "place", "parse_bytes", "named_config"]
+
+
+# ``import dsv4lab.plan`` rebinds the package attribute ``dsv4lab.plan`` (the lazy function in
+# dsv4lab/__init__.py) to this module; make the module callable so ``dsv4lab.plan(...)`` keeps working.
+class _CallableModule(type(json)):
+    def __call__(self, *args, **kwargs):
+        return plan(*args, **kwargs)
+
+
+import sys as _sys  # noqa: E402
+
+_sys.modules[__name__].__class__ = _CallableModule
