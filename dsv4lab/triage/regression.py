@@ -1,0 +1,289 @@
+"""Nightly regression: compute the metrics the notebooks record, compare them with the blessed
+baselines under per-metric tolerances, and fail with a readable table naming what regressed.
+
+Baselines: ``data/baselines/metrics.json`` (a merged report ``metrics.json``) and
+``data/baselines/tolerances.json`` (``{"fnmatch pattern over 'notebook/metric'": tolerance}``,
+the last matching pattern wins; else the tolerance recorded with the metric).
+Bless new baselines after an intended change::
+
+    python -m dsv4lab report --out reports          # run everything
+    python -m dsv4lab report --bless reports/metrics.json   # copy into data/baselines/
+
+The component fingerprint (``fp.<hook point>``: rms of the first firing of every floating hook
+point, a checksum of integer ones, for the probe prompt) is what names the component: regressed
+fingerprint metrics are listed in execution order, and the first one's component is where the
+computation first changed.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .metrics import flatten, normalize_tolerance
+
+REPO = Path(__file__).resolve().parents[2]
+BASELINE_DIR = REPO / "data" / "baselines"
+NIGHTLY = "07_nightly_regression"
+
+
+class RegressionError(AssertionError):
+    """Raised by :func:`check` when metrics regressed; the message is the table."""
+
+
+# ------------------------------------------------------------------------------ fingerprint
+@torch.no_grad()
+def fingerprint(model, ids: torch.Tensor) -> list[tuple[str, object]]:
+    """[(hook name, value)] in execution order, first firing of each hook point: rms (fp32) of
+    floating tensors (non-finite -> inf), an order-insensitive checksum of integer ones."""
+    out: dict[str, object] = {}
+
+    def rec(t, name):
+        if name in out:
+            return None
+        if t.is_floating_point():
+            x = t.detach().float()
+            fin = torch.isfinite(x)
+            out[name] = float(x[fin].pow(2).mean().sqrt()) if bool(fin.all()) and x.numel() else float("inf")
+        else:
+            s = t.detach().long().sort(-1).values if t.dim() else t.detach().long()
+            w = torch.arange(1, s.numel() + 1, dtype=torch.long, device=s.device).view(s.shape)
+            out[name] = int((s * w).sum() % 1_000_000_007)
+        return None
+
+    with model.hooks([("*", rec)]):
+        model(ids)
+    return list(out.items())
+
+
+# ------------------------------------------------------------------------------ nightly metrics
+@torch.no_grad()
+def nightly_metrics(session, rec, prompt: str, chat_prompt: str, answer: str | None = None, decode_steps: int = 8,
+                    bug: str | None = None, bug_layers=None) -> dict:
+    """Record, on ``rec``, the metrics the notebooks record (compact versions) plus the
+    fingerprint, with ``bug`` injected when given. Returns {"injected": [...components]}."""
+    from . import ablation, compressor_view, logits
+    from .bugs import inject, injected_components
+
+    model = session.model
+    h = inject(model, bug, bug_layers)
+    injected = injected_components(model, h)
+    try:
+        rec.record("model.source", session.source, "exact")
+        rec.record("model.trained", session.trained, "exact")
+        ids = session.encode(prompt, "plain")
+        ans = session.token_id(answer) if answer else None
+        # notebook 2: first-token logits in three encodings, logit lens
+        for mode, ft in logits.probe_all_modes(session, prompt, chat_prompt, k=5).items():
+            rec.record(f"logits.{mode}.top1", session.tok(ft.top1_id), "exact")
+            rec.record(f"logits.{mode}.p_top1", float(ft.probs.max()), {"abs": 1e-3, "rel": 1e-2})
+        df, lens, real = logits.logit_lens(session, ids, ans)
+        rec.record("lens.final_equals_logits", float((lens[-1] - real).abs().max()), {"abs": 1e-4, "direction": "up"})
+        if ans is not None:
+            rec.record("lens.p_answer_by_layer", [round(x, 4) for x in df["p_answer"]], {"abs": 2e-3})
+        # notebook 3: precision (weights FP4 vs original, activations W4A4)
+        st = ablation.make_setup(session, ids)
+        for mode in ("w4a16", "w4a4"):
+            r = ablation.evaluate(st, mode)
+            rec.record(f"precision.kl_{mode}", r["kl"], {"abs": 1e-4, "rel": 0.05, "direction": "up"})
+            rec.record(f"precision.min_layer_cos_{mode}", r["min_layer_cos"], {"abs": 1e-4, "direction": "down"})
+        r = ablation.evaluate(st, ablation.Toggles(default="w4a16", kinds={"head": "orig", "router": "orig"}))
+        rec.record("precision.kl_w4a16_head_router_orig", r["kl"], {"abs": 1e-4, "rel": 0.05, "direction": "up"})
+        # notebook 4: compressor and indexer on the retrieval example
+        ex = compressor_view.retrieval_example(session)
+        rr = compressor_view.retrieval_check(session, ex)
+        rec.record("retrieval.p_answer", rr["p_answer"], {"abs": 2e-3, "rel": 0.02, "direction": "down"})
+        for layer, row in rr["layers"].items():
+            rec.record(f"retrieval.L{layer}.planted_chosen", row["planted_chosen"], "exact")
+        for layer in compressor_view.compressed_layers(model):
+            s = compressor_view.overlap_stats(model, layer, rr["cache"], ex.ids.shape[1])
+            rec.record(f"compressor.L{layer}.entropy", s["mean_entropy"], {"abs": 1e-4, "rel": 1e-3})
+        # notebook 5: decode path vs full forward
+        from .decode_view import run as decode_run
+
+        dc = decode_run(session, ids, steps=decode_steps)
+        sm = dc.summary()
+        rec.record("decode.token_agreement", sm["token_agreement"], {"abs": 0.0, "direction": "down"})
+        rec.record("decode.max_abs_logit_diff", sm["max_abs_logit_diff"], {"abs": 1e-3, "direction": "up"})
+        # the component fingerprint (names the component)
+        fp = fingerprint(model, session.encode(chat_prompt, "chat"))
+        rec.record("fp.order", [n for n, _ in fp], "ignore")
+        for name, v in fp:
+            rec.record(f"fp.{name}", v, {"abs": 1e-6, "rel": 1e-4} if isinstance(v, float) else "exact")
+    finally:
+        if h is not None:
+            h.restore()
+    return {"injected": injected}
+
+
+# ------------------------------------------------------------------------------ comparison
+def within(cur, base, tol: dict | None) -> bool:
+    tol = tol or {"exact": True}
+    if tol.get("ignore"):
+        return True
+    if isinstance(cur, bool) or isinstance(base, bool) or isinstance(cur, str) or isinstance(base, str) or tol.get("exact"):
+        return cur == base
+    if isinstance(cur, (list, tuple)) or isinstance(base, (list, tuple)):
+        if not isinstance(cur, (list, tuple)) or not isinstance(base, (list, tuple)) or len(cur) != len(base):
+            return False
+        return all(within(c, b, tol) for c, b in zip(cur, base))
+    if cur is None or base is None:
+        return cur is base
+    d = float(cur) - float(base)
+    lim = float(tol.get("abs", 0.0)) + float(tol.get("rel", 0.0)) * abs(float(base))
+    if tol.get("direction") == "up":
+        return d <= lim
+    if tol.get("direction") == "down":
+        return -d <= lim
+    return abs(d) <= lim
+
+
+def resolve_tolerance(key: str, recorded: dict | None, overrides: dict) -> dict | None:
+    tol = recorded
+    for pat, t in overrides.items():
+        if fnmatch.fnmatchcase(key, pat):
+            tol = normalize_tolerance(t)
+    return tol
+
+
+@dataclass
+class RegressionResult:
+    table: object                 # DataFrame: metric, baseline, current, tolerance, status
+    first_component: str | None   # component of the first regressed fingerprint hook
+    first_hook: str | None
+
+    @property
+    def regressed(self):
+        return self.table[self.table["status"] == "REGRESSED"]
+
+    @property
+    def ok(self) -> bool:
+        return len(self.regressed) == 0
+
+    def summary(self) -> str:
+        n, k = len(self.table), len(self.regressed)
+        if self.ok:
+            return f"OK: {n} metrics within tolerance of the baselines"
+        s = f"REGRESSED: {k} of {n} metrics out of tolerance."
+        if self.first_component:
+            s += f" First changed component (execution order): {self.first_component} (hook {self.first_hook})."
+        return s
+
+    def text(self, max_rows: int = 40) -> str:
+        from .metrics import _short, _tol_text
+
+        reg = self.regressed
+        is_fp = reg["metric"].str.contains("/fp.", regex=False)
+        rows = pd_concat(reg[is_fp], reg[~is_fp]).head(max_rows)
+        lines = [self.summary()]
+        if len(rows):
+            w = max(len(m) for m in rows["metric"])
+            lines.append(f"{'metric':{w}s}  {'baseline':>22s}  {'current':>22s}  tolerance")
+            for _, r in rows.iterrows():
+                lines.append(f"{r['metric']:{w}s}  {str(_short(r['baseline'], 22)):>22s}  {str(_short(r['current'], 22)):>22s}  "
+                             f"{_tol_text(r['tol'])}")
+            if len(self.regressed) > max_rows:
+                lines.append(f"... and {len(self.regressed) - max_rows} more")
+        return "\n".join(lines)
+
+    __str__ = text
+
+
+def pd_concat(a, b):
+    import pandas as pd
+
+    return pd.concat([a, b])
+
+
+def compare(current: dict, baseline: dict, tolerances: dict | None = None, only_notebooks=None) -> RegressionResult:
+    """Compare two merged metrics dicts (``{"notebooks": {nb: {metric: {value, tolerance}}}}``).
+    Metrics of notebooks absent from ``current`` are not compared (a notebook not run is not a
+    regression); a metric the baseline has but the current run lacks is ``MISSING`` (fails)."""
+    import pandas as pd
+
+    tolerances = tolerances or {}
+    cur, base = flatten(current), flatten(baseline)
+    nbs = set(current.get("notebooks", {})) if only_notebooks is None else set(only_notebooks)
+    rows = []
+    for key, m in cur.items():
+        if key.split("/", 1)[0] not in nbs:
+            continue
+        tol = resolve_tolerance(key, m.get("tolerance"), tolerances)
+        if tol and tol.get("ignore"):
+            continue
+        if key not in base:
+            rows.append({"metric": key, "baseline": None, "current": m["value"], "tol": tol, "status": "new"})
+            continue
+        ok = within(m["value"], base[key]["value"], tol)
+        rows.append({"metric": key, "baseline": base[key]["value"], "current": m["value"], "tol": tol,
+                     "status": "ok" if ok else "REGRESSED"})
+    for key, m in base.items():
+        if key.split("/", 1)[0] in nbs and key not in cur:
+            tol = resolve_tolerance(key, m.get("tolerance"), tolerances)
+            if not (tol and tol.get("ignore")):
+                rows.append({"metric": key, "baseline": m["value"], "current": None, "tol": tol, "status": "REGRESSED"})
+    df = pd.DataFrame(rows, columns=["metric", "baseline", "current", "tol", "status"])
+    first_hook = None
+    for _, r in df.iterrows():  # rows of one notebook keep recording order = execution order for fp.*
+        if r["status"] == "REGRESSED" and "/fp." in r["metric"] and not r["metric"].endswith("/fp.order"):
+            first_hook = r["metric"].split("/fp.", 1)[1]
+            break
+    from .bugs import component_of_hook
+
+    return RegressionResult(df, component_of_hook(first_hook), first_hook)
+
+
+def load_baselines(directory: str | Path = BASELINE_DIR) -> tuple[dict, dict]:
+    d = Path(directory)
+    m = d / "metrics.json"
+    if not m.is_file():
+        raise FileNotFoundError(f"no baselines at {m}: run the report and bless it (python -m dsv4lab report --bless "
+                                f"reports/metrics.json)")
+    t = d / "tolerances.json"
+    return json.loads(m.read_text()), (json.loads(t.read_text()) if t.is_file() else {})
+
+
+def check(current: dict, directory: str | Path = BASELINE_DIR, only_notebooks=None) -> RegressionResult:
+    """Compare with the baselines; raise :class:`RegressionError` (message = the table) if anything regressed."""
+    base, tol = load_baselines(directory)
+    res = compare(current, base, tol, only_notebooks)
+    if not res.ok:
+        raise RegressionError("\n" + res.text())
+    return res
+
+
+def bless(metrics_json: str | Path, directory: str | Path = BASELINE_DIR) -> Path:
+    """Make ``metrics_json`` (a report's merged metrics) the new baseline (tolerances kept)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    src = json.loads(Path(metrics_json).read_text())
+    if "notebooks" not in src:
+        raise ValueError(f"{metrics_json} is not a merged report metrics.json (no 'notebooks')")
+    shutil.copyfile(metrics_json, d / "metrics.json")
+    return d / "metrics.json"
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m dsv4lab.triage.regression",
+                                 description="compare a report's metrics.json with the baselines, or bless it")
+    ap.add_argument("metrics", help="a report's merged metrics.json")
+    ap.add_argument("--baselines", default=str(BASELINE_DIR))
+    ap.add_argument("--bless", action="store_true", help="copy METRICS into the baselines instead of comparing")
+    a = ap.parse_args(argv)
+    if a.bless:
+        print(f"blessed: {bless(a.metrics, a.baselines)}")
+        return 0
+    base, tol = load_baselines(a.baselines)
+    res = compare(json.loads(Path(a.metrics).read_text()), base, tol)
+    print(res.text())
+    return 0 if res.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

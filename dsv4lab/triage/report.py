@@ -1,0 +1,163 @@
+"""``python -m dsv4lab report``: run every notebook in ``notebooks/`` with papermill on one
+model, export each to offline HTML (plotly.js embedded), merge the metrics, write an index.
+
+    reports/<name>.ipynb   executed notebook          reports/<name>.html   its HTML export
+    reports/<name>.metrics.json                       reports/metrics.json  all metrics merged
+    reports/index.html     links, status, time per notebook, the nightly regression verdict
+"""
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from .metrics import merge
+
+REPO = Path(__file__).resolve().parents[2]
+NOTEBOOK_DIR = REPO / "notebooks"
+
+
+def discover(nb_dir: str | Path = NOTEBOOK_DIR, only=None) -> list[Path]:
+    """Notebooks ``NN_name.ipynb`` in order; ``only``: names / stems / numbers to keep."""
+    nbs = sorted(p for p in Path(nb_dir).glob("[0-9][0-9]_*.ipynb"))
+    if only:
+        keys = {str(o) for o in ([only] if isinstance(only, str) else only)}
+        nbs = [p for p in nbs if p.stem in keys or p.name in keys or p.stem[:2] in keys or p.stem[3:] in keys
+               or p.stem.split("_")[0].lstrip("0") in keys]
+    return nbs
+
+
+_REQUIRE = re.compile(r'<script[^>]*src="[^"]*require(\.min)?\.js"[^>]*>\s*</script>')
+
+
+def to_html(executed: str | Path, out: str | Path) -> Path:
+    """nbconvert HTML of an executed notebook, usable offline: plotly figures are inline HTML
+    with plotly.js embedded (see :mod:`dsv4lab.triage.plots`); the CDN require.js tag of the
+    template is dropped (with it loaded, plotly.js would register as an AMD module instead of
+    ``window.Plotly``; offline it would just fail to load)."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(str(executed), as_version=4)
+    body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
+    body = _REQUIRE.sub("", body)
+    Path(out).write_text(body, encoding="utf-8")
+    return Path(out)
+
+
+def _error_of(nb_path: Path) -> str:
+    import nbformat
+
+    try:
+        nb = nbformat.read(str(nb_path), as_version=4)
+    except Exception:  # noqa: BLE001
+        return ""
+    for c in nb.cells:
+        for o in c.get("outputs", []):
+            if o.get("output_type") == "error":
+                return f"{o.get('ename')}: {o.get('evalue')}"
+    return ""
+
+
+def run_report(out: str | Path = "reports", model: str | None = None, device: str = "cpu", only=None,
+               parameters: dict | None = None, html_export: bool = True, nb_dir: str | Path = NOTEBOOK_DIR,
+               timeout: int = 900, log=print) -> dict:
+    """Run the notebooks; returns ``{"ok", "notebooks": [{name, status, seconds, error, ...}], "metrics"}``."""
+    import logging
+
+    import papermill as pm
+
+    logging.getLogger("papermill").setLevel(logging.ERROR)
+    out = Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    nbs = discover(nb_dir, only)
+    if not nbs:
+        raise FileNotFoundError(f"no notebooks matching {only!r} in {nb_dir}")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the kernels inherit it (see session.set_threads)
+    results = []
+    t_all = time.perf_counter()
+    for i, nb in enumerate(nbs, 1):
+        stem = nb.stem
+        mfile = out / f"{stem}.metrics.json"
+        if mfile.exists():
+            mfile.unlink()
+        params = {"MODEL": model, "DEVICE": device, "METRICS_OUT": str(mfile), "REPORT_DIR": str(out), "INTERACTIVE": False,
+                  **(parameters or {})}
+        t0 = time.perf_counter()
+        status, err = "ok", ""
+        try:
+            pm.execute_notebook(str(nb), str(out / nb.name), parameters=params, kernel_name="python3", cwd=str(out),
+                                progress_bar=False, log_output=False, execution_timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - papermill error: keep going, report it
+            status = "FAILED"
+            err = _error_of(out / nb.name) or f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        secs = time.perf_counter() - t0
+        n_metrics = len(json.loads(mfile.read_text())["metrics"]) if mfile.exists() else 0
+        if html_export and (out / nb.name).exists():
+            try:
+                to_html(out / nb.name, out / f"{stem}.html")
+            except Exception as e:  # noqa: BLE001
+                err = (err + "; " if err else "") + f"html export failed: {e}"
+        results.append({"name": stem, "status": status, "seconds": round(secs, 1), "metrics": n_metrics, "error": err})
+        line = f"[{i}/{len(nbs)}] {stem:34s} {status:6s} {secs:6.1f}s  {n_metrics:4d} metrics"
+        log(line + (f"  -- {err.splitlines()[0][:160]}" if err else ""))
+    merged = merge([out / f"{r['name']}.metrics.json" for r in results if (out / f"{r['name']}.metrics.json").exists()])
+    (out / "metrics.json").write_text(json.dumps(merged, indent=1) + "\n")
+    total = time.perf_counter() - t_all
+    summary = {"ok": all(r["status"] == "ok" for r in results), "notebooks": results, "seconds": round(total, 1),
+               "model": model or "embedded", "device": device}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_index(out, summary, merged)
+    log(f"report: {sum(r['status'] == 'ok' for r in results)}/{len(results)} notebooks ok in {total:.1f}s -> {out / 'index.html'}")
+    return summary
+
+
+def write_index(out: Path, summary: dict, merged: dict) -> Path:
+    rows = []
+    for r in summary["notebooks"]:
+        link = f'<a href="{r["name"]}.html">{html.escape(r["name"])}</a>' if (out / f"{r['name']}.html").exists() else html.escape(r["name"])
+        color = "#2ca02c" if r["status"] == "ok" else "#d62728"
+        rows.append(f'<tr><td>{link}</td><td style="color:{color};font-weight:bold">{r["status"]}</td><td>{r["seconds"]}</td>'
+                    f'<td>{r["metrics"]}</td><td>{html.escape(r["error"][:300])}</td>'
+                    f'<td><a href="{r["name"]}.ipynb">ipynb</a></td></tr>')
+    mrows = []
+    for nb, ms in merged.get("notebooks", {}).items():
+        for k, m in ms.items():
+            if k.startswith("fp."):
+                continue
+            v = json.dumps(m["value"])
+            mrows.append(f"<tr><td>{html.escape(nb)}</td><td>{html.escape(k)}</td><td>{html.escape(v[:120])}</td></tr>")
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>dsv4lab report</title>
+<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}}</style>
+</head><body><h1>dsv4lab triage report</h1>
+<p>model: <b>{html.escape(str(merged.get('model') or summary['model']))}</b>, device {html.escape(summary['device'])},
+{summary['seconds']} s in all. Status: <b>{'all notebooks ok' if summary['ok'] else 'SOME NOTEBOOKS FAILED'}</b>.
+All pages work offline (plotly.js is embedded in each).</p>
+<table><tr><th>notebook</th><th>status</th><th>seconds</th><th>metrics</th><th>error</th><th>source</th></tr>
+{''.join(rows)}</table>
+<h2>Metrics</h2><p>All metrics in <a href="metrics.json">metrics.json</a> (component fingerprints <code>fp.*</code> omitted here).</p>
+<table><tr><th>notebook</th><th>metric</th><th>value</th></tr>{''.join(mrows)}</table></body></html>"""
+    p = out / "index.html"
+    p.write_text(page, encoding="utf-8")
+    return p
+
+
+def main(argv=None) -> int:
+    from ..cli.report_cmd import build
+
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m dsv4lab.triage.report")
+    build(ap)
+    a = ap.parse_args(argv)
+    from ..cli.report_cmd import run
+
+    return run(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
