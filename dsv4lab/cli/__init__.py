@@ -20,6 +20,7 @@ COMMAND_MODULES: list[str] = [
     "dsv4lab.cli.inspect_cmd",
     "dsv4lab.cli.plan_cmd",
     "dsv4lab.cli.bugzoo_cmd",
+    "dsv4lab.cli.report_cmd",
 ]
 
 
