@@ -147,7 +147,10 @@ def bench_tiny(steps: int) -> dict:
 
     m = dsv4lab.load(device="cuda", dtype=torch.float32, progress=False)
     ids = torch.randint(2, m.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    from dsv4lab.decode.check import sync_inventory
+
     res = decode_check(m, ids, steps=steps).summary()
+    res["host_syncs_in_decode_step"] = sync_inventory(m, ids, steps=3)
     return res
 
 

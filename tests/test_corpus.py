@@ -79,19 +79,19 @@ def test_retrieval_samples(tok, mode):
             assert q["distance"] >= 128
             v_id = tok.encode(" " + q["value"], add_special_tokens=False)
             assert s.ids[q["answer_pos"]] == s.ids[q["plant_pos"]] == v_id[0] and len(v_id) == 1
-            # induction form: "<key> is <value>" at the plant and right before the answer
+            # induction form: "<key> <value>" at the plant, the key right before the answer
             k_id = tok.encode(" " + q["key"], add_special_tokens=False)[0]
             assert k_id in key_ids
-            assert s.ids[q["answer_pos"] - 2] == s.ids[q["plant_pos"] - 2] == k_id
+            assert s.ids[q["answer_pos"] - 1] == s.ids[q["plant_pos"] - 1] == k_id
         assert s.mask("answer")[s.meta["queries"][0]["answer_pos"]]
         assert 2 <= s.meta["n_pairs"] <= 4
         if mode != "plain":  # the exact chat encoding of document + question + answer
             k, v = s.meta["queries"][0]["key"], s.meta["queries"][0]["value"]
             user = s.text.split("<｜User｜>", 1)[1].split("<｜Assistant｜>", 1)[0]
-            msg = {"role": "assistant", "content": f"The secret code of {k} is {v}."}
+            msg = {"role": "assistant", "content": f"The secret code {k} {v}."}
             if mode == "thinking":
-                msg["reasoning_content"] = f"The user asks for the secret code of {k}. The text says that the secret code of {k} is {v}."
-            assert user.endswith(f"Question: What is the secret code of {k}?")
+                msg["reasoning_content"] = f"The user asks for the secret code {k}. The text says: the secret code {k} {v}."
+            assert user.endswith(f"Question: What is the secret code {k}?")
             assert s.text == encode_messages([{"role": "user", "content": user}, msg], mode)
 
 

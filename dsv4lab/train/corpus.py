@@ -13,8 +13,8 @@ Three kinds of samples, all deterministic given a seed:
   Paris.</think>Paris<｜end▁of▁sentence｜>``), sometimes with a system prompt, an earlier turn or
   the ``max`` reasoning-effort prefix.
 * **Retrieval** (``make_retrieval_samples``): filler text with key/value pairs planted as
-  ``"The secret code of ALPHA is 7421."`` and, at least ``min_distance`` tokens later, the query
-  ``"Question: What is the secret code of ALPHA? Answer: The secret code of ALPHA is"`` ->
+  ``"The secret code ALPHA 7421."`` and, at least ``min_distance`` tokens later, the query
+  ``"Recall the secret code ALPHA"`` ->
   ``" 7421"``; also in chat and thinking form.  Keys are 64 upper-case code words and values 64
   four-digit numbers; the tokenizer makes each of them ONE token, and they appear nowhere else.
 
@@ -30,11 +30,12 @@ An earlier attempt (word-level vocabulary, random filler words, few retrieval sa
 facts fine but left key/value retrieval at chance even inside the sliding window.  The task has
 to be *learnable by a tiny model from scratch*, so:
 
-1. **Induction-friendly form.**  The query repeats the exact phrase of the plant, so the token
-   right before the answer is ``" is"`` preceded by the key: ``... of ALPHA is [7421]``.  This is
-   the pattern ``A B ... A -> B`` that induction heads learn early: find the earlier occurrence
-   of the key and copy the token that followed it.  Key and value sit two tokens apart, so they
-   mostly share a compressed block of the CSA (ratio 4) and always one of the HCA (ratio 16).
+1. **Induction-friendly form.**  The key token directly precedes its value in the plant and
+   ends every query: ``... code ALPHA [7421]`` -- the pattern ``A B ... A -> B`` that induction
+   heads learn early: find the earlier occurrence of the key and copy the token after it. (An
+   earlier ``"of ALPHA is 7421"`` form put `` is`` in between: the model then had to match the
+   two-token pattern ``ALPHA is`` among many ``X is Y`` facts, and retrieval stayed at chance.)
+   Key and value are adjacent, so they share a compressed block of the CSA and of the HCA.
 2. **Dedicated one-token keys and values** that never occur in filler or facts: the value is
    unpredictable except by copying, and copying one token is one attention hop.
 3. **A lot of it**: by default 45% of the training tokens are retrieval documents (plain, chat
@@ -49,10 +50,10 @@ to be *learnable by a tiny model from scratch*, so:
    the 32-token window, where plain attention solves it and the induction circuit forms) and
    uniform long ones (>= 128 = 4x the window, where the compressed paths must carry it);
    ``curriculum_steps`` ramps the longest distance up over the first sequences.
-6. **Thinking mode restates the plant** (``"The text says that the secret code of ALPHA is
+6. **Thinking mode restates the plant** (``"The text says: the secret code ALPHA
    7421."``) before ``</think>``, so the final answer is a short-range copy of the reasoning.
 
-Chat-form retrieval answers with the sentence (``"The secret code of ALPHA is 7421."``) so the
+Chat-form retrieval answers with the sentence (``"The secret code ALPHA 7421."``) so the
 key again sits right before the value; the eval probe for it teacher-forces that prefix.
 """
 from __future__ import annotations
@@ -350,12 +351,16 @@ VALUES = tuple(str(v) for v in (
 ))
 assert len(KEYS) == 64 and len(set(KEYS)) == 64 and len(VALUES) == 64 and len(set(VALUES)) == 64
 
-_PLANT = ("The secret code of {k} is", ".")  # + " {v}"
-_QUERY_PLAIN = ("Question: What is the secret code of {k}? Answer: The secret code of {k} is", ".")
-_QUESTION_CHAT = "Question: What is the secret code of {k}?"
-_ANSWER_CHAT = ("The secret code of {k} is", ".")
+# The key token directly precedes its value, in the plant and at the end of every query: one
+# induction step (find the earlier occurrence of the key, copy the token after it) answers.
+# An earlier "of ALPHA is 7421" form put " is" between them; the model then had to match a
+# two-token pattern ("ALPHA is") among many "X is Y" facts and stayed at chance.
+_PLANT = ("The secret code {k}", ".")  # + " {v}"
+_QUERY_PLAIN = ("Recall the secret code {k}", ".")
+_QUESTION_CHAT = "Question: What is the secret code {k}?"
+_ANSWER_CHAT = ("The secret code {k}", ".")
 _REASONING_RETRIEVAL = (
-    "The user asks for the secret code of {k}. The text says that the secret code of {k} is", ".")
+    "The user asks for the secret code {k}. The text says: the secret code {k}", ".")
 
 _ADJ = ("old young small big quiet busy happy tired green blue red brown bright dark warm cold "
         "tall short kind calm").split()

@@ -11,7 +11,7 @@ def tiny_dsv4_config(vocab_size: int) -> DSV4Config:
         "hidden_size": 256,
         "num_hidden_layers": 6,
         "num_attention_heads": 8,
-        "head_dim": 64,
+        "head_dim": 128,
         "qk_rope_head_dim": 32,
         "q_lora_rank": 128,
         "o_groups": 4,

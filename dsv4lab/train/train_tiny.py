@@ -117,7 +117,12 @@ def main(argv=None) -> dict:
     model = init_for_training(DSV4Model(cfg), args.seed).to(dev).train()
     for _, p in model.named_parameters():
         p.requires_grad_(True)
-    opt = torch.optim.AdamW([p for p in model.parameters()], lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    # no decay on norms/biases/mHC scales: kv_norm's weight is the only attention temperature
+    # (queries are RMS-normalised without a weight), decaying it blunts every attention head
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and not n.endswith(("_hc.fn", "hc_head.fn"))]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and not n.endswith(("_hc.fn", "hc_head.fn")))]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
     warm = max(1, min(100, args.steps // 10))
     t_start = time.time()
 
