@@ -424,7 +424,7 @@ rec.record("regression.n_regressed", len(result.regressed), "ignore")
 rec.record("regression.first_component", result.first_component, "ignore")
 rec.record("regression.injected", out["injected"], "ignore")
 if not result.ok:
-    raise RG.RegressionError("\\n" + result.text())''',
+    raise RG.RegressionError(result.text())''',
 ])
 
 if __name__ == "__main__":

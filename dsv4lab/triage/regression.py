@@ -77,6 +77,9 @@ def nightly_metrics(session, rec, prompt: str, chat_prompt: str, answer: str | N
         rec.record("model.trained", session.trained, "exact")
         ids = session.encode(prompt, "plain")
         ans = session.token_id(answer) if answer else None
+        # inputs first: a tokenizer / chat-encoding change shows here, not as a model regression
+        rec.record("inputs.probe_ids", ids[0].tolist(), "exact")
+        rec.record("inputs.chat_ids", session.encode(chat_prompt, "chat")[0].tolist(), "exact")
         # notebook 2: first-token logits in three encodings, logit lens
         for mode, ft in logits.probe_all_modes(session, prompt, chat_prompt, k=5).items():
             rec.record(f"logits.{mode}.top1", session.tok(ft.top1_id), "exact")
@@ -127,6 +130,10 @@ def within(cur, base, tol: dict | None) -> bool:
         return True
     if isinstance(cur, bool) or isinstance(base, bool) or isinstance(cur, str) or isinstance(base, str) or tol.get("exact"):
         return cur == base
+    if isinstance(cur, dict) or isinstance(base, dict):
+        if not isinstance(cur, dict) or not isinstance(base, dict) or set(cur) != set(base):
+            return False
+        return all(within(cur[k], base[k], tol) for k in cur)
     if isinstance(cur, (list, tuple)) or isinstance(base, (list, tuple)):
         if not isinstance(cur, (list, tuple)) or not isinstance(base, (list, tuple)) or len(cur) != len(base):
             return False
@@ -252,7 +259,7 @@ def check(current: dict, directory: str | Path = BASELINE_DIR, only_notebooks=No
     base, tol = load_baselines(directory)
     res = compare(current, base, tol, only_notebooks)
     if not res.ok:
-        raise RegressionError("\n" + res.text())
+        raise RegressionError(res.text())
     return res
 
 

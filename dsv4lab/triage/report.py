@@ -31,20 +31,21 @@ def discover(nb_dir: str | Path = NOTEBOOK_DIR, only=None) -> list[Path]:
     return nbs
 
 
-_REQUIRE = re.compile(r'<script[^>]*src="[^"]*require(\.min)?\.js"[^>]*>\s*</script>')
+_REMOTE_SCRIPT = re.compile(r'<script[^>]*src="https?://[^"]*"[^>]*>\s*</script>')
 
 
 def to_html(executed: str | Path, out: str | Path) -> Path:
     """nbconvert HTML of an executed notebook, usable offline: plotly figures are inline HTML
     with plotly.js embedded (see :mod:`dsv4lab.triage.plots`); the CDN require.js tag of the
     template is dropped (with it loaded, plotly.js would register as an AMD module instead of
-    ``window.Plotly``; offline it would just fail to load)."""
+    ``window.Plotly``; offline it would just fail to load), as is the CDN MathJax (no maths here):
+    the page loads nothing from the network."""
     import nbformat
     from nbconvert import HTMLExporter
 
     nb = nbformat.read(str(executed), as_version=4)
     body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
-    body = _REQUIRE.sub("", body)
+    body = _REMOTE_SCRIPT.sub("", body)
     Path(out).write_text(body, encoding="utf-8")
     return Path(out)
 
