@@ -1,0 +1,92 @@
+"""Component implementations: the Triton kernel on CUDA (with triton importable), the PyTorch
+reference elsewhere. Importing this module never imports triton.
+
+* ``nvfp4_linear(x, w)``: ``QLinear.kernel``-compatible ``f(x, qweight) -> y``; non-NVFP4 weights,
+  CPU tensors or unsupported dtypes take the reference (``w.dequantize`` + ``F.linear``).
+* ``act_quant_nvfp4(x, global_scale)``: fake quant (drop-in for ``fake_quant_nvfp4``).
+* ``moe_decode(x, ids, weights, w1, w3, w2, limit)``: routed experts for decode tokens.
+* ``install_kernels(model)``: set ``.kernel = nvfp4_linear`` on every ``QLinear`` (CUDA only,
+  returns how many); ``install_kernels(model, False)`` removes them.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def have_triton_cuda() -> bool:
+    """True only with a CUDA device and triton importable (DSV4LAB_NO_KERNELS=1 forces False)."""
+    if os.environ.get("DSV4LAB_NO_KERNELS", "0") == "1":
+        return False
+    return torch.cuda.is_available() and _triton_importable()
+
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in _KERNEL_DTYPES and have_triton_cuda()
+
+
+def nvfp4_linear(x: torch.Tensor, w) -> torch.Tensor:
+    """y = x @ W^T for a ``QuantWeight`` W (NVFP4 through the kernel on CUDA)."""
+    if getattr(w, "format", None) == "nvfp4" and _use_kernel(x) and w.packed.is_cuda:
+        from .nvfp4_matmul import nvfp4_matmul
+
+        return nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale)
+    return F.linear(x, w.dequantize(x.dtype))
+
+
+def act_quant_nvfp4(x: torch.Tensor, global_scale) -> torch.Tensor:
+    """NVFP4 fake quant of activations with the given global scale (runtime or input_scale)."""
+    if _use_kernel(x) and x.shape[-1] % 16 == 0:
+        from .nvfp4_act_quant import fake_quant_nvfp4_kernel
+
+        return fake_quant_nvfp4_kernel(x, global_scale)
+    from dsv4lab.quant.activations import fake_quant_nvfp4
+
+    return fake_quant_nvfp4(x, global_scale)
+
+
+def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3, w2,
+               limit: float | None) -> torch.Tensor:
+    """Routed-expert output [T, H] for tokens x [T, H] with top-k ``ids``/``weights`` [T, k];
+    w1/w3/w2 are ``kernels.moe_decode.StackedNVFP4`` (or lists of ``NVFP4Weight``, stacked here:
+    stack once per layer and pass the stack to avoid the copy)."""
+    from .moe_decode import StackedNVFP4, moe_decode_ref  # moe_decode_ref needs no triton
+
+    w1, w3, w2 = (w if isinstance(w, StackedNVFP4) else StackedNVFP4.from_weights(w) for w in (w1, w3, w2))
+    if _use_kernel(x) and w1.packed.is_cuda:
+        from .moe_decode import moe_decode_triton
+
+        return moe_decode_triton(x, ids, weights, w1, w3, w2, limit)
+    return moe_decode_ref(x, ids, weights, w1, w3, w2, limit)
+
+
+def install_kernels(model: torch.nn.Module, enable: bool = True) -> int:
+    """Install (or remove) ``nvfp4_linear`` as the fast path of every QLinear; returns the count.
+    Installs nothing when ``have_triton_cuda()`` is False (the reference stays in place)."""
+    from dsv4lab.model.linear import QLinear
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, QLinear):
+            if enable and have_triton_cuda():
+                m.kernel = nvfp4_linear
+                n += 1
+            elif not enable and m.kernel is nvfp4_linear:
+                m.kernel = None
+                n += 1
+    return n

@@ -1,0 +1,170 @@
+"""MoE decode path for NVFP4 experts in two launches.
+
+For each token t and each of its k chosen experts e = ids[t, j]:
+    gate = clamp(x_t @ w1[e]^T, max=limit); up = clamp(x_t @ w3[e]^T, -limit, limit)
+    h    = silu(gate) * up
+    out_t = sum_j weights[t, j] * (h @ w2[e]^T)
+Launch 1 (``_moe_up_kernel``, grid = I-tiles x T*k) streams w1 and w3 rows of the chosen expert
+against one activation row (the M=1 GEMV inner loop of ``nvfp4_matmul``) and writes h in x.dtype
+(as the reference's bf16 linear outputs; gate/up are rounded to x.dtype before the activation).
+Launch 2 (``_moe_down_kernel``, grid = H-tiles x T) loops over the token's k experts, weights
+each w2 GEMV by the routing weight and writes the fp32 sum once (no atomics, no zero-fill).
+Expert ids and weights stay on the device: no host sync, CUDA-graph capturable.
+
+Experts are given stacked (``StackedNVFP4``: packed [E, N, K/2], e4m3 scales [E, N, K/16], global
+scales [E]); build the stack once per layer (``StackedNVFP4.from_weights``).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:  # the stack and the reference work without triton (kernels.dispatch uses them on CPU)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass
+class StackedNVFP4:
+    """E NVFP4 weights of one shape [N, K] stacked along a leading expert dim."""
+
+    packed: torch.Tensor  # uint8 [E, N, K/2]
+    block_scale: torch.Tensor  # float8_e4m3fn [E, N, K/16]
+    global_scale: torch.Tensor  # float32 [E]
+
+    @classmethod
+    def from_weights(cls, ws) -> "StackedNVFP4":
+        return cls(torch.stack([w.packed for w in ws]), torch.stack([w.block_scale for w in ws]),
+                   torch.stack([w.global_scale.reshape(()).float() for w in ws]))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, kh = self.packed.shape
+        return e, n, kh * 2
+
+    def weight(self, e: int):
+        """Expert ``e`` as an ``NVFP4Weight`` (views, no copy)."""
+        from dsv4lab.quant.weights import NVFP4Weight
+
+        return NVFP4Weight(self.packed[e], self.block_scale[e], self.global_scale[e])
+
+
+if triton is not None:
+    from . import patch_interpreter_for_numpy2
+    from .nvfp4_matmul import _gemv_rows_m1
+
+    patch_interpreter_for_numpy2()
+
+    @triton.jit
+    def _moe_up_kernel(x_ptr, ids_ptr, w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_ptr, h_ptr,
+                       I, KG, TOPK, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+                       limit, gps, BN: tl.constexpr, G: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pair = tl.program_id(1)  # t * TOPK + j
+        t = pair // TOPK
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        rows = pid_n * BN + tl.arange(0, BN)
+        row_ok = rows < I
+        xrow = x_ptr + t * stride_xt
+        a1 = _gemv_rows_m1(w1_ptr + e * stride_we, s1_ptr + e * stride_se, stride_wn, stride_sn, xrow,
+                           rows, row_ok, 0, KG, gps, BN, G)
+        a3 = _gemv_rows_m1(w3_ptr + e * stride_we, s3_ptr + e * stride_se, stride_wn, stride_sn, xrow,
+                           rows, row_ok, 0, KG, gps, BN, G)
+        gate = (a1 * (16384.0 * tl.load(g1_ptr + e))).to(h_ptr.dtype.element_ty).to(tl.float32)
+        up = (a3 * (16384.0 * tl.load(g3_ptr + e))).to(h_ptr.dtype.element_ty).to(tl.float32)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = gate * tl.sigmoid(gate) * up
+        tl.store(h_ptr + pair * stride_h + rows, h.to(h_ptr.dtype.element_ty), mask=row_ok)
+
+
+    @triton.jit
+    def _moe_down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, g2_ptr, y_ptr,
+                         H, KG, TOPK, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
+                         gps, BN: tl.constexpr, G: tl.constexpr):
+        pid_n = tl.program_id(0)
+        t = tl.program_id(1)
+        rows = pid_n * BN + tl.arange(0, BN)
+        row_ok = rows < H
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        for j in range(0, TOPK):
+            pair = t * TOPK + j
+            e = tl.load(ids_ptr + pair).to(tl.int64)
+            wt = tl.load(wts_ptr + pair).to(tl.float32)
+            a = _gemv_rows_m1(w2_ptr + e * stride_we, s2_ptr + e * stride_se, stride_wn, stride_sn,
+                              h_ptr + pair * stride_h, rows, row_ok, 0, KG, gps, BN, G)
+            acc += a * (16384.0 * tl.load(g2_ptr + e) * wt)
+        tl.store(y_ptr + t * stride_yt + rows, acc.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+    def _cfg():
+        return (16, 2, 1) if _INTERPRET else (32, 16, 4)
+
+
+    def moe_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: StackedNVFP4,
+                          w3: StackedNVFP4, w2: StackedNVFP4, limit: float | None) -> torch.Tensor:
+        """x [T, H], ids [T, k] (int), weights [T, k] -> [T, H] in x.dtype. Two launches."""
+        T, H = x.shape
+        k = ids.shape[1]
+        E, I, Hk = w1.shape
+        if Hk != H or w2.shape[1:] != (H, I) or w3.shape != w1.shape:
+            raise ValueError(f"expert shapes w1 {w1.shape} w3 {w3.shape} w2 {w2.shape} vs x {tuple(x.shape)}")
+        x = x.contiguous()
+        ids_c = ids.reshape(-1).to(torch.int32).contiguous()
+        wts = weights.reshape(-1).to(torch.float32).contiguous()
+        lim = float("inf") if limit is None or limit <= 0 else float(limit)
+        bn, g, warps = _cfg()
+        h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
+        y = torch.empty((T, H), dtype=x.dtype, device=x.device)
+        if T == 0:
+            return y
+
+        def parts(w):
+            p = w.packed.view(torch.int64)
+            s = w.block_scale.view(torch.uint8)
+            return p, s, w.global_scale.to(torch.float32).contiguous()
+
+        p1, s1, g1 = parts(w1)
+        p3, s3, g3 = parts(w3)
+        p2, s2, g2 = parts(w2)
+        kg1 = H // 16
+        _moe_up_kernel[(triton.cdiv(I, bn), T * k)](
+            x, ids_c, p1, s1, g1, p3, s3, g3, h, I, kg1, k, x.stride(0), p1.stride(0), p1.stride(1),
+            s1.stride(0), s1.stride(1), h.stride(0), lim, triton.cdiv(kg1, g) * g, BN=bn, G=g, num_warps=warps)
+        kg2 = I // 16
+        _moe_down_kernel[(triton.cdiv(H, bn), T)](
+            h, ids_c, wts, p2, s2, g2, y, H, kg2, k, h.stride(0), p2.stride(0), p2.stride(1),
+            s2.stride(0), s2.stride(1), y.stride(0), triton.cdiv(kg2, g) * g, BN=bn, G=g, num_warps=warps)
+        return y
+
+
+def moe_decode_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: StackedNVFP4,
+                   w3: StackedNVFP4, w2: StackedNVFP4, limit: float | None) -> torch.Tensor:
+    """PyTorch reference: per (token, expert) dequantise (``NVFP4Weight.dequantize``) and run the
+    DSV4 expert exactly as ``dsv4lab.model.moe.Expert`` (clamps before SiLU), weighted sum in x.dtype.
+    Reads ids on the host (not graph-safe; it is the reference)."""
+    import torch.nn.functional as F
+
+    lim = None if limit is None or limit <= 0 else float(limit)
+    T = x.shape[0]
+    ids_h = ids.tolist()
+    ys = []
+    for t in range(T):
+        acc = torch.zeros_like(x[t])
+        for j, e in enumerate(ids_h[t]):
+            xt = x[t:t + 1]
+            gate = F.linear(xt, w1.weight(e).dequantize(x.dtype))
+            up = F.linear(xt, w3.weight(e).dequantize(x.dtype))
+            if lim is not None:
+                gate = gate.clamp(max=lim)
+                up = up.clamp(min=-lim, max=lim)
+            y = F.linear(F.silu(gate) * up, w2.weight(e).dequantize(x.dtype))[0]
+            acc = acc + y * weights[t, j].to(y.dtype)
+        ys.append(acc)
+    return torch.stack(ys)

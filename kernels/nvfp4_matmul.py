@@ -1,0 +1,360 @@
+"""NVFP4 (ModelOpt) W4A16 matmul: y = x @ W^T with W kept packed.
+
+Layout: ``packed`` uint8 [N, K/2] (low nibble = even element), ``block_scale`` e4m3 [N, K/16],
+``global_scale`` fp32 scalar; W = E2M1[code] * float(block_scale) * global_scale.
+
+Two Triton kernels:
+
+* ``_gemv_kernel`` (M <= 16, decode). The packed rows are read as int64 words: one word = 16
+  elements = exactly one scale block. Nibbles are turned into fp16 bit patterns two at a time
+  (``((w << (9-4j)) & 0x0E000E00) | ((w << (12-4j)) & 0x80008000)`` puts nibbles j and j+4 in the
+  two halves of an int32 as fp16 values E2M1 * 2^-14, exact, subnormals included), converted to
+  fp32 and multiplied into the activations. M == 1 uses CUDA-core FMAs on a [BN, G] tile with the
+  block scale applied once per 16-element group; M in 2..16 pads the batch to 16 and uses
+  ``tl.dot`` per nibble plane (weights as the A operand). Split-K over many CTAs with an
+  in-kernel fix-up: every split writes an fp32 partial, bumps a per-tile counter, and the last
+  one sums the partials, writes the output and resets the counter (one launch, graph-safe).
+* ``_gemm_kernel`` (M > 16, prefill): tiles dequantised to bf16/fp16 in registers (lo/hi nibbles
+  joined back into K order) and ``tl.dot``.
+
+The global scale is applied to the fp32 accumulator, not folded into the weights; the reference
+(``NVFP4Weight.dequantize`` then matmul) rounds the weight to the activation dtype instead, so
+the two differ by accumulation order and one bf16 rounding of W (tolerances in docs/kernels.md).
+
+Import has no side effects; triton is imported here, so import this module lazily
+(``kernels.dispatch`` does).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import patch_interpreter_for_numpy2
+
+patch_interpreter_for_numpy2()
+
+
+# ----------------------------------------------------------------------------- device helpers
+@triton.jit
+def _fp16_pair(w32, J: tl.constexpr):
+    """int32 word holding 8 nibbles -> (fp32 of nibble J, fp32 of nibble J+4), each E2M1*2^-14."""
+    # 0x80008000 as an int32 constant (keeps the arithmetic 32-bit)
+    if J == 3:
+        p = ((w32 >> 3) & 0x0E000E00) | (w32 & -2147450880)
+    else:
+        p = ((w32 << (9 - 4 * J)) & 0x0E000E00) | ((w32 << (12 - 4 * J)) & -2147450880)
+    lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _e4m3_to_f32(s_u8):
+    return s_u8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, g_hi, gps,
+                  BN: tl.constexpr, G: tl.constexpr):
+    """sum_k W'[rows, k] * x[k] over groups [g_lo, g_hi) for one activation row; W' = E2M1*s*2^-14.
+    w_ptr: int64 words [N, K/16]; s_ptr: uint8 e4m3 [N, K/16]; x_ptr: fp row of K."""
+    acc = tl.zeros((BN, G), dtype=tl.float32)
+    offs_g = tl.arange(0, G)
+    # software pipelining by hand: the next tile's weight/scale loads are issued before this
+    # tile's decode (the loop has no tl.dot, so Triton's pipeliner leaves it alone)
+    gg = g_lo + offs_g
+    gm = gg < g_hi
+    m2 = row_ok[:, None] & gm[None, :]
+    w_nx = tl.load(w_ptr + rows[:, None] * stride_wn + gg[None, :], mask=m2, other=0)
+    s_nx = tl.load(s_ptr + rows[:, None] * stride_sn + gg[None, :], mask=m2, other=0)
+    for g0 in range(g_lo, g_lo + gps, G):
+        gg = g0 + offs_g
+        gm = gg < g_hi
+        w64 = w_nx
+        sc = _e4m3_to_f32(s_nx)
+        gn = gg + G
+        mn = row_ok[:, None] & (gn < g_hi)[None, :]
+        w_nx = tl.load(w_ptr + rows[:, None] * stride_wn + gn[None, :], mask=mn, other=0)
+        s_nx = tl.load(s_ptr + rows[:, None] * stride_sn + gn[None, :], mask=mn, other=0)
+        w_lo = w64.to(tl.int32)
+        w_hi = (w64 >> 32).to(tl.int32)
+        xb = x_ptr + gg * 16
+        part = tl.zeros((BN, G), dtype=tl.float32)
+        for j in tl.static_range(4):
+            a, b = _fp16_pair(w_lo, j)
+            xa = tl.load(xb + j, mask=gm, other=0.0).to(tl.float32)
+            xb4 = tl.load(xb + j + 4, mask=gm, other=0.0).to(tl.float32)
+            part += a * xa[None, :] + b * xb4[None, :]
+            c, d = _fp16_pair(w_hi, j)
+            xc = tl.load(xb + j + 8, mask=gm, other=0.0).to(tl.float32)
+            xd = tl.load(xb + j + 12, mask=gm, other=0.0).to(tl.float32)
+            part += c * xc[None, :] + d * xd[None, :]
+        acc += part * sc
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _gemv_rows_dot(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, stride_xm, M, rows, row_ok, g_lo, g_hi, gps,
+                   BN: tl.constexpr, G: tl.constexpr, BMP: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """[BN, BMP] = W[rows] @ x[:M]^T over groups [g_lo, g_hi); weights as exact E2M1*s in DOT_DTYPE."""
+    acc = tl.zeros((BN, BMP), dtype=tl.float32)
+    offs_g = tl.arange(0, G)
+    offs_m = tl.arange(0, BMP)
+    m_ok = offs_m < M
+    for g0 in range(g_lo, g_lo + gps, G):
+        gg = g0 + offs_g
+        gm = gg < g_hi
+        m2 = row_ok[:, None] & gm[None, :]
+        w64 = tl.load(w_ptr + rows[:, None] * stride_wn + gg[None, :], mask=m2, other=0)
+        sc = _e4m3_to_f32(tl.load(s_ptr + rows[:, None] * stride_sn + gg[None, :], mask=m2, other=0)) * 16384.0
+        w_lo = w64.to(tl.int32)
+        w_hi = (w64 >> 32).to(tl.int32)
+        # x^T planes [G, BMP]: element 16*g + j of each activation row
+        xt = x_ptr + offs_m[None, :] * stride_xm + gg[:, None] * 16
+        xm = gm[:, None] & m_ok[None, :]
+        for j in tl.static_range(4):
+            a, b = _fp16_pair(w_lo, j)
+            acc = tl.dot((a * sc).to(DOT_DTYPE), tl.load(xt + j, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+            acc = tl.dot((b * sc).to(DOT_DTYPE), tl.load(xt + j + 4, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+            c, d = _fp16_pair(w_hi, j)
+            acc = tl.dot((c * sc).to(DOT_DTYPE), tl.load(xt + j + 8, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+            acc = tl.dot((d * sc).to(DOT_DTYPE), tl.load(xt + j + 12, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr,
+                 M, N, KG, stride_xm, stride_wn, stride_sn, stride_ym, groups_per_split, SPLIT,
+                 USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, BMP: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BN + tl.arange(0, BN)
+    row_ok = rows < N
+    g_lo = pid_k * groups_per_split
+    g_hi = tl.minimum(g_lo + groups_per_split, KG)
+    gs = tl.load(gs_ptr).to(tl.float32)
+    if BMP == 1:
+        acc = _gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, g_hi, groups_per_split, BN, G)
+        acc = acc * 16384.0  # undo the 2^-14 of the fp16 nibble trick
+        if not USE_SPLIT:
+            tl.store(y_ptr + rows, (acc * gs).to(y_ptr.dtype.element_ty), mask=row_ok)
+        else:
+            tl.store(ws_ptr + pid_k * N + rows, acc, mask=row_ok)
+            tl.debug_barrier()
+            old = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            if old == SPLIT - 1:
+                tot = tl.zeros((BN,), dtype=tl.float32)
+                for s in range(SPLIT):
+                    tot += tl.load(ws_ptr + s * N + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptr + rows, (tot * gs).to(y_ptr.dtype.element_ty), mask=row_ok)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)
+    else:
+        acc = _gemv_rows_dot(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, stride_xm, M, rows, row_ok,
+                             g_lo, g_hi, groups_per_split, BN, G, BMP, DOT_DTYPE)
+        offs_m = tl.arange(0, BMP)
+        omask = row_ok[:, None] & (offs_m < M)[None, :]
+        if not USE_SPLIT:
+            tl.store(y_ptr + offs_m[None, :] * stride_ym + rows[:, None], (acc * gs).to(y_ptr.dtype.element_ty), mask=omask)
+        else:
+            wsp = ws_ptr + offs_m[None, :] * N + rows[:, None]
+            tl.store(wsp + pid_k * M * N, acc, mask=omask)
+            tl.debug_barrier()
+            old = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            if old == SPLIT - 1:
+                tot = tl.zeros((BN, BMP), dtype=tl.float32)
+                for s in range(SPLIT):
+                    tot += tl.load(wsp + s * M * N, mask=omask, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptr + offs_m[None, :] * stride_ym + rows[:, None], (tot * gs).to(y_ptr.dtype.element_ty), mask=omask)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, p_ptr, s_ptr, gs_ptr, y_ptr, M, N, K,
+                 stride_xm, stride_pn, stride_sn, stride_ym,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    offs_kb = tl.arange(0, BK // 2)
+    offs_k = tl.arange(0, BK)
+    offs_g = tl.arange(0, BK // 16)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = (k0 + offs_k) < K
+        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                     mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+        kb_ok = (k0 // 2 + offs_kb) < K // 2
+        b = tl.load(p_ptr + offs_n[:, None] * stride_pn + (k0 // 2 + offs_kb)[None, :],
+                    mask=n_ok[:, None] & kb_ok[None, :], other=0).to(tl.int32)
+        g_ok = (k0 // 16 + offs_g) < K // 16
+        sc = _e4m3_to_f32(tl.load(s_ptr + offs_n[:, None] * stride_sn + (k0 // 16 + offs_g)[None, :],
+                                  mask=n_ok[:, None] & g_ok[None, :], other=0)) * 16384.0
+        lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        w = tl.reshape(tl.join(lo, hi), (BN, BK // 16, 16))
+        w = tl.reshape(w * sc[:, :, None], (BN, BK)).to(DOT_DTYPE)
+        acc = tl.dot(xt, tl.trans(w), acc)
+    gs = tl.load(gs_ptr).to(tl.float32)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], (acc * gs).to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ----------------------------------------------------------------------------- host side
+_COUNTERS: dict = {}
+_TUNED: dict = {}
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    key = (device.type, device.index)
+    c = _COUNTERS.get(key)
+    if c is None or c.numel() < n:
+        c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = c
+    return c
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _dot_dtype(x: torch.Tensor):
+    if _INTERPRET:  # triton 3.6's interpreter mis-computes bf16 tl.dot under numpy 2.x; fp32 is
+        return tl.float32  # the same math here (operands are exact bf16 values)
+    return tl.float16 if x.dtype == torch.float16 else tl.bfloat16
+
+
+def _bmp(m: int) -> int:
+    return 1 if m == 1 else 16
+
+
+def default_config(M: int, N: int, K: int, device: torch.device) -> dict:
+    """Heuristic: enough CTAs to cover every SM ~4x; split K when N alone does not."""
+    KG = K // 16
+    if M == 1:
+        bn, g, warps = (32, 16, 4) if not _INTERPRET else (16, 2, 1)
+    else:
+        bn, g, warps = (64, 16, 4) if not _INTERPRET else (16, 16, 1)
+    n_tiles = triton.cdiv(N, bn)
+    target = 4 * _num_sms(device)
+    split = max(1, min(triton.cdiv(target, n_tiles), KG // (4 * g) if KG >= 4 * g else 1, 64))
+    return {"BN": bn, "G": g, "SPLIT": split, "num_warps": warps}
+
+
+def _candidates(M: int, N: int, K: int, device: torch.device) -> list[dict]:
+    KG = K // 16
+    sms = _num_sms(device)
+    shapes = [(32, 16, 4), (64, 8, 4), (64, 16, 4), (128, 8, 8), (128, 16, 8), (256, 8, 8)] if M == 1 else \
+             [(64, 16, 4), (128, 16, 4), (64, 32, 4)]
+    out = []
+    for bn, g, w in shapes:
+        n_tiles = triton.cdiv(N, bn)
+        for mult in (2, 4, 8):
+            split = max(1, min(triton.cdiv(mult * sms, n_tiles), max(1, KG // g), 64))
+            c = {"BN": bn, "G": g, "SPLIT": split, "num_warps": w}
+            if c not in out:
+                out.append(c)
+    return out
+
+
+def _launch_gemv(x2, packed, scale, gs, y, cfg):
+    M, K = x2.shape
+    N = packed.shape[0]
+    KG = K // 16
+    w64 = packed.view(torch.int64)
+    split = cfg["SPLIT"]
+    gps = triton.cdiv(triton.cdiv(KG, split), cfg["G"]) * cfg["G"]
+    split = triton.cdiv(KG, gps)
+    n_tiles = triton.cdiv(N, cfg["BN"])
+    bmp = _bmp(M)
+    if split > 1:
+        ws = torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
+        cnt = _counters(x2.device, n_tiles)
+    else:
+        ws = y
+        cnt = y
+    _gemv_kernel[(n_tiles, split)](
+        x2, w64, scale.view(torch.uint8), gs, y, ws, cnt,
+        M, N, KG, x2.stride(0), w64.stride(0), scale.stride(0), y.stride(0), gps, split,
+        USE_SPLIT=split > 1, BN=cfg["BN"], G=cfg["G"], BMP=bmp, DOT_DTYPE=_dot_dtype(x2),
+        num_warps=cfg["num_warps"])
+
+
+def _tuned_config(x2, packed, scale, gs, y) -> dict:
+    M, K = x2.shape
+    N = packed.shape[0]
+    key = (_bmp(M), N, K, x2.dtype, x2.device.type, x2.device.index)
+    cfg = _TUNED.get(key)
+    if cfg is not None:
+        return cfg
+    if x2.device.type != "cuda" or os.environ.get("DSV4LAB_KERNEL_TUNE", "1") == "0" \
+            or torch.cuda.is_current_stream_capturing():
+        cfg = default_config(M, N, K, x2.device)
+    else:
+        from triton.testing import do_bench
+
+        best = None
+        for c in _candidates(M, N, K, x2.device):
+            try:
+                t = do_bench(lambda: _launch_gemv(x2, packed, scale, gs, y, c), warmup=5, rep=20)
+            except Exception:  # a config that does not compile/fit is skipped
+                continue
+            if best is None or t < best[0]:
+                best = (t, c)
+        cfg = best[1] if best else default_config(M, N, K, x2.device)
+    _TUNED[key] = cfg
+    return cfg
+
+
+def nvfp4_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
+                 global_scale: torch.Tensor, out_dtype: torch.dtype | None = None,
+                 config: dict | None = None) -> torch.Tensor:
+    """y[..., N] = x[..., K] @ W^T for NVFP4 W given as (packed [N,K/2], block_scale [N,K/16], gs).
+
+    M = prod(leading dims) <= 16 takes the split-K GEMV kernel (``config`` overrides its tuned
+    choice: BN, G, SPLIT, num_warps), larger M the tiled GEMM. Output dtype = x.dtype by default.
+    """
+    N, KH = packed.shape
+    K = KH * 2
+    if x.shape[-1] != K:
+        raise ValueError(f"x last dim {x.shape[-1]} != weight in_features {K}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    packed = packed.view(torch.uint8).contiguous()
+    scale = block_scale.view(torch.uint8).contiguous()
+    gs = global_scale.reshape(1).to(device=x.device, dtype=torch.float32)
+    y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+    if M == 0:
+        return y.reshape(*lead, N)
+    if M <= 16:
+        cfg = config or _tuned_config(x2, packed, scale, gs, y)
+        _launch_gemv(x2, packed, scale, gs, y, cfg)
+    else:
+        if _INTERPRET:
+            bm, bn, bk, warps = 32, 16, 32, 1
+        else:
+            bm, bn, bk, warps = (64 if M <= 64 else 128), 128, 64, 8
+        if config:
+            bm, bn, bk, warps = config.get("BM", bm), config.get("BN", bn), config.get("BK", bk), config.get("num_warps", warps)
+        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+        _gemm_kernel[grid](x2, packed, scale, gs, y, M, N, K,
+                           x2.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
+                           BM=bm, BN=bn, BK=bk, DOT_DTYPE=_dot_dtype(x2), num_warps=warps)
+    return y.reshape(*lead, N)
+
+
+def nvfp4_matmul_ref(x: torch.Tensor, w) -> torch.Tensor:
+    """Reference: ``NVFP4Weight.dequantize(x.dtype)`` then ``F.linear`` (what the kernel replaces)."""
+    return torch.nn.functional.linear(x, w.dequantize(x.dtype))
