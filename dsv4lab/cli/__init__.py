@@ -21,6 +21,8 @@ COMMAND_MODULES: list[str] = [
     "dsv4lab.cli.plan_cmd",
     "dsv4lab.cli.bugzoo_cmd",
     "dsv4lab.cli.report_cmd",
+    "dsv4lab.cli.decode_check_cmd",
+    "dsv4lab.cli.syncs_cmd",
 ]
 
 

@@ -756,13 +756,48 @@ def make_retrieval_samples(n: int, seq_len: int = 512, min_distance: int = DEFAU
 
 #: Share of training tokens per sample kind (retrieval 45% in all).
 DEFAULT_MIX = {
-    "fact_plain": 0.25,
-    "fact_chat": 0.15,
-    "fact_thinking": 0.15,
+    "fact_plain": 0.15,
+    "fact_chat": 0.10,
+    "fact_thinking": 0.10,
     "retrieval_plain": 0.25,
     "retrieval_chat": 0.10,
     "retrieval_thinking": 0.10,
+    "repeat_plain": 0.20,
 }
+
+
+def _repeat_doc(rng: random.Random, world: ToyWorld, distance: int, max_len: int, tokenizer) -> Sample | None:
+    """Dense induction signal: a random run of code words/numbers, filler, then the same run
+    again with loss on every repeated token after the first. Key/value retrieval is a one-token
+    case of the same circuit; this teaches it with ~20 supervised copies per document instead of
+    one (a model trained on retrieval answers alone never formed it)."""
+    n = rng.randint(6, 20)
+    run = rng.sample(list(KEYS) + list(VALUES), n)
+    segs: list[tuple[str, str]] = [(BOS, CTX), ("Sequence:", CTX)] + [(" " + w, CTX) for w in run] + [(".", CTX)]
+    fill: list[str] = []
+    for _ in range(100):
+        s = Sample("repeat", "plain", segs + [(" " + f, CTX) for f in fill] + [(" Again:", CTX)]
+                   + [(" " + run[0], CTX)] + [(" " + w, GEN) for w in run[1:]] + [(".", CTX), (EOS, CTX)],
+                   {"run": run})
+        tokenize_sample(tokenizer, s)
+        if len(s.ids) > max_len:
+            return None if not fill else _drop_last(s, fill, segs, run, tokenizer, max_len)
+        if len(s.ids) - 2 * (n + 3) >= distance:
+            return s
+        fill.append(make_filler(rng, world, 0.5))
+    return s
+
+
+def _drop_last(s: Sample, fill: list[str], segs, run, tokenizer, max_len: int) -> Sample | None:
+    while fill:
+        fill.pop()
+        s = Sample("repeat", "plain", segs + [(" " + f, CTX) for f in fill] + [(" Again:", CTX)]
+                   + [(" " + run[0], CTX)] + [(" " + w, GEN) for w in run[1:]] + [(".", CTX), (EOS, CTX)],
+                   {"run": run})
+        tokenize_sample(tokenizer, s)
+        if len(s.ids) <= max_len:
+            return s
+    return None
 
 
 class DistanceSampler:
@@ -809,6 +844,8 @@ def _make_one(kind: str, rng: random.Random, world: ToyWorld, tokenizer, room: i
     if cap < 8:
         return None
     d = sampler(rng, step, cap)
+    if group == "repeat":
+        return _repeat_doc(rng, world, d, room, tokenizer)
     return _retrieval_doc(rng, world, mode, d, room, rng.randint(2, 4), rng.randint(1, 2), tokenizer)
 
 

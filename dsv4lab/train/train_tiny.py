@@ -97,6 +97,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--aux-weight", type=float, default=0.1)
     ap.add_argument("--eval-every", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--small", action="store_true", help="a narrower 4-layer model for CPU experiments")
+    ap.add_argument("--mix", default=None, help="JSON mix of sample kinds (see corpus.DEFAULT_MIX)")
+    ap.add_argument("--max-distance", type=int, default=0, help="cap retrieval/repeat distances (0: seq_len-96)")
+    ap.add_argument("--bootstrap-frac", type=float, default=0.15,
+                    help="first part of training on induction-dense data at in-window distances (repeats + "
+                         "short retrieval): the copy circuit forms there first, then carries to long range")
     ap.add_argument("--workers", type=int, default=0, help="DataLoader workers generating the corpus")
     ap.add_argument("--autocast", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--out", required=True)
@@ -113,6 +119,10 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     tok = load_tokenizer()
     cfg = tiny_dsv4_config(len(tok))
+    if args.small:  # CPU experiments: same mechanisms, a quarter of the width
+        cfg = cfg.replace(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, head_dim=64, q_lora_rank=64,
+                          o_groups=2, o_lora_rank=32, n_routed_experts=4, moe_intermediate_size=64,
+                          layer_types=cfg.layer_types[:4], mlp_layer_types=cfg.mlp_layer_types[:4], index_n_heads=4)
     dev = torch.device(args.device)
     model = init_for_training(DSV4Model(cfg), args.seed).to(dev).train()
     for _, p in model.named_parameters():
@@ -134,14 +144,29 @@ def main(argv=None) -> dict:
 
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress(s)))))
-    if args.workers:
-        loader = torch.utils.data.DataLoader(
-            corpus.training_dataset(tok, seq_len=args.seq_len, seed=args.seed, total_steps=args.steps * args.batch // args.workers),
-            batch_size=None, num_workers=args.workers, prefetch_factor=8)
-        stream = iter(loader)
-    else:
-        stream = corpus.training_stream(tok, seq_len=args.seq_len, seed=args.seed, total_steps=args.steps * args.batch)
+    stream_kw = {}
+    if args.mix:
+        stream_kw["mix"] = json.loads(args.mix)
+    if args.max_distance:
+        stream_kw["retrieval_distance"] = (8, args.max_distance)
+    boot_kw = {"mix": {"repeat_plain": 0.5, "retrieval_plain": 0.3, "fact_plain": 0.1, "fact_chat": 0.1},
+               "retrieval_distance": (4, max(8, cfg.sliding_window - 8))}
+
+    def make_stream(kw, seed):
+        if args.workers:
+            return iter(torch.utils.data.DataLoader(
+                corpus.training_dataset(tok, seq_len=args.seq_len, seed=seed,
+                                        total_steps=args.steps * args.batch // args.workers, **kw),
+                batch_size=None, num_workers=args.workers, prefetch_factor=8))
+        return corpus.training_stream(tok, seq_len=args.seq_len, seed=seed, total_steps=args.steps * args.batch, **kw)
+
+    stream = make_stream(stream_kw, args.seed)
+    boot_stream = make_stream(boot_kw, args.seed + 1) if args.bootstrap_frac > 0 else None
     evals = corpus.eval_sets(tok, seed=1234)
+    short = corpus.make_retrieval_samples(48, 512, 8, seed=99, max_distance=28, tokenizer=tok, modes=("plain",),
+                                          n_queries=(1, 1))
+    evals["retrieval_short"] = [(s.ids[: s.meta["queries"][0]["answer_pos"]], s.ids[s.meta["queries"][0]["answer_pos"]],
+                                 {"distance": s.meta["queries"][0]["distance"]}) for s in short]
     routers = [layer.mlp.router for layer in model.layers if not layer.mlp.router.is_hash]
     loads: dict[int, torch.Tensor] = {}
     handles = [r.hook_ids.register_forward_hook(lambda m, i, o, k=k: loads.__setitem__(k, o.detach()))
@@ -158,7 +183,8 @@ def main(argv=None) -> dict:
         for ix in indexers:
             ix.train_dense = dense
             ix.aux_loss = None
-        batch = [next(stream) for _ in range(args.batch)]
+        src = boot_stream if boot_stream is not None and prog < args.bootstrap_frac else stream
+        batch = [next(src) for _ in range(args.batch)]
         ids = torch.stack([b[0] for b in batch]).to(dev, non_blocking=True)
         mask = torch.stack([b[1] for b in batch]).to(dev, non_blocking=True)
         with autocast:
@@ -190,7 +216,8 @@ def main(argv=None) -> dict:
             with autocast:
                 ev = {"step": step}
                 for name, probes in evals.items():
-                    ev[name] = accuracy(model, probes[:200])["accuracy"]
+                    if not args.small or name in ("facts", "retrieval", "retrieval_short"):
+                        ev[name] = accuracy(model, probes[:200])["accuracy"]
                 with compressed_branch_off(model):
                     ev["retrieval_no_compressed"] = accuracy(model, evals["retrieval"][:200])["accuracy"]
             model.train()
