@@ -6,7 +6,7 @@
     helper projections as our users' engine runs them), batch 1, eager vs graph, with achieved
     weight bandwidth against a device-to-device copy ceiling measured in the same run.
 
-    python3 benchmarks/decode.py --json out.json [--kernels] [--steps 512]
+    python3 benchmarks/decode.py --json out.json [--steps 512] [--layer-modes reference,kernels]
 """
 from __future__ import annotations
 
@@ -116,8 +116,8 @@ def time_fn(fn, iters=50) -> float:
 def bench_layer(layer_type: str, dev, ceiling: float, use_kernels: bool) -> dict:
     layer, cfg, active = build_layer(layer_type, dev)
     if use_kernels:
-        from kernels.dispatch import install
-        install(layer)
+        from kernels.dispatch import install_kernels
+        install_kernels(layer)
     st = DecodeState.allocate(cfg, 1, 4096, torch.bfloat16, dev)
     h = torch.randn(1, 1, cfg.hc_mult, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
     ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
@@ -158,8 +158,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--steps", type=int, default=512)
-    ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--skip-tiny", action="store_true")
+    ap.add_argument("--layer-modes", default="reference,kernels",
+                    help="comma list of V4-Pro layer variants to time: reference, kernels (empty: none)")
     ap.add_argument("--cpu-smoke", action="store_true", help="build a shrunken layer on CPU and run one eager step")
     args = ap.parse_args()
     if args.cpu_smoke:
@@ -179,8 +180,9 @@ def main() -> None:
     if not args.skip_tiny:
         res["tiny"] = bench_tiny(args.steps)
         print(json.dumps(res["tiny"]), flush=True)
+    modes = [m for m in args.layer_modes.split(",") if m]
     for lt in ("compressed_sparse_attention", "heavily_compressed_attention"):
-        for k in ([False, True] if args.kernels else [False]):
+        for k in [m == "kernels" for m in modes]:
             r = bench_layer(lt, dev, ceiling, k)
             res.setdefault("v4_pro_layer", []).append(r)
             print(json.dumps(r), flush=True)
