@@ -141,6 +141,12 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
         layer_devices = [torch.device(d) for d in device_map]
         if len(layer_devices) != n:
             raise ValueError(f"device_map has {len(layer_devices)} entries for {n} layers")
+    seen: list[torch.device] = []
+    for d in layer_devices:  # one CUDA graph / position counter per contiguous run of layers
+        if seen and d != seen[-1] and d in seen:
+            raise ValueError(f"device_map must place each device's layers contiguously; {d} comes back after {seen[-1]}")
+        if not seen or d != seen[-1]:
+            seen.append(d)
     reader.check()
     model = materialize(config, lambda base, dev: reader.weight(base, dev), lambda name, dev: reader.tensor(name, dev),
                         dtype=dtype, layer_devices=layer_devices, progress=progress, dequantize=dequantize)
