@@ -57,6 +57,10 @@ def get_model(key):
 def prompt(model):
     from dsv4lab.cli.bugzoo_cmd import prompt_len
 
+    if getattr(model, "source", None):  # the trained embedded model: natural text on which every bug is live
+        from dsv4lab.bugzoo.prompts import live_prompt
+
+        return live_prompt(model)
     n = prompt_len(model.config)
     return torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(5))
 

@@ -79,8 +79,19 @@ def run(args) -> int:
         print(f"dsv4lab bugzoo: cannot load {args.model}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     cfg = model.config
-    n = args.seq_len or prompt_len(cfg)
-    ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(args.seed)).to(model.device)
+    ids = None
+    if not args.seq_len and getattr(model, "source", None):
+        try:  # a checkpoint with our tokenizer: natural text on which the clamp bugs are live
+            from ..bugzoo.prompts import live_prompt
+            from ..text.tokenizer import load_tokenizer
+
+            ids = live_prompt(model, load_tokenizer(model.source)).to(model.device)
+        except Exception:  # noqa: BLE001 - no usable tokenizer: random tokens below
+            ids = None
+    if ids is None:
+        n = args.seq_len or prompt_len(cfg)
+        ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(args.seed)).to(model.device)
+    n = ids.shape[1]
     names = list(BUGS) if not args.bugs else [b.strip() for b in args.bugs.split(",") if b.strip()]
     unknown = [b for b in names if b not in BUGS]
     if unknown:
