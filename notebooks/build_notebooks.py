@@ -281,6 +281,12 @@ rec.record("retrieval.answer_correct", rr["top1_id"] == ex.answer_id)
 display(pd.DataFrame(rows))
 print(f"answer {S.tok(ex.answer_id)!r}: p={rr['p_answer']:.4f} (rank {rr['answer_rank']}), model's top-1 {S.tok(rr['top1_id'])!r}")
 print(f"with the planted entries removed from every top-k: p={blocked['p_answer']:.4f} (rank {blocked['answer_rank']})")''',
+    "## Which compressed branch carries the copy?\nZero the compressed entries whose windows cover the planted value and the two sliding windows after it (the early sliding layers smear the key/value association over the following tokens) in the CSA layers only, in the HCA layers only, or in both, and watch the answer.",
+    '''abl = {k: CV.retrieval_check(S, ex, ablate_entries=k) for k in ("csa", "hca", "all")}
+for k, r in abl.items():
+    rec.record(f"retrieval.p_answer_ablated_{k}", r["p_answer"], {"abs": 2e-3, "rel": 0.02})
+display(pd.DataFrame([{"planted entries zeroed in": k, "p(answer)": r["p_answer"], "answer rank": r["answer_rank"]}
+                      for k, r in [("none", rr)] + list(abl.items())]))''',
 ])
 
 # ------------------------------------------------------------------------------------------ 05

@@ -108,7 +108,8 @@ def test_04_compressor(report):
     assert isinstance(m["retrieval.L2.planted_chosen"], bool)
     if TRAINED:
         assert m["retrieval.answer_correct"] is True
-        assert m["retrieval.p_answer_planted_blocked"] < m["retrieval.p_answer"]
+        # the copy rides on the planted window's compressed entry: zeroing it everywhere hurts
+        assert m["retrieval.p_answer_ablated_all"] < 0.5 * m["retrieval.p_answer"]
 
 
 def test_05_decode(report):

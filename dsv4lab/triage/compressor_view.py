@@ -145,8 +145,20 @@ def planted_entries(model, layer: int, plant_pos: int) -> list[int]:
     return [plant_pos // m, plant_pos // m + 1]
 
 
+def planted_windows(model, layer: int, plant_pos: int, spread: int | None = None) -> list[int]:
+    """Compressed entries (of the layer's own compressor) whose windows cover the planted value
+    and the ``spread`` tokens after it (default: two sliding windows -- the earlier sliding layers
+    copy the key/value association into the residuals of the following tokens, so on the trained
+    model it reaches the compressor through several windows, not only the plant's own)."""
+    comp = model.layers[layer].attn.compressor
+    spread = 2 * model.config.sliding_window if spread is None else spread
+    first = plant_pos // comp.ratio
+    last = (plant_pos + spread) // comp.ratio + (1 if comp.overlap else 0)
+    return list(range(first, last + 1))
+
+
 @torch.no_grad()
-def retrieval_check(session, ex: Retrieval, block_planted: bool = False) -> dict:
+def retrieval_check(session, ex: Retrieval, block_planted: bool = False, ablate_entries: str | None = None) -> dict:
     """Run the retrieval prompt; per CSA layer whether the last query's top-k holds a planted
     entry, and the answer's probability / rank. ``block_planted=True`` removes the planted entries
     from every query's selection (replaced by -1 = nothing), to show what the choice is worth."""
@@ -159,6 +171,21 @@ def retrieval_check(session, ex: Retrieval, block_planted: bool = False) -> dict
             return torch.where(torch.isin(t, bad), torch.full_like(t, -1), t)
 
         fwd = [("layers.*.attn.indexer.hook_indices", drop)]
+    if ablate_entries:  # "csa" | "hca" | "all": zero the planted window's compressed entries
+        kinds = {"csa": (True,), "hca": (False,), "all": (True, False)}[ablate_entries]
+
+        def zero(t, name):
+            layer = int(name.split(".")[1])
+            comp = model.layers[layer].attn.compressor
+            if comp.overlap not in kinds:
+                return t
+            t = t.clone()
+            for w in planted_windows(model, layer, ex.plant_pos):
+                if w < t.shape[1]:
+                    t[:, w] = 0
+            return t
+
+        fwd = fwd + [("layers.*.attn.compressor.hook_entries", zero)]
     logits, cache = collect(session, ex.ids, fwd_hooks=fwd)
     p = torch.softmax(logits[0, -1].double().cpu(), -1)
     rows = {}

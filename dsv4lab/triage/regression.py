@@ -9,7 +9,7 @@ Bless new baselines after an intended change::
     python -m dsv4lab report --out reports          # run everything
     python -m dsv4lab report --bless reports/metrics.json   # copy into data/baselines/
 
-The component fingerprint (``fp.<hook point>``: rms of the first firing of every floating hook
+The component fingerprint (``fp.<hook point>``: a seeded +-1 projection of the first firing of every floating hook
 point, a checksum of integer ones, for the probe prompt) is what names the component: regressed
 fingerprint metrics are listed in execution order, and the first one's component is where the
 computation first changed.
@@ -38,9 +38,18 @@ class RegressionError(AssertionError):
 # ------------------------------------------------------------------------------ fingerprint
 @torch.no_grad()
 def fingerprint(model, ids: torch.Tensor) -> list[tuple[str, object]]:
-    """[(hook name, value)] in execution order, first firing of each hook point: rms (fp32) of
-    floating tensors (non-finite -> inf), an order-insensitive checksum of integer ones."""
+    """[(hook name, value)] in execution order, first firing of each hook point: a seeded random
+    +-1 projection of floating tensors, sum(x * r) / sqrt(n) (fp32; non-finite -> inf), an
+    order-insensitive checksum of integer ones. A projection, not the rms: tensors that leave a
+    norm (compressed entries after kv_norm, normalised queries) keep their rms when they are wrong."""
     out: dict[str, object] = {}
+    signs: dict[int, torch.Tensor] = {}
+
+    def sign_vector(n: int, device) -> torch.Tensor:
+        if n not in signs:
+            g = torch.Generator().manual_seed(1234)
+            signs[n] = (torch.randint(0, 2, (n,), generator=g) * 2 - 1).float()
+        return signs[n].to(device)
 
     def rec(t, name):
         if name in out:
@@ -48,7 +57,8 @@ def fingerprint(model, ids: torch.Tensor) -> list[tuple[str, object]]:
         if t.is_floating_point():
             x = t.detach().float()
             fin = torch.isfinite(x)
-            out[name] = float(x[fin].pow(2).mean().sqrt()) if bool(fin.all()) and x.numel() else float("inf")
+            n = x.numel()
+            out[name] = float((x.flatten() * sign_vector(n, x.device)).sum() / n ** 0.5) if bool(fin.all()) and n else float("inf")
         else:
             s = t.detach().long().sort(-1).values if t.dim() else t.detach().long()
             w = torch.arange(1, s.numel() + 1, dtype=torch.long, device=s.device).view(s.shape)
