@@ -61,3 +61,45 @@ def test_decode_step_has_no_host_syncs():
     m = _model("cuda")
     ids = torch.randint(2, 97, (1, 40), generator=torch.Generator().manual_seed(0))
     assert sync_inventory(m, ids, steps=3) == []
+
+
+def test_tap_follows_each_decode_step():
+    from dsv4lab.decode.taps import Tap
+
+    m = _model()
+    ids = torch.randint(2, 97, (1, 30), generator=torch.Generator().manual_seed(0))
+    st = m.new_state(1, 40)
+    m.prefill(ids[:, :20], st)
+    seen = []
+    with Tap(m, "layers.2.attn.compressor.hook_entries") as tap, \
+            m.hooks([("layers.2.attn.compressor.hook_entries", lambda t, n: seen.append(t.clone()))]):
+        for t in range(20, 30):
+            m.decode_step(ids[:, t : t + 1], st)
+            st.pos += 1
+            assert torch.equal(tap.value(), seen[-1])
+    assert tap.count == 10
+    with pytest.raises(KeyError):
+        Tap(m, "layers.2.attn.no_such_hook")
+
+
+@pytest.mark.gpu
+@cuda
+def test_tap_under_graph_replay():
+    from dsv4lab.decode.graphs import GraphDecoder
+    from dsv4lab.decode.taps import Tap
+
+    m = _model("cuda")
+    ids = torch.randint(2, 97, (1, 30), generator=torch.Generator().manual_seed(0)).cuda()
+    st = m.new_state(1, 60)
+    m.prefill(ids, st)
+    ref_state = st.clone()
+    tap = Tap(m, "hook_final_hidden")
+    gd = GraphDecoder(m, st)
+    tok = ids[:, -1:]
+    for _ in range(5):
+        gd.step(tok, st)
+        st.pos += 1
+        got = tap.value()
+        m.decode_step(tok, ref_state)  # eager on a copy of the state: the tap fires eagerly too
+        ref_state.pos += 1
+        assert torch.equal(got, tap.value())
