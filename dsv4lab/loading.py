@@ -85,7 +85,7 @@ def materialize(config: DSV4Config, get_weight: Callable, get_tensor: Callable, 
                 w = w.dequantize(dtype)
         ql.set_weight(w)
         bar.update(1)
-        bar.set_postfix(GBps=f"{nbytes / max(time.perf_counter() - t0, 1e-9) / 1e9:.2f}")
+        bar.set_postfix(GBps=f"{nbytes / max(time.perf_counter() - t0, 1e-9) / 1e9:.2f}", refresh=False)
     for name in names:
         dev = _device_for(name, layer_devices, first, last)
         t = get_tensor(name, dev)
