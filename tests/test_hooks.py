@@ -9,13 +9,7 @@ from dsv4lab.model.init import random_model
 from oracle_util import tiny_config
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: intra-op threading only adds contention (index_add_ is pathological under load)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
