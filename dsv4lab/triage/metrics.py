@@ -138,12 +138,25 @@ def load_metrics(path: str | os.PathLike) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def portable_path(source) -> str | None:
+    """A checkpoint path relative to the repo when inside it (clones live anywhere)."""
+    from pathlib import Path
+
+    if source is None:
+        return None
+    root = Path(__file__).resolve().parents[2]
+    try:
+        return str(Path(source).resolve().relative_to(root))
+    except (ValueError, TypeError, OSError):
+        return str(source)
+
+
 def merge(files_or_dicts) -> dict:
     """Merge per-notebook metric files into ``{"model": ..., "notebooks": {nb: {metric: {...}}}}``."""
     out: dict = {"model": None, "notebooks": {}}
     for f in files_or_dicts:
         d = f if isinstance(f, dict) else load_metrics(f)
-        out["model"] = out["model"] or d.get("model")
+        out["model"] = out["model"] or portable_path(d.get("model"))
         out["notebooks"][d["notebook"]] = d["metrics"]
     return out
 

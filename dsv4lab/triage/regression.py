@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .metrics import flatten, normalize_tolerance
+from .metrics import flatten, normalize_tolerance, portable_path
 
 REPO = Path(__file__).resolve().parents[2]
 BASELINE_DIR = REPO / "data" / "baselines"
@@ -83,7 +83,8 @@ def nightly_metrics(session, rec, prompt: str, chat_prompt: str, answer: str | N
     h = inject(model, bug, bug_layers)
     injected = injected_components(model, h)
     try:
-        rec.record("model.source", session.source, "exact")
+        # where the weights came from, relative to the repo when inside it (clones live anywhere)
+        rec.record("model.source", portable_path(session.source), "exact")
         rec.record("model.trained", session.trained, "exact")
         ids = session.encode(prompt, "plain")
         ans = session.token_id(answer) if answer else None
