@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from .checkpoint.names import KIND_GROUPS
 from .config import DSV4Config, config_from_dict, load_config
 
 FORMATS = ("nvfp4", "fp8_mxfp4", "bf16")
@@ -52,17 +53,7 @@ NAMED_CONFIGS = {"v4-pro": "v4_pro.json", "v4_pro": "v4_pro.json", "pro": "v4_pr
 # probabilities 128 heads x 4096 x (128 + 1024) fp32 = 2.4 GB)
 DEFAULT_RESERVE = 6 * 10**9
 # per-layer byte columns of the table (component kinds of dsv4lab.checkpoint.names)
-GROUPS = {
-    "attn": ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.sink"),
-    "compressor": ("compressor.wkv", "compressor.wgate", "compressor.ape"),
-    "indexer": ("indexer.wq_b", "indexer.weights_proj", "indexer.compressor.wkv", "indexer.compressor.wgate",
-                "indexer.compressor.ape"),
-    "experts": ("experts",),
-    "shared": ("shared_expert",),
-    "router": ("router",),
-    "embed/head": ("embed", "head"),
-    "norm/mhc": ("norm", "mhc"),
-}
+GROUPS = {**KIND_GROUPS, "embed/head": ("embed", "head"), "norm/mhc": ("norm", "mhc")}
 
 
 class PlanError(ValueError):

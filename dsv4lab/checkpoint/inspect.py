@@ -12,19 +12,11 @@ from typing import Any
 
 from . import CheckpointError
 from .names import component_kind, is_linear, layer_of
+from .names import KIND_GROUPS
 from .reader import CheckpointReader, _natural
 
 # per-layer byte columns of the text table
-_GROUPS = {
-    "attn": ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.sink"),
-    "compressor": ("compressor.wkv", "compressor.wgate", "compressor.ape"),
-    "indexer": ("indexer.wq_b", "indexer.weights_proj", "indexer.compressor.wkv", "indexer.compressor.wgate",
-                "indexer.compressor.ape"),
-    "experts": ("experts",),
-    "shared": ("shared_expert",),
-    "router": ("router",),
-    "other": ("norm", "mhc", "embed", "head"),
-}
+_GROUPS = {**KIND_GROUPS, "other": ("norm", "mhc", "embed", "head")}
 _ALGO_TO_FORMAT = {"NVFP4": "nvfp4", "MXFP4": "mxfp4", "FP8_BLOCK": "fp8_block", "FP8": "fp8_block",
                    "W4A16_MXFP4": "mxfp4"}
 

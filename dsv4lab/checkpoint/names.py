@@ -394,3 +394,15 @@ def layer_of(name: str) -> int | None:
     """Layer index of a canonical (or raw) name, ``None`` for global tensors."""
     m = _LAYER_RE.match(name)
     return int(m.group(2)) if m else None
+
+
+# component kinds grouped into the per-layer byte columns of inspect / plan tables
+KIND_GROUPS: dict[str, tuple[str, ...]] = {
+    "attn": ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.sink"),
+    "compressor": ("compressor.wkv", "compressor.wgate", "compressor.ape"),
+    "indexer": ("indexer.wq_b", "indexer.weights_proj", "indexer.compressor.wkv", "indexer.compressor.wgate",
+                "indexer.compressor.ape"),
+    "experts": ("experts",),
+    "shared": ("shared_expert",),
+    "router": ("router",),
+}
