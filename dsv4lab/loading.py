@@ -105,20 +105,6 @@ def materialize(config: DSV4Config, get_weight: Callable, get_tensor: Callable, 
     return model.eval()
 
 
-def from_state_dict(config: DSV4Config, state: Mapping[str, object], dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> DSV4Model:
-    """A model from canonical-name tensors / QuantWeights held in memory (tests, training)."""
-    dev = torch.device(device)
-
-    def get(name, _dev):
-        if name not in state:
-            raise KeyError(f"state has no tensor '{name}'")
-        return state[name] if not name.endswith(".weight") or name in state else state[name]
-
-    return materialize(config, lambda base, d: get(base + ".weight", d), get, dtype=dtype,
-                       layer_devices=[dev] * config.num_hidden_layers, progress=False)
-
-
 def load(path: str | os.PathLike | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
          device_map: Mapping[int, str] | list | None = None, precision=None, dequantize: bool = False,
          progress: bool = True) -> DSV4Model:
