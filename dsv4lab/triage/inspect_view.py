@@ -9,15 +9,11 @@ from __future__ import annotations
 import os
 import time
 
-GROUPS = {
-    "attention": ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.sink"),
-    "compressor": ("compressor.wkv", "compressor.wgate", "compressor.ape"),
-    "indexer": ("indexer.wq_b", "indexer.weights_proj", "indexer.compressor.wkv", "indexer.compressor.wgate",
-                "indexer.compressor.ape"),
-    "routed experts": ("experts",),
-    "shared expert": ("shared_expert",),
-    "router": ("router",),
-}
+from ..checkpoint.names import KIND_GROUPS
+
+# the shared kind groups of the inspect / plan tables, under labels a reader scans faster
+_LABELS = {"attn": "attention", "experts": "routed experts", "shared": "shared expert"}
+GROUPS = {_LABELS.get(g, g): kinds for g, kinds in KIND_GROUPS.items()}
 
 
 def inspect(path) -> dict:
