@@ -89,12 +89,17 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--prefill", type=int, default=128)
+    ap.add_argument("--shapes", default=None, help="comma-separated subset of shape names")
+    ap.add_argument("--skip-moe", action="store_true")
     args = ap.parse_args()
     from triton.testing import do_bench
 
     from kernels.moe_decode import StackedNVFP4, moe_decode_ref, moe_decode_triton
     from kernels.nvfp4_act_quant import nvfp4_act_quant
-    from kernels.nvfp4_matmul import _TUNED, nvfp4_matmul
+    from kernels.nvfp4_matmul import _TUNED, gemm_config, nvfp4_matmul
+
+    def cfg_of(M, N, K, x):
+        return _TUNED.get((1 if M == 1 else 16, N, K, x.dtype, "cuda", torch.cuda.current_device()))
 
     dev = torch.cuda.get_device_name()
     ceil = copy_ceiling(do_bench)
@@ -103,6 +108,8 @@ def main():
     batches = [int(b) for b in args.batches.split(",")] + ([args.prefill] if args.prefill else [])
     t0 = time.time()
     for name, K, N in SHAPES:
+        if args.shapes and name not in args.shapes.split(","):
+            continue
         w = rand_nvfp4(N, K)
         wbytes = w.packed.numel() + w.block_scale.numel()
         ncopy = max(1, min(32, -(-400_000_000 // wbytes)))  # >= 400 MB of weights per replay
@@ -123,19 +130,32 @@ def main():
             except Exception as exc:  # fall back to eager timing
                 print("torch path not capturable:", repr(exc)[:200])
                 t_t = do_bench(lambda: F.linear(x, w.dequantize(torch.bfloat16)), warmup=3, rep=20) * 1e3
+            ablation = {}
+            if M == 1 and cfg_of(M, N, K, x) is not None:  # the same tuned tile with each M=1 inner loop
+                for h2 in (True, False):
+                    c2 = {**cfg_of(M, N, K, x), "H2": h2}
+                    ablation["f16x2" if h2 else "fp32_fma"] = graph_time_us(
+                        [lambda c=c: nvfp4_matmul(x, c.packed, c.block_scale, c.global_scale, config=c2) for c in copies])
             t_k, t_t = t_k * 1e-3, t_t * 1e-3  # ms, as below
             byts = wbytes + x.numel() * 2 + M * N * 2
             gbs = byts / (t_k * 1e-3) / 1e9
-            cfg = _TUNED.get((1 if M == 1 else 16, N, K, x.dtype, "cuda", torch.cuda.current_device())) if M <= 16 else None
+            cfg = cfg_of(M, N, K, x) if M <= 16 else gemm_config(M, N, K, x.device)
             r = dict(shape=name, K=K, N=N, batch=M, kernel_us=t_k * 1e3, kernel_eager_us=t_e, torch_us=t_t * 1e3, GBps=gbs,
-                     frac_copy=gbs / ceil, speedup=t_t / t_k, max_rel_err=err, config=cfg)
+                     frac_copy=gbs / ceil, speedup=t_t / t_k, max_rel_err=err, config=cfg,
+                     m1_inner_loop_us=ablation or None)
             rows.append(r)
             print(f"{name:13s} {K:6d}->{N:6d} M={M:4d}  ours {t_k*1e3:9.1f} us  torch {t_t*1e3:9.1f} us  "
-                  f"{gbs:7.0f} GB/s  {gbs/ceil:5.1%} of copy  x{t_t/t_k:6.1f}  err {err:.2e}  eager {t_e:7.1f} us  {cfg}", flush=True)
+                  f"{gbs:7.0f} GB/s  {gbs/ceil:5.1%} of copy  x{t_t/t_k:6.1f}  err {err:.2e}  eager {t_e:7.1f} us  {cfg}"
+                  + (f"  ablation(us) {ablation}" if ablation else ""), flush=True)
         del w, copies
         torch.cuda.empty_cache()
     print(f"matmul sweep {time.time()-t0:.0f} s", flush=True)
 
+    if args.skip_moe:
+        print(json.dumps(dict(matmul=rows)), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(device=dev, torch=torch.__version__, copy_GBps=ceil, matmul=rows), indent=1))
+        return
     # MoE decode: 6 of 16 stacked experts, V4-Pro expert shapes
     H, I, E, k = 7168, 3072, 16, 6
     w1 = StackedNVFP4.from_weights([rand_nvfp4(I, H, 100 + e) for e in range(E)])

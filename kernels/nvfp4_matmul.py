@@ -96,6 +96,146 @@ def _gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo,
     return tl.sum(acc, axis=1)
 
 
+# f16x2 path (M == 1 on the GPU): two nibbles -> one f16x2 register, products and the
+# within-group sum in fma.rn.f16x2, the group sum widened to fp32 once. Per 8 weights: 7 shifts,
+# 4 and, 4 lop3, 4 hfma2 (~2.4 instructions per weight instead of ~5 with a cvt each).
+# $1/$2: the group's low/high int32 word; $3..$6 / $7..$10: x' pairs (f16x2, elements j, j+4).
+_H2_WORD = """
+shl.b32 a, {w}, 9;  shl.b32 b, {w}, 12; and.b32 b, b, 0x80008000; lop3.b32 p, a, b, 0x0E000E00, 0xEC; fma.rn.f16x2 acc, p, {x0}, acc;
+shl.b32 a, {w}, 5;  shl.b32 b, {w}, 8;  and.b32 b, b, 0x80008000; lop3.b32 p, a, b, 0x0E000E00, 0xEC; fma.rn.f16x2 acc, p, {x1}, acc;
+shl.b32 a, {w}, 1;  shl.b32 b, {w}, 4;  and.b32 b, b, 0x80008000; lop3.b32 p, a, b, 0x0E000E00, 0xEC; fma.rn.f16x2 acc, p, {x2}, acc;
+shr.b32 a, {w}, 3;  and.b32 b, {w}, 0x80008000;                   lop3.b32 p, a, b, 0x0E000E00, 0xEC; fma.rn.f16x2 acc, p, {x3}, acc;
+"""
+_H2_GROUP_ASM = tl.constexpr("{ .reg .b32 a, b, p, acc; .reg .f16 hlo, hhi; .reg .f32 flo, fhi;\nmov.b32 acc, 0;\n"
+                 + _H2_WORD.format(w="$1", x0="$3", x1="$4", x2="$5", x3="$6")
+                 + _H2_WORD.format(w="$2", x0="$7", x1="$8", x2="$9", x3="$10")
+                 + "mov.b32 {hlo, hhi}, acc; cvt.f32.f16 flo, hlo; cvt.f32.f16 fhi, hhi; add.f32 flo, flo, fhi;\n"
+                 + "mov.b32 $0, flo; }")
+
+
+@triton.jit
+def _x_half(xb, o: tl.constexpr, gm, xs):
+    """x'[16g + o] = x * xs (power of two) as f16 bits in the low half of an int32."""
+    v = (tl.load(xb + o, mask=gm, other=0.0).to(tl.float32) * xs).to(tl.float16)
+    return v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _x_pair(xb, o: tl.constexpr, gm, xs):
+    return _x_half(xb, o, gm, xs) | (_x_half(xb, o + 4, gm, xs) << 16)
+
+
+@triton.jit
+def _h2_word_emulated(w32, x0, x1, x2, x3, acc_lo, acc_hi):
+    """What one _H2_WORD block computes, in plain Triton (the interpreter cannot run PTX): exact
+    f16 products added to the f16 running sums (lo half: element j, hi half: element j+4)."""
+    for j in tl.static_range(4):
+        if j == 0:
+            xp = x0
+        elif j == 1:
+            xp = x1
+        elif j == 2:
+            xp = x2
+        else:
+            xp = x3
+        if j == 3:
+            p = ((w32 >> 3) & 0x0E000E00) | (w32 & -2147450880)
+        else:
+            p = ((w32 << (9 - 4 * j)) & 0x0E000E00) | ((w32 << (12 - 4 * j)) & -2147450880)
+        lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        xa = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        xc = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        acc_lo = (acc_lo + lo * xa).to(tl.float16).to(tl.float32)
+        acc_hi = (acc_hi + hi * xc).to(tl.float16).to(tl.float32)
+    return acc_lo, acc_hi
+
+
+@triton.jit
+def _x_scale(x_ptr, k_lo, k_hi, XB: tl.constexpr):
+    """Power of two xs (and 1/xs) with max|x[k_lo:k_hi]| * xs in [2^14, 2^15): x' = x*xs is
+    exact in f16 for bf16 x and products with E2M1*2^-14 stay normal, sums of 8 below 2^7."""
+    amax = tl.zeros((XB,), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, XB):
+        offs = k0 + tl.arange(0, XB)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + offs, mask=offs < k_hi, other=0.0).to(tl.float32)))
+    e = (tl.max(amax, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    b = tl.minimum(tl.maximum(268 - e, 1), 253)       # xs = 2^(141 - e) = 2^(b - 127)
+    return (b << 23).to(tl.float32, bitcast=True), ((254 - b) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, K, XB: tl.constexpr):
+    """One CTA: x' = x * xs (power of two, see _x_scale) packed as the f16x2 pairs the M=1 loop
+    consumes (pair 8g + 4h + j = elements 16g+8h+j and +4), and 1/xs; one launch per call lets
+    every GEMV CTA read 8 int32 per group instead of converting 16 x values itself."""
+    xs, inv = _x_scale(x_ptr, 0, K, XB)
+    for p0 in range(0, K // 2, XB):
+        p = p0 + tl.arange(0, XB)
+        ok = p < K // 2
+        a = (p // 8) * 16 + ((p % 8) // 4) * 8 + (p % 4)
+        lo = (tl.load(x_ptr + a, mask=ok, other=0.0).to(tl.float32) * xs).to(tl.float16)
+        hi = (tl.load(x_ptr + a + 4, mask=ok, other=0.0).to(tl.float32) * xs).to(tl.float16)
+        pair = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+        tl.store(xp_ptr + p, pair, mask=ok)
+    tl.store(inv_ptr, inv)
+
+
+@triton.jit
+def _gemv_rows_m1_h2(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, xp_ptr, rows, row_ok, g_lo, g_hi, gps, xs,
+                     BN: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr, XP: tl.constexpr):
+    """Like _gemv_rows_m1 (result in units of 2^-14 / xs) with f16x2 products: see _H2_GROUP_ASM.
+    XP: the x' pairs come precomputed from _x_pairs_kernel, else each CTA builds them."""
+    acc = tl.zeros((BN, G), dtype=tl.float32)
+    offs_g = tl.arange(0, G)
+    gg = g_lo + offs_g
+    m2 = row_ok[:, None] & (gg < g_hi)[None, :]
+    w_nx = tl.load(w_ptr + rows[:, None] * stride_wn + gg[None, :], mask=m2, other=0)
+    s_nx = tl.load(s_ptr + rows[:, None] * stride_sn + gg[None, :], mask=m2, other=0)
+    for g0 in range(g_lo, g_lo + gps, G):
+        gg = g0 + offs_g
+        gm = gg < g_hi
+        w64 = w_nx
+        sc = _e4m3_to_f32(s_nx)
+        gn = gg + G
+        mn = row_ok[:, None] & (gn < g_hi)[None, :]
+        w_nx = tl.load(w_ptr + rows[:, None] * stride_wn + gn[None, :], mask=mn, other=0)
+        s_nx = tl.load(s_ptr + rows[:, None] * stride_sn + gn[None, :], mask=mn, other=0)
+        w_lo = w64.to(tl.int32)
+        w_hi = (w64 >> 32).to(tl.int32)
+        if XP:
+            xq = xp_ptr + gg * 8
+            x0 = tl.load(xq + 0, mask=gm, other=0)[None, :]
+            x1 = tl.load(xq + 1, mask=gm, other=0)[None, :]
+            x2 = tl.load(xq + 2, mask=gm, other=0)[None, :]
+            x3 = tl.load(xq + 3, mask=gm, other=0)[None, :]
+            x4 = tl.load(xq + 4, mask=gm, other=0)[None, :]
+            x5 = tl.load(xq + 5, mask=gm, other=0)[None, :]
+            x6 = tl.load(xq + 6, mask=gm, other=0)[None, :]
+            x7 = tl.load(xq + 7, mask=gm, other=0)[None, :]
+        else:
+            xb = x_ptr + gg * 16
+            x0 = _x_pair(xb, 0, gm, xs)[None, :]
+            x1 = _x_pair(xb, 1, gm, xs)[None, :]
+            x2 = _x_pair(xb, 2, gm, xs)[None, :]
+            x3 = _x_pair(xb, 3, gm, xs)[None, :]
+            x4 = _x_pair(xb, 8, gm, xs)[None, :]
+            x5 = _x_pair(xb, 9, gm, xs)[None, :]
+            x6 = _x_pair(xb, 10, gm, xs)[None, :]
+            x7 = _x_pair(xb, 11, gm, xs)[None, :]
+        if USE_ASM:
+            part = tl.inline_asm_elementwise(
+                _H2_GROUP_ASM, "=r,r,r,r,r,r,r,r,r,r,r", [w_lo, w_hi, x0, x1, x2, x3, x4, x5, x6, x7],
+                dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+        else:
+            z = tl.zeros((BN, G), dtype=tl.float32)
+            a_lo, a_hi = _h2_word_emulated(w_lo, x0, x1, x2, x3, z, z)
+            a_lo, a_hi = _h2_word_emulated(w_hi, x4, x5, x6, x7, a_lo, a_hi)  # one running f16x2 sum
+            part = a_lo + a_hi
+        acc += part * sc
+    return tl.sum(acc, axis=1)
+
+
 @triton.jit
 def _gemv_rows_dot(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, stride_xm, M, rows, row_ok, g_lo, g_hi, gps,
                    BN: tl.constexpr, G: tl.constexpr, BMP: tl.constexpr, DOT_DTYPE: tl.constexpr):
@@ -126,10 +266,10 @@ def _gemv_rows_dot(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, stride_xm, M, rows
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr,
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, xp_ptr, inv_ptr,
                  M, N, KG, stride_xm, stride_wn, stride_sn, stride_ym, groups_per_split, SPLIT,
                  USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, BMP: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr):
+                 DOT_DTYPE: tl.constexpr, H2: tl.constexpr, USE_ASM: tl.constexpr, XP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -138,8 +278,18 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr,
     g_hi = tl.minimum(g_lo + groups_per_split, KG)
     gs = tl.load(gs_ptr).to(tl.float32)
     if BMP == 1:
-        acc = _gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, g_hi, groups_per_split, BN, G)
-        acc = acc * 16384.0  # undo the 2^-14 of the fp16 nibble trick
+        if H2:
+            if XP:
+                xs = 1.0
+                inv_xs = tl.load(inv_ptr)
+            else:
+                xs, inv_xs = _x_scale(x_ptr, g_lo * 16, g_hi * 16, 1024)
+            acc = _gemv_rows_m1_h2(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, xp_ptr, rows, row_ok, g_lo, g_hi,
+                                   groups_per_split, xs, BN, G, USE_ASM, XP)
+            acc = acc * (16384.0 * inv_xs)  # undo 2^-14 (nibble trick) and the x scaling
+        else:
+            acc = _gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, g_hi, groups_per_split, BN, G)
+            acc = acc * 16384.0  # undo the 2^-14 of the fp16 nibble trick
         if not USE_SPLIT:
             tl.store(y_ptr + rows, (acc * gs).to(y_ptr.dtype.element_ty), mask=row_ok)
         else:
@@ -173,11 +323,15 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr,
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, p_ptr, s_ptr, gs_ptr, y_ptr, M, N, K,
+def _gemm_kernel(x_ptr, p_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split, SPLIT,
                  stride_xm, stride_pn, stride_sn, stride_ym,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 USE_SPLIT: tl.constexpr):
+    """Tiled GEMM over (M, N) tiles and K splits; splits > 1 finish like the GEMV (fp32
+    partials, a per-tile counter, the last split sums and stores)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     m_ok = offs_m < M
@@ -186,14 +340,16 @@ def _gemm_kernel(x_ptr, p_ptr, s_ptr, gs_ptr, y_ptr, M, N, K,
     offs_k = tl.arange(0, BK)
     offs_g = tl.arange(0, BK // 16)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k_ok = (k0 + offs_k) < K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BK):
+        k_ok = (k0 + offs_k) < k_hi
         xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
                      mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
-        kb_ok = (k0 // 2 + offs_kb) < K // 2
+        kb_ok = (k0 // 2 + offs_kb) < k_hi // 2
         b = tl.load(p_ptr + offs_n[:, None] * stride_pn + (k0 // 2 + offs_kb)[None, :],
                     mask=n_ok[:, None] & kb_ok[None, :], other=0).to(tl.int32)
-        g_ok = (k0 // 16 + offs_g) < K // 16
+        g_ok = (k0 // 16 + offs_g) < k_hi // 16
         sc = _e4m3_to_f32(tl.load(s_ptr + offs_n[:, None] * stride_sn + (k0 // 16 + offs_g)[None, :],
                                   mask=n_ok[:, None] & g_ok[None, :], other=0)) * 16384.0
         lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -202,8 +358,22 @@ def _gemm_kernel(x_ptr, p_ptr, s_ptr, gs_ptr, y_ptr, M, N, K,
         w = tl.reshape(w * sc[:, :, None], (BN, BK)).to(DOT_DTYPE)
         acc = tl.dot(xt, tl.trans(w), acc)
     gs = tl.load(gs_ptr).to(tl.float32)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], (acc * gs).to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    omask = m_ok[:, None] & n_ok[None, :]
+    yp = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if not USE_SPLIT:
+        tl.store(yp, (acc * gs).to(y_ptr.dtype.element_ty), mask=omask)
+    else:
+        wsp = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(wsp + pid_k * M * N, acc, mask=omask)
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(1) + pid_n
+        old = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if old == SPLIT - 1:
+            tot = tl.zeros((BM, BN), dtype=tl.float32)
+            for sp in range(SPLIT):
+                tot += tl.load(wsp + sp * M * N, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.store(yp, (tot * gs).to(y_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -247,7 +417,7 @@ def default_config(M: int, N: int, K: int, device: torch.device) -> dict:
     n_tiles = triton.cdiv(N, bn)
     target = 4 * _num_sms(device)
     split = max(1, min(triton.cdiv(target, n_tiles), KG // (4 * g) if KG >= 4 * g else 1, 64))
-    return {"BN": bn, "G": g, "SPLIT": split, "num_warps": warps}
+    return {"BN": bn, "G": g, "SPLIT": split, "num_warps": warps, "H2": M == 1, "XP": M == 1}
 
 
 def _candidates(M: int, N: int, K: int, device: torch.device) -> list[dict]:
@@ -260,9 +430,10 @@ def _candidates(M: int, N: int, K: int, device: torch.device) -> list[dict]:
         n_tiles = triton.cdiv(N, bn)
         for mult in (2, 4, 8):
             split = max(1, min(triton.cdiv(mult * sms, n_tiles), max(1, KG // g), 64))
-            c = {"BN": bn, "G": g, "SPLIT": split, "num_warps": w}
-            if c not in out:
-                out.append(c)
+            for h2, xp in (((True, True), (True, False), (False, False)) if M == 1 else ((False, False),)):
+                c = {"BN": bn, "G": g, "SPLIT": split, "num_warps": w, "H2": h2, "XP": xp}
+                if c not in out:
+                    out.append(c)
     return out
 
 
@@ -282,11 +453,51 @@ def _launch_gemv(x2, packed, scale, gs, y, cfg):
     else:
         ws = y
         cnt = y
+    h2 = bool(cfg.get("H2", False)) and bmp == 1
+    xpairs = h2 and bool(cfg.get("XP", False))
+    if xpairs:
+        xp = torch.empty(K // 2, dtype=torch.int32, device=x2.device)
+        inv = torch.empty(1, dtype=torch.float32, device=x2.device)
+        _x_pairs_kernel[(1,)](x2, xp, inv, K, XB=1024 if not _INTERPRET else 64, num_warps=8 if not _INTERPRET else 1)
+    else:
+        xp, inv = x2, gs
     _gemv_kernel[(n_tiles, split)](
-        x2, w64, scale.view(torch.uint8), gs, y, ws, cnt,
+        x2, w64, scale.view(torch.uint8), gs, y, ws, cnt, xp, inv,
         M, N, KG, x2.stride(0), w64.stride(0), scale.stride(0), y.stride(0), gps, split,
         USE_SPLIT=split > 1, BN=cfg["BN"], G=cfg["G"], BMP=bmp, DOT_DTYPE=_dot_dtype(x2),
-        num_warps=cfg["num_warps"])
+        H2=h2, USE_ASM=not _INTERPRET, XP=xpairs, num_warps=cfg["num_warps"])
+
+
+def gemm_config(M: int, N: int, K: int, device: torch.device) -> dict:
+    """Prefill tiles; split K when the (M, N) tiles alone cannot fill the SMs (e.g. wkv 7168->512
+    at M=128 has 4 tiles of 128x128)."""
+    if _INTERPRET:
+        return {"BM": 32, "BN": 16, "BK": 32, "SPLIT": 1, "num_warps": 1}
+    bm, bn, bk, warps = (64 if M <= 64 else 128), 128, 64, 8
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    sms = _num_sms(device)
+    split = 1
+    if tiles < sms:
+        split = max(1, min(triton.cdiv(2 * sms, tiles), K // (4 * bk), 32))
+    return {"BM": bm, "BN": bn, "BK": bk, "SPLIT": split, "num_warps": warps}
+
+
+def _launch_gemm(x2, packed, scale, gs, y, cfg):
+    M, K = x2.shape
+    N = packed.shape[0]
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    kps = triton.cdiv(triton.cdiv(K, cfg["SPLIT"]), bk) * bk  # whole BK steps (and 16-groups) per split
+    split = triton.cdiv(K, kps)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+    if split > 1:
+        ws = torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
+        cnt = _counters(x2.device, grid[0] * grid[1])
+    else:
+        ws, cnt = y, y
+    _gemm_kernel[grid](x2, packed, scale, gs, y, ws, cnt, M, N, K, kps, split,
+                       x2.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
+                       BM=bm, BN=bn, BK=bk, DOT_DTYPE=_dot_dtype(x2), USE_SPLIT=split > 1,
+                       num_warps=cfg["num_warps"])
 
 
 def _tuned_config(x2, packed, scale, gs, y) -> dict:
@@ -342,16 +553,7 @@ def nvfp4_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
         cfg = config or _tuned_config(x2, packed, scale, gs, y)
         _launch_gemv(x2, packed, scale, gs, y, cfg)
     else:
-        if _INTERPRET:
-            bm, bn, bk, warps = 32, 16, 32, 1
-        else:
-            bm, bn, bk, warps = (64 if M <= 64 else 128), 128, 64, 8
-        if config:
-            bm, bn, bk, warps = config.get("BM", bm), config.get("BN", bn), config.get("BK", bk), config.get("num_warps", warps)
-        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-        _gemm_kernel[grid](x2, packed, scale, gs, y, M, N, K,
-                           x2.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
-                           BM=bm, BN=bn, BK=bk, DOT_DTYPE=_dot_dtype(x2), num_warps=warps)
+        _launch_gemm(x2, packed, scale, gs, y, {**gemm_config(M, N, K, x2.device), **(config or {})})
     return y.reshape(*lead, N)
 
 

@@ -99,7 +99,7 @@ def tensor_diff(a: torch.Tensor, b: torch.Tensor) -> dict:
     if tuple(a.shape) != tuple(b.shape):
         return {"cos": float("nan"), "rel_err": float("inf"), "max_abs": float("inf"), "status": "shape"}
     if not a.is_floating_point() or not b.is_floating_point():
-        a2, b2 = a.long(), b.long()
+        a2, b2 = a.long().cpu(), b.long().cpu()  # captures may be offloaded while live ones are not
         if a2.dim() >= 1:  # sets (expert ids, chosen entries): order-insensitive
             a2, b2 = a2.sort(-1).values, b2.sort(-1).values
         frac = (a2 != b2).double().mean().item() if a2.numel() else 0.0

@@ -1,0 +1,85 @@
+"""Sweep the batch-1 NVFP4 GEMV's tile space on the device machine (CUDA + triton).
+
+The tuner in ``kernels.nvfp4_matmul`` picks from a small candidate list with ``do_bench``; this
+script times a wider space as CUDA-graph replays over enough weight copies to defeat the L2
+(the decode condition) and prints the best configs per shape with their fraction of a copy
+ceiling measured in the same run. Use it to choose the candidate list.
+
+    python3 benchmarks/m1_sweep.py --shapes lm_head,o_b --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.kernels import SHAPES, copy_ceiling, graph_time_us, rand_nvfp4, rel_err  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="lm_head,o_b,q_b,expert_w1/w3,expert_w2")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--top", type=int, default=5)
+    args = ap.parse_args()
+    import triton
+    from triton.testing import do_bench
+
+    from kernels.nvfp4_matmul import nvfp4_matmul
+
+    ceil = copy_ceiling(do_bench)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"copy ceiling {ceil:.0f} GB/s, {sms} SMs", flush=True)
+    out = {}
+    for name, K, N in SHAPES:
+        if name not in args.shapes.split(","):
+            continue
+        w = rand_nvfp4(N, K)
+        wbytes = w.packed.numel() + w.block_scale.numel()
+        ncopy = max(1, min(32, -(-400_000_000 // wbytes)))
+        copies = [w] + [rand_nvfp4(N, K, seed=1 + i) for i in range(ncopy - 1)]
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x, w.dequantize(torch.bfloat16))
+        res = []
+        KG = K // 16
+        for bn, g, warps, mult, (h2, xp) in itertools.product((64, 128, 256, 512), (4, 8, 16, 32), (4, 8, 16), (1, 2, 4, 8),
+                                                              ((True, True), (True, False), (False, False))):
+            if bn * g < 32 * warps * 2 or bn * g > 16384:
+                continue
+            n_tiles = triton.cdiv(N, bn)
+            split = max(1, min(triton.cdiv(mult * sms, n_tiles), max(1, KG // g), 64))
+            cfg = {"BN": bn, "G": g, "SPLIT": split, "num_warps": warps, "H2": h2, "XP": xp}
+            if any(r["config"] == cfg for r in res):
+                continue
+            try:
+                y = nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config=cfg)
+                err = rel_err(y, ref)
+                t = graph_time_us([lambda c=c: nvfp4_matmul(x, c.packed, c.block_scale, c.global_scale, config=cfg)
+                                   for c in copies], reps=10)
+            except Exception as e:  # noqa: BLE001 - a tile that does not fit is skipped
+                print(f"  skip {cfg}: {type(e).__name__}", flush=True)
+                continue
+            gbs = (wbytes + K * 2 + N * 2) / (t * 1e-6) / 1e9
+            res.append({"config": cfg, "us": t, "GBps": gbs, "frac_copy": gbs / ceil, "err": err})
+        res.sort(key=lambda r: r["us"])
+        out[name] = res
+        print(f"{name} {K}->{N}: {len(res)} configs", flush=True)
+        for r in res[: args.top]:
+            print(f"   {r['us']:8.1f} us  {r['GBps']:6.0f} GB/s  {r['frac_copy']:5.1%}  err {r['err']:.1e}  {r['config']}", flush=True)
+        for h2, xp in ((True, True), (True, False), (False, False)):
+            best = next((r for r in res if r["config"]["H2"] == h2 and r["config"]["XP"] == xp), None)
+            if best:
+                print(f"   best with H2={h2} XP={xp}: {best['us']:.1f} us ({best['frac_copy']:.1%})", flush=True)
+        del copies, w
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"copy_GBps": ceil, "sweep": out}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
