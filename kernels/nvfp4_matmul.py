@@ -6,16 +6,25 @@ Layout: ``packed`` uint8 [N, K/2] (low nibble = even element), ``block_scale`` e
 Two Triton kernels:
 
 * ``_gemv_kernel`` (M <= 16, decode). The packed rows are read as int64 words: one word = 16
-  elements = exactly one scale block. Nibbles are turned into fp16 bit patterns two at a time
-  (``((w << (9-4j)) & 0x0E000E00) | ((w << (12-4j)) & 0x80008000)`` puts nibbles j and j+4 in the
-  two halves of an int32 as fp16 values E2M1 * 2^-14, exact, subnormals included), converted to
-  fp32 and multiplied into the activations. M == 1 uses CUDA-core FMAs on a [BN, G] tile with the
-  block scale applied once per 16-element group; M in 2..16 pads the batch to 16 and uses
-  ``tl.dot`` per nibble plane (weights as the A operand). Split-K over many CTAs with an
-  in-kernel fix-up: every split writes an fp32 partial, bumps a per-tile counter, and the last
-  one sums the partials, writes the output and resets the counter (one launch, graph-safe).
+  elements = exactly one scale block. Nibbles j and j+4 of an int32 become one f16x2 register
+  (``((w << (9-4j)) & 0x0E000E00) | ((w << (12-4j)) & 0x80008000)``: E2M1 * 2^-14, exact,
+  subnormals included).
+  - M == 1, ``H2`` (default on CUDA): inline PTX multiplies the f16x2 weights into x' = x * xs
+    (xs a power of two putting max|x| in [2^14, 2^15), so x' is exact in f16 for bf16 x and
+    every sum of 8 products stays below 2^7) with ``fma.rn.f16x2``; the 16-element group sum is
+    widened to fp32 once and scaled by the block scale. ``XP``: x' is packed into the f16x2
+    pairs by one small kernel (``_x_pairs_kernel``) before the GEMV, so CTAs load 8 int32 per
+    group instead of converting 16 x values each. ``PF``: weight tiles prefetched ahead (1 or 2).
+    Under the interpreter the PTX is emulated with f16 roundings in Triton.
+  - M == 1 without ``H2``: fp32 FMAs with a cvt per weight (kept as the ablation baseline).
+  - M in 2..16: ``tl.dot`` per nibble plane (weights as the A operand, exact E2M1*s in bf16),
+    the batch padded to 16.
+  Split-K over many CTAs with an in-kernel fix-up: every split writes an fp32 partial, bumps a
+  per-tile counter, and the last one sums the partials, writes the output and resets the
+  counter (one launch, graph-safe). Configs are tuned per shape on first use.
 * ``_gemm_kernel`` (M > 16, prefill): tiles dequantised to bf16/fp16 in registers (lo/hi nibbles
-  joined back into K order) and ``tl.dot``.
+  joined back into K order) and ``tl.dot``; split-K (same fix-up) when the (M, N) tiles cannot
+  fill the SMs.
 
 The global scale is applied to the fp32 accumulator, not folded into the weights; the reference
 (``NVFP4Weight.dequantize`` then matmul) rounds the weight to the activation dtype instead, so
@@ -183,24 +192,35 @@ def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, K, XB: tl.constexpr):
 
 @triton.jit
 def _gemv_rows_m1_h2(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, xp_ptr, rows, row_ok, g_lo, g_hi, gps, xs,
-                     BN: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr, XP: tl.constexpr):
+                     BN: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr, XP: tl.constexpr, PF: tl.constexpr):
     """Like _gemv_rows_m1 (result in units of 2^-14 / xs) with f16x2 products: see _H2_GROUP_ASM.
-    XP: the x' pairs come precomputed from _x_pairs_kernel, else each CTA builds them."""
+    XP: the x' pairs come precomputed from _x_pairs_kernel, else each CTA builds them.
+    PF: weight tiles in flight ahead of the one being decoded (1 or 2)."""
     acc = tl.zeros((BN, G), dtype=tl.float32)
     offs_g = tl.arange(0, G)
     gg = g_lo + offs_g
     m2 = row_ok[:, None] & (gg < g_hi)[None, :]
     w_nx = tl.load(w_ptr + rows[:, None] * stride_wn + gg[None, :], mask=m2, other=0)
     s_nx = tl.load(s_ptr + rows[:, None] * stride_sn + gg[None, :], mask=m2, other=0)
+    if PF == 2:
+        m2b = row_ok[:, None] & ((gg + G) < g_hi)[None, :]
+        w_nx2 = tl.load(w_ptr + rows[:, None] * stride_wn + (gg + G)[None, :], mask=m2b, other=0)
+        s_nx2 = tl.load(s_ptr + rows[:, None] * stride_sn + (gg + G)[None, :], mask=m2b, other=0)
     for g0 in range(g_lo, g_lo + gps, G):
         gg = g0 + offs_g
         gm = gg < g_hi
         w64 = w_nx
         sc = _e4m3_to_f32(s_nx)
-        gn = gg + G
+        gn = gg + PF * G
         mn = row_ok[:, None] & (gn < g_hi)[None, :]
-        w_nx = tl.load(w_ptr + rows[:, None] * stride_wn + gn[None, :], mask=mn, other=0)
-        s_nx = tl.load(s_ptr + rows[:, None] * stride_sn + gn[None, :], mask=mn, other=0)
+        if PF == 2:
+            w_nx = w_nx2
+            s_nx = s_nx2
+            w_nx2 = tl.load(w_ptr + rows[:, None] * stride_wn + gn[None, :], mask=mn, other=0)
+            s_nx2 = tl.load(s_ptr + rows[:, None] * stride_sn + gn[None, :], mask=mn, other=0)
+        else:
+            w_nx = tl.load(w_ptr + rows[:, None] * stride_wn + gn[None, :], mask=mn, other=0)
+            s_nx = tl.load(s_ptr + rows[:, None] * stride_sn + gn[None, :], mask=mn, other=0)
         w_lo = w64.to(tl.int32)
         w_hi = (w64 >> 32).to(tl.int32)
         if XP:
@@ -269,7 +289,8 @@ def _gemv_rows_dot(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, stride_xm, M, rows
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, xp_ptr, inv_ptr,
                  M, N, KG, stride_xm, stride_wn, stride_sn, stride_ym, groups_per_split, SPLIT,
                  USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, BMP: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, H2: tl.constexpr, USE_ASM: tl.constexpr, XP: tl.constexpr):
+                 DOT_DTYPE: tl.constexpr, H2: tl.constexpr, USE_ASM: tl.constexpr, XP: tl.constexpr,
+                 PF: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -285,7 +306,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, xp_ptr, in
             else:
                 xs, inv_xs = _x_scale(x_ptr, g_lo * 16, g_hi * 16, 1024)
             acc = _gemv_rows_m1_h2(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, xp_ptr, rows, row_ok, g_lo, g_hi,
-                                   groups_per_split, xs, BN, G, USE_ASM, XP)
+                                   groups_per_split, xs, BN, G, USE_ASM, XP, PF)
             acc = acc * (16384.0 * inv_xs)  # undo 2^-14 (nibble trick) and the x scaling
         else:
             acc = _gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, g_hi, groups_per_split, BN, G)
@@ -430,8 +451,9 @@ def _candidates(M: int, N: int, K: int, device: torch.device) -> list[dict]:
         n_tiles = triton.cdiv(N, bn)
         for mult in (2, 4, 8):
             split = max(1, min(triton.cdiv(mult * sms, n_tiles), max(1, KG // g), 64))
-            for h2, xp in (((True, True), (True, False), (False, False)) if M == 1 else ((False, False),)):
-                c = {"BN": bn, "G": g, "SPLIT": split, "num_warps": w, "H2": h2, "XP": xp}
+            for h2, xp, pf in (((True, True, 1), (True, True, 2), (True, False, 1), (False, False, 1)) if M == 1
+                               else ((False, False, 1),)):
+                c = {"BN": bn, "G": g, "SPLIT": split, "num_warps": w, "H2": h2, "XP": xp, "PF": pf}
                 if c not in out:
                     out.append(c)
     return out
@@ -458,14 +480,15 @@ def _launch_gemv(x2, packed, scale, gs, y, cfg):
     if xpairs:
         xp = torch.empty(K // 2, dtype=torch.int32, device=x2.device)
         inv = torch.empty(1, dtype=torch.float32, device=x2.device)
-        _x_pairs_kernel[(1,)](x2, xp, inv, K, XB=1024 if not _INTERPRET else 64, num_warps=8 if not _INTERPRET else 1)
+        xb = 64 if _INTERPRET else min(4096, triton.next_power_of_2(max(K // 2, 64)))  # few, wide steps: it runs before every CTA
+        _x_pairs_kernel[(1,)](x2, xp, inv, K, XB=xb, num_warps=1 if _INTERPRET else 16)
     else:
         xp, inv = x2, gs
     _gemv_kernel[(n_tiles, split)](
         x2, w64, scale.view(torch.uint8), gs, y, ws, cnt, xp, inv,
         M, N, KG, x2.stride(0), w64.stride(0), scale.stride(0), y.stride(0), gps, split,
         USE_SPLIT=split > 1, BN=cfg["BN"], G=cfg["G"], BMP=bmp, DOT_DTYPE=_dot_dtype(x2),
-        H2=h2, USE_ASM=not _INTERPRET, XP=xpairs, num_warps=cfg["num_warps"])
+        H2=h2, USE_ASM=not _INTERPRET, XP=xpairs, PF=int(cfg.get("PF", 1)), num_warps=cfg["num_warps"])
 
 
 def gemm_config(M: int, N: int, K: int, device: torch.device) -> dict:
