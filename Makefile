@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# CPU torch first and explicitly: a bare `torch` would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,kernels,notebooks]'
+	$(BIN)/pip install -q -e '.[test,kernels,cute,notebooks]'
 	touch $(STAMP)
 
 setup: $(STAMP)
