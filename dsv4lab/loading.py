@@ -107,13 +107,21 @@ def materialize(config: DSV4Config, get_weight: Callable, get_tensor: Callable, 
 
 def load(path: str | os.PathLike | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
          device_map: Mapping[int, str] | list | None = None, precision=None, dequantize: bool = False,
-         progress: bool = True) -> DSV4Model:
+         progress: bool = True, kernels: bool | str = "auto") -> DSV4Model:
     """Load a DSV4 checkpoint (any supported layout/format) lazily, shard by shard.
 
     ``device_map``: layer index -> device (list or dict); embedding goes with layer 0, the head
     with the last layer. ``precision``: a mode for every linear ("bf16"/"w4a16"/"w4a4"/"w4a8") or a
     policy object (dsv4lab.precision). ``dequantize=True`` turns quantised weights dense at load.
+    ``kernels``: ``"auto"`` installs the Triton kernels (``use_kernels``: NVFP4 linears and the
+    fused MoE decode) on the components placed on CUDA when ``kernels.dispatch.have_triton_cuda()``
+    (``DSV4LAB_NO_KERNELS=1`` turns that off), the reference elsewhere; ``True`` requires them
+    (RuntimeError without CUDA + triton or without a CUDA-placed layer); ``False`` keeps the
+    reference everywhere. The count installed is ``model.load_stats["kernels"]``.
     """
+    if kernels not in ("auto", True, False):
+        raise ValueError(f"kernels must be 'auto', True or False, not {kernels!r}")
+    kernels = "auto" if isinstance(kernels, str) else bool(kernels)
     from .checkpoint.reader import CheckpointReader
 
     reader = CheckpointReader(resolve_path(path))
@@ -134,6 +142,8 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
         if not seen or d != seen[-1]:
             seen.append(d)
     reader.check()
+    if kernels is True and (why := kernels_unavailable(layer_devices)) is not None:  # fail before reading weights
+        raise RuntimeError(f"load(kernels=True) needs the model on CUDA with triton: {why}")
     model = materialize(config, lambda base, dev: reader.weight(base, dev), lambda name, dev: reader.tensor(name, dev),
                         dtype=dtype, layer_devices=layer_devices, progress=progress, dequantize=dequantize)
     model.source = str(reader.path)
@@ -141,4 +151,38 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
         from .precision import apply_precision
 
         apply_precision(model, precision)
+    model.load_stats["kernels"] = install_kernels_for_load(model, kernels, layer_devices)
     return model
+
+
+def kernels_unavailable(devices: list[torch.device]) -> str | None:
+    """Why the Triton kernels cannot run on a model placed on ``devices`` (None: they can)."""
+    from kernels.dispatch import _triton_importable, have_triton_cuda
+
+    on_cuda = any(torch.device(d).type == "cuda" for d in devices)
+    if on_cuda and have_triton_cuda():
+        return None
+    why = []
+    if os.environ.get("DSV4LAB_NO_KERNELS", "0") == "1":
+        why.append("DSV4LAB_NO_KERNELS=1 is set")
+    if not torch.cuda.is_available():
+        why.append("CUDA is not available")
+    elif not on_cuda:
+        why.append(f"no layer is on a CUDA device ({', '.join(sorted({str(d) for d in devices}))})")
+    if not _triton_importable():
+        why.append("triton cannot be imported (pip install 'dsv4lab[kernels]')")
+    return "; ".join(why) or "unavailable"
+
+
+def install_kernels_for_load(model: DSV4Model, kernels: bool | str, devices: list[torch.device]) -> int:
+    """``load``'s ``kernels=`` switch (see :func:`load`); returns how many components got one."""
+    if kernels is False:
+        return 0
+    why = kernels_unavailable(devices)
+    if why is not None:
+        if kernels == "auto":
+            return 0
+        raise RuntimeError(f"load(kernels=True) needs the model on CUDA with triton: {why}")
+    from .analysis.components import use_kernels
+
+    return use_kernels(model, "**", True, strict=False)

@@ -5,8 +5,9 @@ reference elsewhere. Importing this module never imports triton.
   CPU tensors or unsupported dtypes take the reference (``w.dequantize`` + ``F.linear``).
 * ``act_quant_nvfp4(x, global_scale)``: fake quant (drop-in for ``fake_quant_nvfp4``).
 * ``moe_decode(x, ids, weights, w1, w3, w2, limit)``: routed experts for decode tokens.
-* ``install_kernels(model)``: set ``.kernel = nvfp4_linear`` on every ``QLinear`` (CUDA only,
-  returns how many); ``install_kernels(model, False)`` removes them.
+* ``install_kernels(model)``: set ``.kernel = nvfp4_linear`` on every NVFP4 ``QLinear`` and
+  ``.kernel = moe_decode`` on every routed ``Experts`` (CUDA only, returns how many);
+  ``install_kernels(model, False)`` removes them. Per component: ``dsv4lab.analysis.components.use_kernels``.
 """
 from __future__ import annotations
 
@@ -76,17 +77,12 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3
 
 
 def install_kernels(model: torch.nn.Module, enable: bool = True) -> int:
-    """Install (or remove) ``nvfp4_linear`` as the fast path of every QLinear; returns the count.
-    Installs nothing when ``have_triton_cuda()`` is False (the reference stays in place)."""
-    from dsv4lab.model.linear import QLinear
+    """Install (or remove) the kernels on a whole model (or any module): ``nvfp4_linear`` as the
+    fast path of every NVFP4 ``QLinear`` and ``moe_decode`` as the fused decode of every routed
+    ``Experts`` block, on CUDA only; returns the count. Installs nothing when
+    ``have_triton_cuda()`` is False (the reference stays in place). ``enable=False`` puts every
+    component back on the reference. Same as ``dsv4lab.analysis.components.use_kernels(model)``
+    (which also takes a component pattern)."""
+    from dsv4lab.analysis.components import use_kernels
 
-    n = 0
-    for m in model.modules():
-        if isinstance(m, QLinear):
-            if enable and have_triton_cuda():
-                m.kernel = nvfp4_linear
-                n += 1
-            elif not enable and m.kernel is nvfp4_linear:
-                m.kernel = None
-                n += 1
-    return n
+    return use_kernels(model, "**", enable, strict=False)

@@ -54,6 +54,13 @@ class WorkbenchMixin:
 
         return replace(self, pattern, impl, **kw)
 
+    def use_kernels(self, pattern="**", enable: bool = True, **kw) -> int:
+        """Switch the matching linears / expert blocks to their kernel (or back to the
+        reference with ``enable=False``); see dsv4lab.analysis.components.use_kernels."""
+        from .components import use_kernels
+
+        return use_kernels(self, pattern, enable, **kw)
+
     def restore(self) -> int:
         """Undo every active component replacement."""
         from .components import restore

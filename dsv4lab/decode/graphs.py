@@ -26,7 +26,11 @@ def model_signature(model) -> tuple:
         entry = (name, type(mod).__qualname__, id(mod))
         mode = getattr(mod, "mode", None)
         if mode is not None:
-            entry += (mode, getattr(mod, "act_scale", None), getattr(mod, "quantized", None), id(getattr(mod, "kernel", None)))
+            entry += (mode, getattr(mod, "act_scale", None), getattr(mod, "quantized", None))
+        if hasattr(mod, "kernel"):  # QLinear / Experts fast paths (dsv4lab.analysis.components.use_kernels)
+            entry += (id(mod.kernel),)
+        if hasattr(mod, "gather_in_decode"):
+            entry += (mod.gather_in_decode,)
         if isinstance(mod, HookPoint):
             entry += (tuple(id(h) for h in mod._forward_hooks.values()),)
         if hasattr(mod, "enabled"):

@@ -61,6 +61,7 @@ class QLinear(nn.Module):
             self.qweight = None
             self.weight = nn.Parameter(w.detach().clone() if w.requires_grad else w, requires_grad=False)
         self._dense_cache = None
+        self._groups_cache = None
 
     def set_mode(self, mode: str, act_scale: str | None = None) -> None:
         if mode == "bf16":
@@ -113,13 +114,35 @@ class QLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.quantize_input(x)
-        if self.kernel is not None and self.qweight is not None and self.mode != "dense":
+        if self.uses_kernel():
             return self.kernel(x, self.qweight)
         return F.linear(x, self.dense_weight(x.dtype))
+
+    def uses_kernel(self) -> bool:
+        """Does a call run ``self.kernel``? Installed, a quantised weight, not ``dense`` mode, and
+        ``dense_weight`` not overridden (the kernel computes the stock dequantisation; a replaced
+        one, e.g. a bug-zoo variant, runs as written)."""
+        return (self.kernel is not None and self.qweight is not None and self.mode != "dense"
+                and type(self).dense_weight is QLinear.dense_weight)
+
+    def _group_weights(self, groups: int) -> list:
+        """The weight's G row blocks as NVFP4 weights (views of the stored tensors, cached)."""
+        from ..quant.weights import NVFP4Weight
+
+        c = getattr(self, "_groups_cache", None)
+        if c is None or c[0] is not self.qweight or c[1] != groups:
+            w, rows = self.qweight, self.out_features // groups
+            ws = [NVFP4Weight(w.packed[g * rows:(g + 1) * rows], w.block_scale[g * rows:(g + 1) * rows],
+                              w.global_scale, w.input_scale) for g in range(groups)]
+            c = self._groups_cache = (self.qweight, groups, ws)
+        return c[2]
 
     def grouped(self, x: torch.Tensor, groups: int) -> torch.Tensor:
         """Block-diagonal use (grouped output projection): x [..., G, in] -> [..., G, out/G]."""
         x = self.quantize_input(x)
+        if self.uses_kernel() and self.qweight.format == "nvfp4":  # one kernel call per row block
+            xg = x.movedim(-2, 0).contiguous()  # [G, ..., in]
+            return torch.stack([self.kernel(xg[g], wg) for g, wg in enumerate(self._group_weights(groups))], dim=-2)
         w = self.dense_weight(x.dtype).view(groups, -1, x.shape[-1])  # [G, out/G, in]
         lead = x.shape[:-2]
         xg = x.reshape(-1, groups, x.shape[-1]).transpose(0, 1)  # [G, T, in]
@@ -132,6 +155,7 @@ class QLinear(nn.Module):
             # move quantised tensors to the new device but never change their dtypes
             self.qweight = self.qweight.to(fn(torch.empty(0)).device)
             self._dense_cache = None
+            self._groups_cache = None
         return self
 
     def extra_repr(self) -> str:

@@ -86,7 +86,16 @@ class SharedExpert(Expert):
 
 class Experts(nn.Module):
     """Routed experts. ``sparse`` (prefill) visits only hit experts (host sync); ``masked``
-    (decode, graph-safe) runs every expert and zero-weights the unchosen."""
+    (decode, graph-safe) runs every expert and zero-weights the unchosen; ``gathered`` (decode,
+    graph-safe, ``gather_in_decode``) reads only the chosen experts from the stacked weights.
+
+    ``kernel``: optional fused decode implementation ``f(x, ids, weights, w1, w3, w2, limit)``
+    over ``kernels.moe_decode.StackedNVFP4`` stacks (``kernels.dispatch.moe_decode``, installed by
+    ``use_kernels``). Graph-safe decode calls it instead of the reference when every projection
+    is NVFP4, the mode is ``w4a16`` (no activation quant), x is on one of ``kernel_devices`` and
+    ``hook_expert_out`` is not active (it needs per-expert outputs: the reference runs then)."""
+
+    kernel_devices = ("cuda",)
 
     def __init__(self, config: DSV4Config) -> None:
         super().__init__()
@@ -95,6 +104,8 @@ class Experts(nn.Module):
             self.add_module(str(e), Expert(config))
         self.limit = config.swiglu_limit
         self._stack = None
+        self._kernel_stacks = None  # (ExpertStack, (w1, w3, w2) StackedNVFP4 views of it)
+        self.kernel = None  # optional fused decode fast path (see the class docstring)
         self.gather_in_decode = config.n_routed_experts > 16  # small E: the masked loop is as cheap
         self.hook_expert_out = HookPoint("per-token chosen experts' outputs [T,k,D], unweighted")
         self.hook_out = HookPoint("routed sum [T,D]")
@@ -121,8 +132,35 @@ class Experts(nn.Module):
                 return None
         return self._stack
 
-    def _gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, stack) -> tuple[torch.Tensor, torch.Tensor]:
-        """Graph-safe decode: gather each token's k experts on the device, batched matmuls."""
+    def kernel_applies(self, x: torch.Tensor, stack) -> bool:
+        """Would graph-safe decode run ``self.kernel`` on ``x`` with this stack? (Host-side
+        checks only: no device syncs.)"""
+        return (self.kernel is not None and stack is not None
+                and all(stack.formats[p] == "nvfp4" for p in stack.PROJ)
+                and self[0].w1.mode == "w4a16"  # stack() guarantees one mode for every projection
+                and x.device.type in self.kernel_devices
+                # a replaced linear (e.g. another quantize_input) is not what the kernel computes
+                and all(type(getattr(self[e], p)) is QLinear for e in range(self.n_experts) for p in stack.PROJ))
+
+    def kernel_stacks(self, stack):
+        """(w1, w3, w2) as ``StackedNVFP4`` wrapping the ExpertStack tensors (views, no copy),
+        cached per stack."""
+        if self._kernel_stacks is None or self._kernel_stacks[0] is not stack:
+            from kernels.moe_decode import StackedNVFP4
+
+            ws = tuple(StackedNVFP4(stack.tensors[p]["packed"], stack.tensors[p]["scale"],
+                                    stack.tensors[p]["gs"].reshape(-1).float()) for p in ("w1", "w3", "w2"))
+            self._kernel_stacks = (stack, ws)
+        return self._kernel_stacks[1]
+
+    def _gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, stack,
+                  want_each: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Graph-safe decode: gather each token's k experts on the device, batched matmuls
+        (or the fused kernel when one is installed and applies; it gives no per-expert outputs,
+        so ``want_each`` takes the reference)."""
+        if not want_each and self.kernel_applies(x, stack):
+            w1, w3, w2 = self.kernel_stacks(stack)
+            return self.kernel(x, ids, weights, w1, w3, w2, self.limit).to(x.dtype), None
         T, D = x.shape
         k = ids.shape[1]
         flat = ids.reshape(-1)
@@ -140,9 +178,12 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         want_each = self.hook_expert_out.active
         each = x.new_zeros(T, k, D) if want_each else None
-        stack = self.stack() if graph_safe and self.gather_in_decode else None
-        if stack is not None:
-            out, each_g = self._gathered(x, ids, weights, stack)
+        # an installed kernel takes the gathered route even for small E (it reads only the
+        # chosen experts); without one, small E keeps the masked loop
+        use_kernel = graph_safe and self.kernel is not None and not want_each
+        stack = self.stack() if graph_safe and (self.gather_in_decode or use_kernel) else None
+        if stack is not None and (self.gather_in_decode or (use_kernel and self.kernel_applies(x, stack))):
+            out, each_g = self._gathered(x, ids, weights, stack, want_each)
             if want_each:
                 self.hook_expert_out(each_g)
             return self.hook_out(out)

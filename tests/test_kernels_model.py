@@ -1,0 +1,531 @@
+"""Kernels as component implementations, at model level.
+
+CPU (always): the wiring. ``load(kernels=...)`` on CPU, ``use_kernels`` counts/labels/switches,
+the QLinear fast path sees the same (quantised) input as the reference in every precision mode,
+and the MoE decode dispatch (``Experts.kernel``) equals the gathered reference when the kernel
+is the PyTorch reference ``kernels.moe_decode.moe_decode_ref``.
+
+GPU (@pytest.mark.gpu, CUDA + triton): the embedded NVFP4 model (data/tiny-dsv4/nvfp4) in bf16
+with the Triton kernels on against the same model with them off (the PyTorch reference path), on
+a 271-token prompt (prefill) and 16 decode steps, eagerly and through the CUDA-graph decoder.
+
+Stated tolerance: max |logit diff| <= TOL * max |logit| with TOL = 4e-2, over every prompt
+position and decode step, with the discrete choices (router top-k, indexer top-k) replayed from
+the reference run. Why 4e-2 and not the per-op 2e-2:
+  * per op each kernel matches its reference within 1e-2 (matmul) / 2e-2 (MoE) of the output's
+    max (docs/kernels.md): fp32 accumulation in another order, W*gs kept exact instead of rounded
+    to bf16, experts summed in fp32;
+  * through 6 bf16 layers the bf16 reference is itself 1.9e-2 away from the same model in fp32 on
+    this prompt (measured on CPU, choices replayed); two bf16 paths each that far from the exact
+    result can be up to twice that apart, so TOL = 2 x 1.9e-2 ~ 4e-2. A CPU emulation of the
+    kernels' numerics (exact W*gs, fp32 accumulation, one rounding) measured 2.1e-2 against the
+    reference and 2.2e-2 against fp32 (2e-2 would be marginal);
+  * the kernel path must also be within TOL of the fp32 model (no less accurate than the reference).
+Without the replay a near-tied top-k can flip (emulation: 3-4 router or indexer flips per
+~280-token prompt, up to 0.23 at a flipped position), which is not a kernel error; the free run is
+held to top-1 agreement >= 95% of positions and the same greedy tokens for the first 8 steps.
+``DSV4LAB_OUT=dir`` writes the measured numbers to ``dir/kernels_model.json``.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dsv4lab
+from dsv4lab.analysis.components import components, kernel_state, replace, restore_kernels, use_kernels
+from dsv4lab.decode.graphs import model_signature
+from dsv4lab.model.init import random_model
+from dsv4lab.model.linear import QLinear
+from dsv4lab.model.moe import Experts
+from dsv4lab.quant.weights import quantize_nvfp4
+from oracle_util import tiny_config
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+HAVE_CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.usefixtures("one_thread")
+TOL = 4e-2  # max |logit diff| / max |logit|, kernels on vs off (see the module docstring)
+
+
+# ----------------------------------------------------------------------------- helpers
+def ref_linear(x, w):
+    """A 'kernel' that is exactly the reference math (what QLinear does without one)."""
+    return F.linear(x, w.dequantize(x.dtype))
+
+
+class Counting:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+        self.__name__ = f"counting_{getattr(fn, '__name__', 'fn')}"
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        return self.fn(*a, **k)
+
+
+def _nvfp4_experts_model(n_experts=24, seed=2):
+    cfg = tiny_config(n_routed_experts=n_experts, num_experts_per_tok=3, moe_intermediate_size=32)
+    m = random_model(cfg, seed=seed)
+    for layer in m.layers:
+        for e in range(cfg.n_routed_experts):
+            for p in ("w1", "w2", "w3"):
+                ql = getattr(layer.mlp.experts[e], p)
+                ql.set_weight(quantize_nvfp4(ql.weight.data))
+    return m
+
+
+def _prefill_decode(m, ids, n_prefill):
+    with torch.no_grad():
+        st = m.new_state(ids.shape[0], ids.shape[1])
+        parts = [m.prefill(ids[:, :n_prefill], st)]
+        for t in range(n_prefill, ids.shape[1]):
+            parts.append(m.decode_step(ids[:, t : t + 1], st))
+            st.pos += 1
+    return torch.cat(parts, 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_nvfp4():
+    return dsv4lab.load("tiny-nvfp4", progress=False)
+
+
+# ----------------------------------------------------------------------------- CPU: QLinear path
+@pytest.mark.parametrize("mode,act_scale", [("w4a16", "amax"), ("w4a4", "amax"), ("w4a4", "input_scale"),
+                                            ("w4a8", "amax"), ("dense", "amax")])
+def test_qlinear_kernel_gets_the_reference_input_in_every_mode(mode, act_scale):
+    g = torch.Generator().manual_seed(0)
+    ql = QLinear(64, 48)
+    w = quantize_nvfp4(torch.randn(48, 64, generator=g))
+    w.input_scale = torch.tensor(0.004)
+    ql.set_weight(w)
+    ql.set_mode(mode, act_scale)
+    x = torch.randn(3, 5, 64, generator=g) * 3
+    ref = ql(x)
+    seen = []
+
+    def fake(xq, qw):
+        seen.append(xq)
+        return ref_linear(xq, qw)
+
+    ql.kernel = fake
+    out = ql(x)
+    assert torch.equal(out, ref)
+    if mode == "dense":
+        assert seen == []  # bf16 policy: cached dense weight, the kernel is not used
+    else:
+        assert len(seen) == 1 and torch.equal(seen[0], ql.quantize_input(x))
+        assert mode == "w4a16" or not torch.equal(seen[0], x)  # activation quant happened first
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a8", "bf16"])
+def test_model_with_reference_equal_kernels_equals_the_reference(tiny_nvfp4, mode):
+    from dsv4lab.precision import apply_precision
+    from kernels.dispatch import nvfp4_linear  # on CPU: F.linear(x, w.dequantize(x.dtype))
+
+    m = tiny_nvfp4
+    ids = torch.randint(2, 2000, (1, 40), generator=torch.Generator().manual_seed(3))
+    apply_precision(m, mode)
+    try:
+        ref = _prefill_decode(m, ids, 36)
+        fake = Counting(nvfp4_linear)
+        n = use_kernels(m, linear=fake)
+        assert n == sum(ql.qweight is not None for _, ql in m.qlinears()) > 0
+        got = _prefill_decode(m, ids, 36)
+        # the same math; the grouped wo_a runs per row block instead of one bmm (summation order)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        assert (fake.calls > 0) == (mode != "bf16")
+    finally:
+        use_kernels(m, enable=False)
+        apply_precision(m, "w4a16")
+
+
+def test_grouped_projection_uses_the_kernel_per_row_block():
+    g = torch.Generator().manual_seed(1)
+    ql = QLinear(48, 64)  # 4 groups of 16 output rows
+    ql.set_weight(quantize_nvfp4(torch.randn(64, 48, generator=g)))
+    x = torch.randn(2, 3, 4, 48, generator=g)
+    ref = ql.grouped(x, 4)
+    fake = Counting(ref_linear)
+    ql.kernel = fake
+    got = ql.grouped(x, 4)
+    assert fake.calls == 4 and got.shape == ref.shape == (2, 3, 4, 16)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    blocks = ql._group_weights(4)
+    assert blocks[1].packed.data_ptr() == ql.qweight.packed[16].data_ptr()  # views, no copy
+
+
+def test_overridden_dequantisation_or_linears_keep_the_reference():
+    """A replaced implementation (e.g. a bug-zoo variant) is not what the kernel computes."""
+    from dsv4lab.bugzoo.variants import ActInputScaleMixin, WeightScale2DroppedMixin
+    from kernels.moe_decode import moe_decode_ref
+
+    class Dropped(WeightScale2DroppedMixin, QLinear):
+        pass
+
+    g = torch.Generator().manual_seed(2)
+    ql = QLinear(64, 32)
+    ql.set_weight(quantize_nvfp4(torch.randn(32, 64, generator=g)))
+    x = torch.randn(3, 64, generator=g)
+    m = torch.nn.Module()
+    m.add_module("lin", ql)
+    with replace(m, "lin", Dropped) as h:
+        bug = h.modules["lin"]
+        ref = bug(x)
+        fake = Counting(ref_linear)
+        bug.kernel = fake
+        assert torch.equal(bug(x), ref) and fake.calls == 0 and not bug.uses_kernel()
+
+    mm = _nvfp4_experts_model()
+    ex = mm.layers[1].mlp.experts
+    kern = Counting(moe_decode_ref)
+    ex.kernel, ex.kernel_devices = kern, ("cpu", "cuda")
+    xx, ids, w = _moe_case(ex)
+    with torch.no_grad():
+        ex(xx, ids, w, graph_safe=True)
+        assert kern.calls == 1
+        with mm.replace("layers.1.mlp.experts.*.*", type("Mixed", (ActInputScaleMixin, QLinear), {})):
+            assert not ex.kernel_applies(xx, ex.stack())
+            ex(xx, ids, w, graph_safe=True)
+            assert kern.calls == 1
+
+
+# ----------------------------------------------------------------------------- CPU: load / API
+def test_load_kernels_switch_on_cpu(monkeypatch):
+    from kernels.dispatch import install_kernels
+
+    m = dsv4lab.load("tiny-nvfp4", progress=False)  # kernels="auto": CPU -> the reference
+    assert m.load_stats["kernels"] == 0
+    assert set(m.components().impl) == {"reference"}
+    assert install_kernels(m) == 0  # no CUDA: nothing installed
+    with pytest.raises(RuntimeError, match="CUDA"):
+        dsv4lab.load("tiny-nvfp4", progress=False, kernels=True)
+    monkeypatch.setenv("DSV4LAB_NO_KERNELS", "1")
+    with pytest.raises(RuntimeError, match="DSV4LAB_NO_KERNELS"):
+        dsv4lab.load("tiny-nvfp4", progress=False, kernels=True)
+    with pytest.raises(ValueError):
+        dsv4lab.load("tiny-nvfp4", progress=False, kernels="yes")
+    m2 = dsv4lab.load("tiny-nvfp4", progress=False, kernels=False)
+    assert m2.load_stats["kernels"] == 0
+
+
+def test_use_kernels_counts_labels_and_switches_per_component(tiny_nvfp4):
+    from kernels.moe_decode import moe_decode_ref
+
+    m = tiny_nvfp4
+    n_q = sum(ql.qweight is not None for _, ql in m.qlinears())
+    n_e = sum(isinstance(mod, Experts) for mod in m.modules())
+    s0 = model_signature(m)
+    saved = kernel_state(m)
+    try:
+        assert use_kernels(m, linear=ref_linear, experts=moe_decode_ref) == n_q + n_e
+        df = components(m)
+        impl = df.set_index("name").impl
+        assert impl["layers.0.attn.wq_a"] == "kernel:ref_linear"
+        assert impl["layers.2.mlp.experts"] == "kernel:moe_decode_ref"
+        assert impl["layers.2.mlp.experts.5.w2"] == "kernel:ref_linear"
+        assert impl["layers.2.mlp.experts.5"] == "reference"  # an Expert has no kernel of its own
+        assert (df.impl == "kernel:ref_linear").sum() == n_q
+        assert model_signature(m) != s0  # graphs recapture after a switch
+
+        # one layer back to the reference, the rest untouched, then back again
+        n3 = sum(ql.qweight is not None for n, ql in m.qlinears() if n.startswith("layers.3.")) + 1
+        assert m.use_kernels("layers.3", False) == n3
+        assert set(m.components("layers.3.**").impl) == {"reference"}
+        assert impl["layers.2.mlp.experts"] == components(m, "layers.2.mlp.experts").impl.iloc[0]
+        assert m.use_kernels("layers.3", linear=ref_linear, experts=moe_decode_ref) == n3
+        # only the routed-expert block of layer 1 to the reference
+        assert use_kernels(m, "layers.1.mlp.experts", False) == 1 + 3 * m.config.n_routed_experts
+        assert components(m, "layers.1.mlp.router").impl.iloc[0] == "kernel:ref_linear"
+        with pytest.raises(KeyError):
+            use_kernels(m, "layers.99", False)
+        assert use_kernels(m, "layers.99", False, strict=False) == 0
+    finally:
+        restore_kernels(m, saved)
+    assert set(components(m).impl) == {"reference"}
+    assert model_signature(m) == s0
+
+
+# ----------------------------------------------------------------------------- CPU: MoE decode dispatch
+def _moe_case(ex, T=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    D = ex[0].w1.in_features
+    k = 3
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(ex.n_experts, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    return x, ids, w
+
+
+def test_experts_kernel_dispatch_equals_gathered_reference():
+    from kernels.moe_decode import StackedNVFP4, moe_decode_ref
+
+    m = _nvfp4_experts_model()
+    ex = m.layers[1].mlp.experts
+    assert ex.gather_in_decode
+    x, ids, w = _moe_case(ex)
+    with torch.no_grad():
+        ref = ex(x, ids, w, graph_safe=True)  # the reference gathered path
+        kern = Counting(moe_decode_ref)  # the Triton kernel's PyTorch reference as the "kernel"
+        # no default linear kernel off CUDA: only the block gets one
+        assert use_kernels(m, "layers.1.mlp.experts", experts=kern) == 1
+        assert ex.kernel is kern and ex[0].w1.kernel is None
+        # on CPU the kernel is never chosen (kernel_devices = cuda): bitwise the reference
+        assert torch.equal(ex(x, ids, w, graph_safe=True), ref) and kern.calls == 0
+        ex.kernel_devices = ("cpu", "cuda")  # force the condition the GPU meets
+        got = ex(x, ids, w, graph_safe=True)
+        assert kern.calls == 1
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        # the stacks wrap the ExpertStack tensors (no copy) and are built once
+        stack = ex.stack()
+        w1, w3, w2 = ex.kernel_stacks(stack)
+        assert isinstance(w1, StackedNVFP4)
+        assert w1.packed.data_ptr() == stack.tensors["w1"]["packed"].data_ptr()
+        assert w2.block_scale.data_ptr() == stack.tensors["w2"]["scale"].data_ptr()
+        assert w3.global_scale.data_ptr() == stack.tensors["w3"]["gs"].data_ptr()
+        assert ex.kernel_stacks(stack)[0] is w1
+        # prefill (not graph-safe) keeps the reference
+        ex(x, ids, w, graph_safe=False)
+        assert kern.calls == 1
+        # hook_expert_out needs per-expert outputs: the reference runs and the hook sees them
+        seen = []
+        with m.hooks([("layers.1.mlp.experts.hook_expert_out", lambda t, n: seen.append(t))]):
+            assert torch.equal(ex(x, ids, w, graph_safe=True), ref)
+        assert kern.calls == 1 and seen[0].shape == (x.shape[0], 3, x.shape[1])
+        # activation quant (w4a4) is not fused: the reference runs
+        for e in range(ex.n_experts):
+            for p in ("w1", "w3", "w2"):
+                getattr(ex[e], p).set_mode("w4a4")
+        assert not ex.kernel_applies(x, ex.stack())
+        out_a4 = ex(x, ids, w, graph_safe=True)
+        assert kern.calls == 1
+        ex.kernel = None
+        assert torch.equal(ex(x, ids, w, graph_safe=True), out_a4)
+
+
+@pytest.mark.parametrize("n_experts", [24, 4])  # gathered reference (E > 16) / masked loop (E <= 16)
+def test_model_decode_with_moe_kernel_equals_reference(n_experts):
+    from kernels.moe_decode import moe_decode_ref
+
+    m = _nvfp4_experts_model(n_experts)
+    ids = torch.randint(2, 97, (2, 30), generator=torch.Generator().manual_seed(1))
+    ref = _prefill_decode(m, ids, 20)
+    kern = Counting(moe_decode_ref)
+    use_kernels(m, experts=kern)
+    for mod in m.modules():
+        if isinstance(mod, Experts):
+            mod.kernel_devices = ("cpu", "cuda")
+    got = _prefill_decode(m, ids, 20)
+    n_moe = len(m.layers)  # every layer is an MoE layer in the tiny config
+    assert kern.calls == 10 * n_moe  # one fused call per layer per decode step, none in prefill
+    assert torch.equal(got[:, :20], ref[:, :20])
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+# ----------------------------------------------------------------------------- GPU: embedded model
+gpu = pytest.mark.skipif(not (HAVE_CUDA and HAVE_TRITON), reason="needs CUDA + triton")
+STEPS = 16
+
+
+def _record(key: str, value) -> None:
+    out = os.environ.get("DSV4LAB_OUT")
+    if not out:
+        return
+    path = Path(out) / "kernels_model.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[key] = value
+    path.write_text(json.dumps(data, indent=2))
+
+
+@pytest.fixture(scope="module")
+def gpu_model():
+    return dsv4lab.load("tiny-nvfp4", device="cuda", dtype=torch.bfloat16, kernels=False, progress=False)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    """A 271-token retrieval document in thinking mode: the compressed branches and the indexer
+    run in prefill and decode, and the greedy continuation has clear margins (no bf16 ties)."""
+    from dsv4lab.text.tokenizer import load_tokenizer
+    from dsv4lab.train import corpus
+
+    probe = corpus.eval_sets(load_tokenizer(), seed=1234)["retrieval_thinking"][0]
+    return torch.tensor([probe[2]["gen_prompt_ids"]], device="cuda")
+
+
+_CHOICES = ("*router.hook_ids", "*indexer.hook_indices")
+
+
+@contextlib.contextmanager
+def _choices(model, replay: dict | None = None):
+    """Record (``replay=None``) or replay the discrete choices (router / indexer top-k), per
+    hook point in firing order."""
+    rec: dict[str, list] = {}
+    count: dict[str, int] = {}
+
+    def fn(t, name):
+        if replay is None:
+            rec.setdefault(name, []).append(t.clone())
+            return None
+        i = count.get(name, 0)
+        count[name] = i + 1
+        return replay[name][i]
+
+    with model.hooks([(p, fn) for p in _CHOICES]):
+        yield rec
+
+
+@torch.no_grad()
+def _run(model, ids, steps, forced=None, step_fn=None):
+    """Prefill logits [S,V] and ``steps`` decode logits [steps,V] (fp32, CPU) and the decode
+    inputs: the greedy tokens, or ``forced`` (teacher forcing on another run's inputs)."""
+    st = model.new_state(1, ids.shape[1] + steps + 1)
+    pre = model.prefill(ids, st)[0].float()
+    nxt = pre[-1].argmax().view(1, 1)
+    inputs, outs = [], []
+    for i in range(steps):
+        inp = nxt if forced is None else torch.tensor([[forced[i]]], device=ids.device)
+        inputs.append(int(inp))
+        lg = (step_fn or model.decode_step)(inp, st)[:, -1].float()
+        st.pos += 1
+        outs.append(lg[0].cpu())
+        nxt = lg.argmax(-1, keepdim=True)
+    return pre.cpu(), torch.stack(outs), inputs
+
+
+def _compare(ref_pre, ref_dec, pre, dec) -> dict:
+    ref, got = torch.cat([ref_pre, ref_dec]), torch.cat([pre, dec])
+    scale = ref.abs().max().item()
+    per = (got - ref).abs().amax(-1) / scale
+    return {"max_abs_diff": (got - ref).abs().max().item(), "max_abs_logit": scale,
+            "max_rel_diff": per.max().item(), "p99_rel_diff": per.quantile(0.99).item(),
+            "median_rel_diff": per.median().item(),
+            "top1_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+            "positions": ref.shape[0]}
+
+
+def _kernel_calls(monkeypatch) -> dict:
+    """Count launches of the Triton entry points (kernels.dispatch imports them per call)."""
+    import kernels.moe_decode as kmoe
+    import kernels.nvfp4_matmul as kmm
+
+    calls = {"nvfp4_matmul": 0, "moe_decode_triton": 0}
+    for mod, name in ((kmm, "nvfp4_matmul"), (kmoe, "moe_decode_triton")):
+        orig = getattr(mod, name)
+
+        def wrapped(*a, _o=orig, _n=name, **k):
+            calls[_n] += 1
+            return _o(*a, **k)
+
+        monkeypatch.setattr(mod, name, wrapped)
+    return calls
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_load_auto_installs_kernels():
+    m = dsv4lab.load("tiny-nvfp4", device="cuda", dtype=torch.bfloat16, progress=False)
+    assert m.load_stats["kernels"] > 0
+    impl = set(m.components().impl)
+    assert {"kernel:nvfp4_linear", "kernel:moe_decode"} <= impl
+    assert m.use_kernels(enable=False) == m.load_stats["kernels"]
+    assert set(m.components().impl) == {"reference"}
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_embedded_model_kernels_match_reference(gpu_model, prompt, monkeypatch):
+    m = gpu_model
+    use_kernels(m, enable=False)
+    with _choices(m) as choices:  # the reference, recording its discrete choices
+        ref_pre, ref_dec, ref_in = _run(m, prompt, STEPS)
+    ref_tokens = ref_in[1:] + [int(ref_dec[-1].argmax())]
+    m32 = dsv4lab.load("tiny-nvfp4", device="cuda", dtype=torch.float32, kernels=False, progress=False)
+    with _choices(m32, replay=choices):  # fp32: the reference's own rounding error
+        f32_pre, f32_dec, _ = _run(m32, prompt, STEPS, forced=ref_in)
+    del m32
+    calls = _kernel_calls(monkeypatch)
+    try:
+        n = use_kernels(m)
+        assert n > 0
+        # free run, teacher-forced on the reference's greedy inputs (the same argmax over the
+        # first 8 steps <=> the same free-running greedy tokens over those steps)
+        pre, dec, _ = _run(m, prompt, STEPS, forced=ref_in)
+        assert calls["nvfp4_matmul"] > 0 and calls["moe_decode_triton"] == STEPS * len(m.layers), calls
+        calls_free = dict(calls)
+        free = _compare(ref_pre, ref_dec, pre, dec)
+        tokens = [int(t) for t in dec.argmax(-1)]
+        with _choices(m, replay=choices):  # the reference's discrete choices: only rounding left
+            pre_f, dec_f, _ = _run(m, prompt, STEPS, forced=ref_in)
+    finally:
+        use_kernels(m, enable=False)
+    forced = _compare(ref_pre, ref_dec, pre_f, dec_f)
+    kern_vs_fp32 = _compare(f32_pre, f32_dec, pre_f, dec_f)
+    ref_vs_fp32 = _compare(f32_pre, f32_dec, ref_pre, ref_dec)
+    result = {"tol": TOL, "prompt_tokens": prompt.shape[1], "decode_steps": STEPS, "kernels_installed": n,
+              "kernels_vs_reference_choices_replayed": forced, "kernels_vs_reference_free": free,
+              "kernels_vs_fp32_choices_replayed": kern_vs_fp32, "reference_bf16_vs_fp32_choices_replayed": ref_vs_fp32,
+              "reference_tokens": ref_tokens, "kernel_tokens": tokens,
+              "first_token_mismatch": next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), None),
+              "kernel_calls_free_run": calls_free}
+    _record("eager", result)
+    assert forced["max_rel_diff"] <= TOL, result
+    assert kern_vs_fp32["max_rel_diff"] <= TOL, result
+    assert free["top1_agreement"] >= 0.95, result
+    assert tokens[:8] == ref_tokens[:8], result
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_graph_decode_with_kernels(gpu_model, prompt):
+    from dsv4lab.decode.graphs import GraphDecoder
+
+    m = gpu_model
+    use_kernels(m, enable=False)
+    ref_pre, ref_dec, ref_in = _run(m, prompt, STEPS)
+    try:
+        use_kernels(m)
+        _, eager_dec, _ = _run(m, prompt, STEPS, forced=ref_in)
+        st = m.new_state(1, prompt.shape[1] + STEPS + 1)
+        with torch.no_grad():
+            pre = m.prefill(prompt, st)[0].float().cpu()
+            gd = GraphDecoder(m, st)
+            outs = []
+            for tok in ref_in:
+                outs.append(gd.step(torch.tensor([[tok]], device="cuda"), st)[0, -1].float().cpu())
+                st.pos += 1
+        dec = torch.stack(outs)
+    finally:
+        use_kernels(m, enable=False)
+    vs_ref = _compare(ref_pre, ref_dec, pre, dec)
+    vs_eager = (dec - eager_dec).abs().max().item()
+    tokens = [int(t) for t in dec.argmax(-1)]
+    ref_tokens = ref_in[1:] + [int(ref_dec[-1].argmax())]
+    result = {"kernels_graph_vs_reference_eager_free": vs_ref, "graph_vs_eager_kernels_max_abs_diff": vs_eager,
+              "captures": gd.captures, "kernel_tokens": tokens, "reference_tokens": ref_tokens}
+    _record("graph", result)
+    assert gd.captures == 1
+    assert vs_eager <= TOL * vs_ref["max_abs_logit"], result
+    assert vs_ref["top1_agreement"] >= 0.95, result
+    assert tokens[:8] == ref_tokens[:8], result
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_kernel_decode_has_no_host_syncs(gpu_model, prompt):
+    from dsv4lab.decode.check import sync_inventory
+
+    m = gpu_model
+    try:
+        use_kernels(m)
+        found = sync_inventory(m, prompt[:, :64], steps=2)
+    finally:
+        use_kernels(m, enable=False)
+    _record("host_syncs_in_kernel_decode_step", found)
+    assert found == [], found
