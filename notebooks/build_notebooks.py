@@ -57,6 +57,8 @@ def nb(name: str, intro: str, params: str, cells: list) -> None:
         else:
             book.cells.append(new_code_cell(c.strip()))
     book.cells.append(new_code_cell(FOOTER))
+    for i, cell in enumerate(book.cells):  # stable ids: rebuilding changes only what changed
+        cell.id = f"{name[:2]}-cell-{i:02d}"
     nbformat.write(book, str(HERE / f"{name}.ipynb"))
 
 
@@ -305,7 +307,7 @@ from dsv4lab.triage import decode_view as DV
 ids = S.encode(PROMPT)
 dc = DV.run(S, ids, steps=STEPS)
 sm = dc.summary()
-rec.record("modes", sm["modes"])
+rec.record("modes", sm["modes"], "ignore")  # device-dependent (CPU: buffers vs full forward; CUDA: eager vs graph)
 rec.record("token_agreement", sm["token_agreement"], {"abs": 0.0, "direction": "down"})
 rec.record("max_abs_logit_diff", sm["max_abs_logit_diff"], {"abs": 1e-3, "direction": "up"})
 rec.record("first_token_mismatch", sm["first_token_mismatch"])
