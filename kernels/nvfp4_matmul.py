@@ -191,14 +191,28 @@ def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, K, XB: tl.constexpr):
 
 
 @triton.jit
+def _load_pairs(xp_ptr, gg, gm):
+    """The 8 precomputed x' pairs of groups gg, as [1, G] rows (broadcast over the tile's rows)."""
+    xq = xp_ptr + gg * 8
+    return (tl.load(xq + 0, mask=gm, other=0)[None, :], tl.load(xq + 1, mask=gm, other=0)[None, :],
+            tl.load(xq + 2, mask=gm, other=0)[None, :], tl.load(xq + 3, mask=gm, other=0)[None, :],
+            tl.load(xq + 4, mask=gm, other=0)[None, :], tl.load(xq + 5, mask=gm, other=0)[None, :],
+            tl.load(xq + 6, mask=gm, other=0)[None, :], tl.load(xq + 7, mask=gm, other=0)[None, :])
+
+
+@triton.jit
 def _gemv_rows_m1_h2(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, xp_ptr, rows, row_ok, g_lo, g_hi, gps, xs,
-                     BN: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr, XP: tl.constexpr, PF: tl.constexpr):
+                     BN: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr, XP: tl.constexpr, PF: tl.constexpr,
+                     XPF: tl.constexpr):
     """Like _gemv_rows_m1 (result in units of 2^-14 / xs) with f16x2 products: see _H2_GROUP_ASM.
     XP: the x' pairs come precomputed from _x_pairs_kernel, else each CTA builds them.
-    PF: weight tiles in flight ahead of the one being decoded (1 or 2)."""
+    PF: weight tiles in flight ahead of the one being decoded (1 or 2). XPF (with XP): the x'
+    pairs are prefetched one tile ahead too."""
     acc = tl.zeros((BN, G), dtype=tl.float32)
     offs_g = tl.arange(0, G)
     gg = g_lo + offs_g
+    if XPF:
+        p0, p1, p2, p3, p4, p5, p6, p7 = _load_pairs(xp_ptr, gg, gg < g_hi)
     m2 = row_ok[:, None] & (gg < g_hi)[None, :]
     w_nx = tl.load(w_ptr + rows[:, None] * stride_wn + gg[None, :], mask=m2, other=0)
     s_nx = tl.load(s_ptr + rows[:, None] * stride_sn + gg[None, :], mask=m2, other=0)
@@ -223,16 +237,12 @@ def _gemv_rows_m1_h2(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, xp_ptr, rows, ro
             s_nx = tl.load(s_ptr + rows[:, None] * stride_sn + gn[None, :], mask=mn, other=0)
         w_lo = w64.to(tl.int32)
         w_hi = (w64 >> 32).to(tl.int32)
-        if XP:
-            xq = xp_ptr + gg * 8
-            x0 = tl.load(xq + 0, mask=gm, other=0)[None, :]
-            x1 = tl.load(xq + 1, mask=gm, other=0)[None, :]
-            x2 = tl.load(xq + 2, mask=gm, other=0)[None, :]
-            x3 = tl.load(xq + 3, mask=gm, other=0)[None, :]
-            x4 = tl.load(xq + 4, mask=gm, other=0)[None, :]
-            x5 = tl.load(xq + 5, mask=gm, other=0)[None, :]
-            x6 = tl.load(xq + 6, mask=gm, other=0)[None, :]
-            x7 = tl.load(xq + 7, mask=gm, other=0)[None, :]
+        if XPF:  # pairs loaded one tile ahead, like the weights (their latency off the chain)
+            x0, x1, x2, x3, x4, x5, x6, x7 = p0, p1, p2, p3, p4, p5, p6, p7
+            gx = gg + G
+            p0, p1, p2, p3, p4, p5, p6, p7 = _load_pairs(xp_ptr, gx, gx < g_hi)
+        elif XP:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _load_pairs(xp_ptr, gg, gm)
         else:
             xb = x_ptr + gg * 16
             x0 = _x_pair(xb, 0, gm, xs)[None, :]
@@ -290,7 +300,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, xp_ptr, in
                  M, N, KG, stride_xm, stride_wn, stride_sn, stride_ym, groups_per_split, SPLIT,
                  USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, BMP: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, H2: tl.constexpr, USE_ASM: tl.constexpr, XP: tl.constexpr,
-                 PF: tl.constexpr):
+                 PF: tl.constexpr, XPF: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -306,7 +316,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, xp_ptr, in
             else:
                 xs, inv_xs = _x_scale(x_ptr, g_lo * 16, g_hi * 16, 1024)
             acc = _gemv_rows_m1_h2(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, xp_ptr, rows, row_ok, g_lo, g_hi,
-                                   groups_per_split, xs, BN, G, USE_ASM, XP, PF)
+                                   groups_per_split, xs, BN, G, USE_ASM, XP, PF, XPF)
             acc = acc * (16384.0 * inv_xs)  # undo 2^-14 (nibble trick) and the x scaling
         else:
             acc = _gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, g_hi, groups_per_split, BN, G)
@@ -451,9 +461,11 @@ def _candidates(M: int, N: int, K: int, device: torch.device) -> list[dict]:
         n_tiles = triton.cdiv(N, bn)
         for mult in (2, 4, 8):
             split = max(1, min(triton.cdiv(mult * sms, n_tiles), max(1, KG // g), 64))
-            for h2, xp, pf in (((True, True, 1), (True, True, 2), (True, False, 1), (False, False, 1)) if M == 1
-                               else ((False, False, 1),)):
-                c = {"BN": bn, "G": g, "SPLIT": split, "num_warps": w, "H2": h2, "XP": xp, "PF": pf}
+            # XPF (x pairs prefetched) is left to benchmarks/m1_sweep.py: it measured no gain on the H200
+            for h2, xp, pf, xpf in (((True, True, 1, False), (True, True, 2, False),
+                                     (True, False, 1, False), (False, False, 1, False)) if M == 1
+                                    else ((False, False, 1, False),)):
+                c = {"BN": bn, "G": g, "SPLIT": split, "num_warps": w, "H2": h2, "XP": xp, "PF": pf, "XPF": xpf}
                 if c not in out:
                     out.append(c)
     return out
@@ -488,7 +500,8 @@ def _launch_gemv(x2, packed, scale, gs, y, cfg):
         x2, w64, scale.view(torch.uint8), gs, y, ws, cnt, xp, inv,
         M, N, KG, x2.stride(0), w64.stride(0), scale.stride(0), y.stride(0), gps, split,
         USE_SPLIT=split > 1, BN=cfg["BN"], G=cfg["G"], BMP=bmp, DOT_DTYPE=_dot_dtype(x2),
-        H2=h2, USE_ASM=not _INTERPRET, XP=xpairs, PF=int(cfg.get("PF", 1)), num_warps=cfg["num_warps"])
+        H2=h2, USE_ASM=not _INTERPRET, XP=xpairs, PF=int(cfg.get("PF", 1)), XPF=xpairs and bool(cfg.get("XPF", False)),
+        num_warps=cfg["num_warps"])
 
 
 def gemm_config(M: int, N: int, K: int, device: torch.device) -> dict:
