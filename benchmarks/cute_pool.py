@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.kernels import copy_ceiling, graph_time_us  # noqa: E402
 from kernels import cute_compressor_pool as cp  # noqa: E402
 
 ROWS = (1, 64, 4096)
@@ -50,14 +51,6 @@ def io_bytes(rows: int, L: int, d: int, dtype: torch.dtype) -> int:
     return rows * L * d * (es + 4) + rows * d * es
 
 
-def copy_ceiling() -> float:
-    """GB/s of a 1 GiB device-to-device copy (bytes read + written / time)."""
-    src = torch.empty(1 << 29, dtype=torch.float16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    t = eager_us(lambda: dst.copy_(src), reps=50)
-    return 2 * (1 << 30) / (t * 1e-6) / 1e9
-
-
 def eager_us(fn, reps: int = 100) -> float:
     """Mean wall time per call (us) of back-to-back calls, CUDA events around the loop."""
     for _ in range(3):
@@ -73,31 +66,10 @@ def eager_us(fn, reps: int = 100) -> float:
 
 
 def graph_us(calls, reps: int = 20) -> float | None:
-    """Mean GPU time per call (us): ``calls`` captured once in a CUDA graph, replayed ``reps``
-    times. None when capture fails (the number is then only in eager_us)."""
+    """``benchmarks.kernels.graph_time_us`` (graph replays, us per call); None when capture fails
+    (the number is then only in eager_us)."""
     try:
-        for c in calls:
-            c()
-        torch.cuda.synchronize()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(s):
-            with torch.cuda.graph(g, stream=s):
-                for c in calls:
-                    c()
-        torch.cuda.current_stream().wait_stream(s)
-        g.replay()
-        torch.cuda.synchronize()
-        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        st.record()
-        for _ in range(reps):
-            g.replay()
-        en.record()
-        torch.cuda.synchronize()
-        t = st.elapsed_time(en) * 1e3 / (reps * len(calls))
-        del g
-        return t
+        return graph_time_us(calls, reps)
     except Exception as e:  # noqa: BLE001 - report and go on with eager numbers
         print(f"  (graph capture failed: {type(e).__name__}: {e})", file=sys.stderr)
         torch.cuda.synchronize()
@@ -156,7 +128,9 @@ def main() -> None:
         version = getattr(cutlass, "__version__", "?")
     except Exception:  # noqa: BLE001
         version = None
-    ceiling = copy_ceiling()
+    from triton.testing import do_bench
+
+    ceiling = copy_ceiling(do_bench)
     torch.cuda.empty_cache()
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  cutlass-dsl {version}  "
           f"copy ceiling {ceiling:.0f} GB/s  AOT dir {os.environ.get('DSV4LAB_CUTE_AOT_DIR') or '-'}")

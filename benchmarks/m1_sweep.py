@@ -47,14 +47,13 @@ def main() -> None:
         ref = torch.nn.functional.linear(x, w.dequantize(torch.bfloat16))
         res = []
         KG = K // 16
-        for bn, g, warps, mult, pf, xpf in itertools.product((64, 128, 256), (8, 16), (4, 8), (1, 2, 4), (1, 2),
-                                                             (False, True)):
-            h2, xp = True, True
+        for bn, g, warps, mult, pf, (h2, xp) in itertools.product((64, 128, 256), (8, 16), (4, 8), (1, 2, 4), (1, 2),
+                                                                  ((True, True), (True, False))):
             if not 2 <= bn * g // (32 * warps) <= 32:  # int64 words per thread per tile
                 continue
             n_tiles = triton.cdiv(N, bn)
             split = max(1, min(triton.cdiv(mult * sms, n_tiles), max(1, KG // g), 64))
-            cfg = {"BN": bn, "G": g, "SPLIT": split, "num_warps": warps, "H2": h2, "XP": xp, "PF": pf, "XPF": xpf}
+            cfg = {"BN": bn, "G": g, "SPLIT": split, "num_warps": warps, "H2": h2, "XP": xp, "PF": pf}
             if any(r["config"] == cfg for r in res):
                 continue
             try:
@@ -72,10 +71,10 @@ def main() -> None:
         print(f"{name} {K}->{N}: {len(res)} configs", flush=True)
         for r in res[: args.top]:
             print(f"   {r['us']:8.1f} us  {r['GBps']:6.0f} GB/s  {r['frac_copy']:5.1%}  err {r['err']:.1e}  {r['config']}", flush=True)
-        for pf, xpf in itertools.product((1, 2), (False, True)):
-            best = next((r for r in res if r["config"]["PF"] == pf and r["config"]["XPF"] == xpf), None)
+        for pf, xp in itertools.product((1, 2), (True, False)):
+            best = next((r for r in res if r["config"]["PF"] == pf and r["config"]["XP"] == xp), None)
             if best:
-                print(f"   best with PF={pf} XPF={xpf}: {best['us']:.1f} us ({best['frac_copy']:.1%})", flush=True)
+                print(f"   best with PF={pf} XP={xp}: {best['us']:.1f} us ({best['frac_copy']:.1%})", flush=True)
         del copies, w
         torch.cuda.empty_cache()
     if args.json:

@@ -202,17 +202,13 @@ def _load_pairs(xp_ptr, gg, gm):
 
 @triton.jit
 def _gemv_rows_m1_h2(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, xp_ptr, rows, row_ok, g_lo, g_hi, gps, xs,
-                     BN: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr, XP: tl.constexpr, PF: tl.constexpr,
-                     XPF: tl.constexpr):
+                     BN: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr, XP: tl.constexpr, PF: tl.constexpr):
     """Like _gemv_rows_m1 (result in units of 2^-14 / xs) with f16x2 products: see _H2_GROUP_ASM.
     XP: the x' pairs come precomputed from _x_pairs_kernel, else each CTA builds them.
-    PF: weight tiles in flight ahead of the one being decoded (1 or 2). XPF (with XP): the x'
-    pairs are prefetched one tile ahead too."""
+    PF: weight tiles in flight ahead of the one being decoded (1 or 2)."""
     acc = tl.zeros((BN, G), dtype=tl.float32)
     offs_g = tl.arange(0, G)
     gg = g_lo + offs_g
-    if XPF:
-        p0, p1, p2, p3, p4, p5, p6, p7 = _load_pairs(xp_ptr, gg, gg < g_hi)
     m2 = row_ok[:, None] & (gg < g_hi)[None, :]
     w_nx = tl.load(w_ptr + rows[:, None] * stride_wn + gg[None, :], mask=m2, other=0)
     s_nx = tl.load(s_ptr + rows[:, None] * stride_sn + gg[None, :], mask=m2, other=0)
@@ -237,11 +233,7 @@ def _gemv_rows_m1_h2(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, xp_ptr, rows, ro
             s_nx = tl.load(s_ptr + rows[:, None] * stride_sn + gn[None, :], mask=mn, other=0)
         w_lo = w64.to(tl.int32)
         w_hi = (w64 >> 32).to(tl.int32)
-        if XPF:  # pairs loaded one tile ahead, like the weights (their latency off the chain)
-            x0, x1, x2, x3, x4, x5, x6, x7 = p0, p1, p2, p3, p4, p5, p6, p7
-            gx = gg + G
-            p0, p1, p2, p3, p4, p5, p6, p7 = _load_pairs(xp_ptr, gx, gx < g_hi)
-        elif XP:
+        if XP:
             x0, x1, x2, x3, x4, x5, x6, x7 = _load_pairs(xp_ptr, gg, gm)
         else:
             xb = x_ptr + gg * 16
@@ -300,7 +292,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, xp_ptr, in
                  M, N, KG, stride_xm, stride_wn, stride_sn, stride_ym, groups_per_split, SPLIT,
                  USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, BMP: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, H2: tl.constexpr, USE_ASM: tl.constexpr, XP: tl.constexpr,
-                 PF: tl.constexpr, XPF: tl.constexpr):
+                 PF: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -316,7 +308,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, xp_ptr, in
             else:
                 xs, inv_xs = _x_scale(x_ptr, g_lo * 16, g_hi * 16, 1024)
             acc = _gemv_rows_m1_h2(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, xp_ptr, rows, row_ok, g_lo, g_hi,
-                                   groups_per_split, xs, BN, G, USE_ASM, XP, PF, XPF)
+                                   groups_per_split, xs, BN, G, USE_ASM, XP, PF)
             acc = acc * (16384.0 * inv_xs)  # undo 2^-14 (nibble trick) and the x scaling
         else:
             acc = _gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, g_hi, groups_per_split, BN, G)
@@ -461,11 +453,9 @@ def _candidates(M: int, N: int, K: int, device: torch.device) -> list[dict]:
         n_tiles = triton.cdiv(N, bn)
         for mult in (2, 4, 8):
             split = max(1, min(triton.cdiv(mult * sms, n_tiles), max(1, KG // g), 64))
-            # XPF (x pairs prefetched) is left to benchmarks/m1_sweep.py: it measured no gain on the H200
-            for h2, xp, pf, xpf in (((True, True, 1, False), (True, True, 2, False),
-                                     (True, False, 1, False), (False, False, 1, False)) if M == 1
-                                    else ((False, False, 1, False),)):
-                c = {"BN": bn, "G": g, "SPLIT": split, "num_warps": w, "H2": h2, "XP": xp, "PF": pf, "XPF": xpf}
+            for h2, xp, pf in (((True, True, 1), (True, True, 2), (True, False, 1), (False, False, 1)) if M == 1
+                               else ((False, False, 1),)):
+                c = {"BN": bn, "G": g, "SPLIT": split, "num_warps": w, "H2": h2, "XP": xp, "PF": pf}
                 if c not in out:
                     out.append(c)
     return out
@@ -500,7 +490,7 @@ def _launch_gemv(x2, packed, scale, gs, y, cfg):
         x2, w64, scale.view(torch.uint8), gs, y, ws, cnt, xp, inv,
         M, N, KG, x2.stride(0), w64.stride(0), scale.stride(0), y.stride(0), gps, split,
         USE_SPLIT=split > 1, BN=cfg["BN"], G=cfg["G"], BMP=bmp, DOT_DTYPE=_dot_dtype(x2),
-        H2=h2, USE_ASM=not _INTERPRET, XP=xpairs, PF=int(cfg.get("PF", 1)), XPF=xpairs and bool(cfg.get("XPF", False)),
+        H2=h2, USE_ASM=not _INTERPRET, XP=xpairs, PF=int(cfg.get("PF", 1)),
         num_warps=cfg["num_warps"])
 
 
