@@ -6,8 +6,11 @@ copies to defeat the L2, plus the eager per-call time for reference), time of th
 (``NVFP4Weight.dequantize(bf16)`` then ``F.linear``), achieved bandwidth (packed weights + e4m3
 scales + x + y bytes / time) and its fraction of a copy ceiling measured in the same run
 (device-to-device copy of 2 GiB, bytes read + written / time). Every timed kernel output is also
-checked against the reference. Also times the MoE decode path (6 experts, 7168->3072->7168) and
-the activation quantiser.
+checked against the reference. At batch 1 also: the pointer-load GEMV (what M=1 used before the
+TMA kernel) with its f16x2 and fp32-FMA inner loops, and cuBLAS's bf16 GEMV over a matrix of the
+same N holding the same bytes (what a vendor kernel reaches at that size: the calibration for the
+fraction-of-ceiling figures). Also times the MoE decode path (6 experts, 7168->3072->7168) and the
+activation quantiser.
 
     python3 benchmarks/kernels.py --json out.json
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,7 +32,8 @@ SHAPES = [  # name, K (in), N (out)
     ("expert_w1/w3", 7168, 3072), ("expert_w2", 3072, 7168), ("q_a", 7168, 1536), ("q_b", 1536, 65536),
     ("wkv", 7168, 512), ("o_b", 16384, 7168), ("lm_head", 7168, 129280),
 ]
-LARGE = {"expert_w1/w3", "expert_w2", "q_b", "o_b", "lm_head"}
+LARGE = {"q_b", "o_b", "lm_head"}  # >= 50 MB of NVFP4 weights; the 12 MB expert shapes are launch/latency-bound
+                                   # (cuBLAS bf16 reads 12 MB at ~45% of the ceiling, see m1 "cublas" column)
 
 
 def rand_nvfp4(n, k, seed=0):
@@ -99,7 +104,18 @@ def main():
     from kernels.nvfp4_matmul import _TUNED, gemm_config, nvfp4_matmul
 
     def cfg_of(M, N, K, x):
-        return _TUNED.get((1 if M == 1 else 16, N, K, x.dtype, "cuda", torch.cuda.current_device()))
+        key = (1 if M == 1 else 16, N, K, x.dtype, "cuda", torch.cuda.current_device())
+        return next((v for k, v in _TUNED.items() if k[:6] == key), None)
+
+    def pointer_gemv_cfg(x, w):
+        """The tuned config of the pointer-load GEMV (what M=1 used before the TMA kernel)."""
+        os.environ["DSV4LAB_KERNEL_TMA"] = "0"
+        try:
+            nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale)
+            key = (1, w.packed.shape[0], x.shape[-1], x.dtype, "cuda", torch.cuda.current_device(), False)
+            return _TUNED[key]
+        finally:
+            os.environ.pop("DSV4LAB_KERNEL_TMA")
 
     dev = torch.cuda.get_device_name()
     ceil = copy_ceiling(do_bench)
@@ -131,22 +147,31 @@ def main():
                 print("torch path not capturable:", repr(exc)[:200])
                 t_t = do_bench(lambda: F.linear(x, w.dequantize(torch.bfloat16)), warmup=3, rep=20) * 1e3
             ablation = {}
-            if M == 1 and cfg_of(M, N, K, x) is not None:  # the same tuned tile with each M=1 inner loop
+            cublas = None
+            if M == 1:  # the pointer-load GEMV (tuned) with each inner loop, and cuBLAS bf16 at the same bytes
+                pc = pointer_gemv_cfg(x, w)
                 for h2 in (True, False):
-                    c2 = {**cfg_of(M, N, K, x), "H2": h2}
-                    ablation["f16x2" if h2 else "fp32_fma"] = graph_time_us(
+                    c2 = {**pc, "H2": h2}
+                    ablation["pointer_f16x2" if h2 else "pointer_fp32_fma"] = graph_time_us(
                         [lambda c=c: nvfp4_matmul(x, c.packed, c.block_scale, c.global_scale, config=c2) for c in copies])
+                kb = (K * 9 // 32 + 7) // 8 * 8  # bf16 columns holding the same bytes as K NVFP4 columns + scales
+                wb = [torch.randn(N, kb, device="cuda", dtype=torch.bfloat16) for _ in range(ncopy)]
+                xb = torch.randn(1, kb, device="cuda", dtype=torch.bfloat16)
+                t_cb = graph_time_us([lambda c=c: F.linear(xb, c) for c in wb])
+                cublas = dict(us=t_cb, frac_copy=(N * kb * 2) / (t_cb * 1e-6) / 1e9 / ceil)
+                del wb
             t_k, t_t = t_k * 1e-3, t_t * 1e-3  # ms, as below
             byts = wbytes + x.numel() * 2 + M * N * 2
             gbs = byts / (t_k * 1e-3) / 1e9
             cfg = cfg_of(M, N, K, x) if M <= 16 else gemm_config(M, N, K, x.device)
             r = dict(shape=name, K=K, N=N, batch=M, kernel_us=t_k * 1e3, kernel_eager_us=t_e, torch_us=t_t * 1e3, GBps=gbs,
                      frac_copy=gbs / ceil, speedup=t_t / t_k, max_rel_err=err, config=cfg,
-                     m1_inner_loop_us=ablation or None)
+                     m1_inner_loop_us=ablation or None, cublas_bf16_same_bytes=cublas)
             rows.append(r)
             print(f"{name:13s} {K:6d}->{N:6d} M={M:4d}  ours {t_k*1e3:9.1f} us  torch {t_t*1e3:9.1f} us  "
                   f"{gbs:7.0f} GB/s  {gbs/ceil:5.1%} of copy  x{t_t/t_k:6.1f}  err {err:.2e}  eager {t_e:7.1f} us  {cfg}"
-                  + (f"  ablation(us) {ablation}" if ablation else ""), flush=True)
+                  + (f"  ablation(us) {ablation}" if ablation else "")
+                  + (f"  cuBLAS bf16 same bytes {cublas['us']:.1f} us {cublas['frac_copy']:.1%}" if cublas else ""), flush=True)
         del w, copies
         torch.cuda.empty_cache()
     print(f"matmul sweep {time.time()-t0:.0f} s", flush=True)

@@ -1,7 +1,8 @@
 """Sweep the batch-1 NVFP4 GEMV's tile space on the device machine (CUDA + triton).
 
 The tuner in ``kernels.nvfp4_matmul`` picks from a small candidate list with ``do_bench``; this
-script times a wider space as CUDA-graph replays over enough weight copies to defeat the L2
+script times a wider space (the TMA GEMV's tiles/stages/splits; ``--pointer`` adds the pointer-load
+GEMV's) as CUDA-graph replays over enough weight copies to defeat the L2
 (the decode condition) and prints the best configs per shape with their fraction of a copy
 ceiling measured in the same run. Use it to choose the candidate list.
 
@@ -26,6 +27,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="lm_head,o_b,q_b")
     ap.add_argument("--json", default=None)
     ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--pointer", action="store_true", help="also sweep the pointer-load GEMV (pre-Hopper path)")
+    ap.add_argument("--batch", type=int, default=1, help="decode batch M (<= 16)")
+    ap.add_argument("--stages", type=lambda v: [int(a) for a in v.split(",")], default=[2, 3, 4, 6])
+    ap.add_argument("--warps", type=lambda v: [int(a) for a in v.split(",")], default=[4, 8])
     args = ap.parse_args()
     import triton
     from triton.testing import do_bench
@@ -43,17 +48,24 @@ def main() -> None:
         wbytes = w.packed.numel() + w.block_scale.numel()
         ncopy = max(1, min(32, -(-400_000_000 // wbytes)))
         copies = [w] + [rand_nvfp4(N, K, seed=1 + i) for i in range(ncopy - 1)]
-        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(args.batch, K, device="cuda", dtype=torch.bfloat16)
         ref = torch.nn.functional.linear(x, w.dequantize(torch.bfloat16))
         res = []
         KG = K // 16
-        for bn, g, warps, mult, pf, (h2, xp) in itertools.product((64, 128, 256), (8, 16), (4, 8), (1, 2, 4), (1, 2),
-                                                                  ((True, True), (True, False))):
-            if not 2 <= bn * g // (32 * warps) <= 32:  # int64 words per thread per tile
-                continue
+        space = []
+        for bn, stages, warps, mult in itertools.product((64, 128, 256), args.stages, args.warps, (1, 2, 4)):
             n_tiles = triton.cdiv(N, bn)
-            split = max(1, min(triton.cdiv(mult * sms, n_tiles), max(1, KG // g), 64))
-            cfg = {"BN": bn, "G": g, "SPLIT": split, "num_warps": warps, "H2": h2, "XP": xp, "PF": pf}
+            split = max(1, min(triton.cdiv(mult * sms, n_tiles), max(1, KG // 16), 64))
+            space.append({"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": warps})
+        if args.pointer:
+            for bn, g, warps, mult, pf, (h2, xp) in itertools.product((64, 128, 256), (8, 16), (4, 8), (1, 2, 4), (1, 2),
+                                                                      ((True, True), (True, False))):
+                if not 2 <= bn * g // (32 * warps) <= 32:  # int64 words per thread per tile
+                    continue
+                n_tiles = triton.cdiv(N, bn)
+                split = max(1, min(triton.cdiv(mult * sms, n_tiles), max(1, KG // g), 64))
+                space.append({"BN": bn, "G": g, "SPLIT": split, "num_warps": warps, "H2": h2, "XP": xp, "PF": pf})
+        for cfg in space:
             if any(r["config"] == cfg for r in res):
                 continue
             try:
@@ -64,17 +76,17 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a tile that does not fit is skipped
                 print(f"  skip {cfg}: {type(e).__name__}", flush=True)
                 continue
-            gbs = (wbytes + K * 2 + N * 2) / (t * 1e-6) / 1e9
+            gbs = (wbytes + args.batch * (K + N) * 2) / (t * 1e-6) / 1e9
             res.append({"config": cfg, "us": t, "GBps": gbs, "frac_copy": gbs / ceil, "err": err})
         res.sort(key=lambda r: r["us"])
         out[name] = res
         print(f"{name} {K}->{N}: {len(res)} configs", flush=True)
         for r in res[: args.top]:
             print(f"   {r['us']:8.1f} us  {r['GBps']:6.0f} GB/s  {r['frac_copy']:5.1%}  err {r['err']:.1e}  {r['config']}", flush=True)
-        for pf, xp in itertools.product((1, 2), (True, False)):
-            best = next((r for r in res if r["config"]["PF"] == pf and r["config"]["XP"] == xp), None)
+        for label, pick in (("TMA", lambda c: c.get("TMA", False)), ("pointer", lambda c: not c.get("TMA", False))):
+            best = next((r for r in res if pick(r["config"])), None)
             if best:
-                print(f"   best with PF={pf} XP={xp}: {best['us']:.1f} us ({best['frac_copy']:.1%})", flush=True)
+                print(f"   best {label}: {best['us']:.1f} us ({best['frac_copy']:.1%}) {best['config']}", flush=True)
         del copies, w
         torch.cuda.empty_cache()
     if args.json:

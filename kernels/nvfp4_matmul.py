@@ -3,7 +3,8 @@
 Layout: ``packed`` uint8 [N, K/2] (low nibble = even element), ``block_scale`` e4m3 [N, K/16],
 ``global_scale`` fp32 scalar; W = E2M1[code] * float(block_scale) * global_scale.
 
-Two Triton kernels:
+Two Triton kernels here, plus the TMA-fed decode GEMV in ``kernels.nvfp4_gemv_tma`` that M <= 16
+takes on Hopper+ (this module's GEMV stays for older GPUs and unaligned shapes):
 
 * ``_gemv_kernel`` (M <= 16, decode). The packed rows are read as int64 words: one word = 16
   elements = exactly one scale block. Nibbles j and j+4 of an int32 become one f16x2 register
@@ -462,6 +463,14 @@ def _candidates(M: int, N: int, K: int, device: torch.device) -> list[dict]:
 
 
 def _launch_gemv(x2, packed, scale, gs, y, cfg):
+    if cfg.get("TMA"):
+        from .nvfp4_gemv_tma import launch_gemv_tma, tma_supported
+
+        if x2.shape[0] > 16 or not tma_supported(x2, packed, scale):
+            raise ValueError("a TMA config needs M <= 16, K % 256 == 0, 16-byte aligned weights and CUDA "
+                             "capability >= 9.0 (or TRITON_INTERPRET=1)")
+        launch_gemv_tma(x2, packed, scale, gs, y, cfg)
+        return
     M, K = x2.shape
     N = packed.shape[0]
     KG = K // 16
@@ -526,14 +535,28 @@ def _launch_gemm(x2, packed, scale, gs, y, cfg):
                        num_warps=cfg["num_warps"])
 
 
+def _use_tma(x2, packed, scale) -> bool:
+    """M <= 16 on Hopper+ with TMA-compatible strides takes ``nvfp4_gemv_tma`` (DSV4LAB_KERNEL_TMA=0 opts out)."""
+    if x2.shape[0] > 16 or x2.device.type != "cuda" or os.environ.get("DSV4LAB_KERNEL_TMA", "1") == "0":
+        return False
+    from .nvfp4_gemv_tma import tma_supported
+
+    return tma_supported(x2, packed, scale)
+
+
 def _tuned_config(x2, packed, scale, gs, y) -> dict:
     M, K = x2.shape
     N = packed.shape[0]
-    key = (_bmp(M), N, K, x2.dtype, x2.device.type, x2.device.index)
+    tma = _use_tma(x2, packed, scale)
+    key = (_bmp(M), N, K, x2.dtype, x2.device.type, x2.device.index, tma)
     cfg = _TUNED.get(key)
     if cfg is not None:
         return cfg
-    if x2.device.type != "cuda" or os.environ.get("DSV4LAB_KERNEL_TUNE", "1") == "0" \
+    if tma:  # fixed tile rule, see tma_default_config
+        from .nvfp4_gemv_tma import tma_default_config
+
+        cfg = tma_default_config(N, K, x2.device, M)
+    elif x2.device.type != "cuda" or os.environ.get("DSV4LAB_KERNEL_TUNE", "1") == "0" \
             or torch.cuda.is_current_stream_capturing():
         cfg = default_config(M, N, K, x2.device)
     else:
@@ -557,8 +580,11 @@ def nvfp4_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
                  config: dict | None = None) -> torch.Tensor:
     """y[..., N] = x[..., K] @ W^T for NVFP4 W given as (packed [N,K/2], block_scale [N,K/16], gs).
 
-    M = prod(leading dims) <= 16 takes the split-K GEMV kernel (``config`` overrides its tuned
-    choice: BN, G, SPLIT, num_warps), larger M the tiled GEMM. Output dtype = x.dtype by default.
+    M = prod(leading dims) <= 16 takes the split-K GEMV kernel, larger M the tiled GEMM. M <= 16 on
+    CUDA capability >= 9.0 with K % 256 == 0 takes the TMA-fed GEMV (``kernels.nvfp4_gemv_tma``).
+    ``config`` overrides the tuned choice (GEMV: BN, G, SPLIT, num_warps, H2, XP, PF; TMA GEMV:
+    TMA=True, BN, STAGES, SPLIT, num_warps; GEMM: BM, BN, BK, SPLIT, num_warps). Output dtype =
+    x.dtype by default.
     """
     N, KH = packed.shape
     K = KH * 2
@@ -570,11 +596,15 @@ def nvfp4_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
         x2 = x2.contiguous()
     M = x2.shape[0]
     packed = packed.view(torch.uint8).contiguous()
+    if packed.data_ptr() % 8:  # the kernels read packed rows as int64 words (a byte-offset view: copy once)
+        packed = packed.clone()
     scale = block_scale.view(torch.uint8).contiguous()
     gs = global_scale.reshape(1).to(device=x.device, dtype=torch.float32)
     y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y.reshape(*lead, N)
+    if config and config.get("TMA") and M > 16:
+        raise ValueError(f"a TMA config is for decode (M <= 16); got M = {M}")
     if M <= 16:
         cfg = config or _tuned_config(x2, packed, scale, gs, y)
         _launch_gemv(x2, packed, scale, gs, y, cfg)

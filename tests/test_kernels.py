@@ -141,6 +141,45 @@ for lim in (None, 1.5):
     y = moe_decode_triton(x, ids, wt, w1, w3, w2, lim)
     ref = moe_decode_ref(x, ids, wt, w1, w3, w2, lim)
     res[f"moe_lim{lim}"] = {"max_abs": (y.float() - ref.float()).abs().max().item(), "ref_max": ref.abs().max().item()}
+# TMA-fed batch-1 GEMV (kernels.nvfp4_gemv_tma): K = 512 -> 32 groups = 2 TMA boxes, N = 40 (a
+# partial row tile), x stressing the per-group scaling; and its x-pairs prelude bit-exact
+from kernels.nvfp4_gemv_tma import x_pairs
+wt = random_nvfp4(40, 512)
+for kind in ("bf16", "fp16", "fp32", "outliers", "tiny"):
+    x = rnd(1, 512)
+    if kind == "outliers":
+        x[0, ::97] = 1e4
+    elif kind == "tiny":
+        x = x * 1e-30
+    x = x.to({"fp16": torch.float16, "fp32": torch.float32}.get(kind, torch.bfloat16))
+    for split in (1, 2):
+        cfg = {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": split, "num_warps": 1}
+        y = nvfp4_matmul(x, wt.packed, wt.block_scale, wt.global_scale, out_dtype=torch.float32, config=cfg)
+        res[f"tma_{kind}_split{split}"] = err(y, nvfp4_matmul_ref(x.float(), wt))
+x = rnd(512).to(torch.bfloat16)
+x[:16] *= 1e3
+x[16:32] *= 1e-3
+xp, inv = x_pairs(x)
+xf = x.float().reshape(32, 16)
+e = (xf.abs().amax(1).view(torch.int32) >> 23) & 0xFF
+b = (268 - e).clamp(1, 253)
+xs = (b << 23).view(torch.float32)
+h = (xf * xs[:, None]).half().view(torch.int16).to(torch.int32) & 0xFFFF
+idx = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11])
+ref_pairs = h[:, idx] | (h[:, idx + 4] << 16)
+res["tma_pairs"] = {"pairs_exact": bool(torch.equal(xp, ref_pairs)), "inv_exact": bool(torch.equal(inv, ((254 - b) << 23).view(torch.float32)))}
+for M in (2, 5, 16):  # the tl.dot loop on the same weight ring
+    x = rnd(M, 512).to(torch.bfloat16)
+    for split in (1, 2):
+        cfg = {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": split, "num_warps": 1}
+        y = nvfp4_matmul(x, wt.packed, wt.block_scale, wt.global_scale, out_dtype=torch.float32, config=cfg)
+        res[f"tmadot_M{M}_split{split}"] = err(y, nvfp4_matmul_ref(x.float(), wt))
+try:
+    nvfp4_matmul(rnd(17, 512).to(torch.bfloat16), wt.packed, wt.block_scale, wt.global_scale,
+                 config={"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": 1, "num_warps": 1})
+    res["tma_rejects_m17"] = False
+except ValueError:
+    res["tma_rejects_m17"] = True
 print("RESULT" + json.dumps(res))
 """
 
@@ -153,6 +192,21 @@ def interp_results():
     assert r.returncode == 0, r.stderr[-4000:]
     line = [l for l in r.stdout.splitlines() if l.startswith("RESULT")][-1]
     return json.loads(line[len("RESULT"):])
+
+
+def test_interp_tma_gemv(interp_results):
+    """The TMA GEMV (descriptor loads, per-group x scaling, split-K fix-up) through the interpreter."""
+    r = {k: v for k, v in interp_results.items() if k.startswith("tma_") and k not in ("tma_pairs", "tma_rejects_m17")}
+    assert len(r) == 10
+    for k, v in r.items():
+        assert v["bad"] == 0 and v["ref_max"] > 0, (k, v)
+        assert v["max_abs"] <= 2e-3 * v["ref_max"], (k, v)  # fp32 out: only f16 group sums round
+    d = {k: v for k, v in interp_results.items() if k.startswith("tmadot_")}
+    assert len(d) == 6
+    for k, v in d.items():  # bf16 x, exact weights, fp32 accumulate and output: order only
+        assert v["bad"] == 0 and v["ref_max"] > 0 and v["max_abs"] <= 1e-4 * v["ref_max"], (k, v)
+    assert interp_results["tma_pairs"] == {"pairs_exact": True, "inv_exact": True}
+    assert interp_results["tma_rejects_m17"] is True
 
 
 def test_interp_nvfp4_matmul(interp_results):
@@ -243,6 +297,71 @@ def test_gpu_m1_inner_loops(h2, xp, pf, xkind):
     for split in (1, 8):
         cfg = {"BN": 64, "G": 8, "SPLIT": split, "num_warps": 4, "H2": h2, "XP": xp, "PF": pf}
         _close(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config=cfg), nvfp4_matmul_ref(x, w))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("bn,stages,split", [(64, 3, 1), (256, 3, 1), (128, 4, 7), (256, 4, 10)])
+@pytest.mark.parametrize("xkind", ["bf16", "fp16", "fp32", "outliers", "tiny"])
+def test_gpu_tma_gemv(bn, stages, split, xkind):
+    """The TMA GEMV's tiles/stages/splits on inputs that stress the per-group x scaling; N = 3000
+    leaves a partial row tile (TMA zero-fills it, the store is masked)."""
+    from kernels.nvfp4_matmul import nvfp4_matmul, nvfp4_matmul_ref
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.fail("the TMA GEMV needs sm_90+; run the GPU tests on the H200")
+    K, N = 7168, 3000
+    w = _rand_nvfp4_cuda(N, K, seed=6)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(1, K, device="cuda", generator=g)
+    if xkind == "outliers":
+        x[0, ::997] = 1e4
+    elif xkind == "tiny":
+        x = x * 1e-30
+    x = x.to({"fp16": torch.float16, "fp32": torch.float32}.get(xkind, torch.bfloat16))
+    cfg = {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": 4}
+    for _ in range(2):  # the second call checks that the split counters were reset
+        _close(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config=cfg), nvfp4_matmul_ref(x, w))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("M,bn,split", [(2, 64, 1), (4, 128, 5), (16, 64, 3), (16, 256, 1)])
+def test_gpu_tma_dot(M, bn, split):
+    """The TMA-fed tl.dot loop (M in 2..16) with split K and a partial row tile."""
+    from kernels.nvfp4_matmul import nvfp4_matmul, nvfp4_matmul_ref
+
+    w = _rand_nvfp4_cuda(3000, 7168, seed=9)
+    x = torch.randn(M, 7168, device="cuda", dtype=torch.bfloat16)
+    cfg = {"TMA": True, "BN": bn, "STAGES": 3, "SPLIT": split, "num_warps": 4}
+    for _ in range(2):
+        _close(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config=cfg), nvfp4_matmul_ref(x, w))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_m1_path_choice():
+    """M=1 takes the TMA GEMV on Hopper for aligned weights and falls back to the pointer-load GEMV
+    (still correct) for a weight whose base is not 16-byte aligned or when opted out."""
+    from kernels import nvfp4_matmul as nm
+
+    K, N = 3072, 1024
+    w = _rand_nvfp4_cuda(N, K, seed=8)
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    assert nm._use_tma(x, w.packed, w.block_scale.view(torch.uint8)) == (torch.cuda.get_device_capability() >= (9, 0))
+    ref = nm.nvfp4_matmul_ref(x, w)
+    buf = torch.empty(N * K // 2 + 8, dtype=torch.uint8, device="cuda")
+    for off in (8, 1):  # 8: int64-aligned, not 16 (pointer GEMV); 1: not even int64-aligned (copied once)
+        odd = buf[off:off + N * K // 2].view(N, K // 2)
+        odd.copy_(w.packed)
+        assert odd.data_ptr() % 16 == off and not nm._use_tma(x, odd, w.block_scale.view(torch.uint8))
+        _close(nm.nvfp4_matmul(x, odd, w.block_scale, w.global_scale), ref)
+    os.environ["DSV4LAB_KERNEL_TMA"] = "0"
+    try:
+        assert not nm._use_tma(x, w.packed, w.block_scale.view(torch.uint8))
+        _close(nm.nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale), ref)
+    finally:
+        os.environ.pop("DSV4LAB_KERNEL_TMA")
 
 
 @pytest.mark.gpu

@@ -1,0 +1,252 @@
+"""Decode (M <= 16) NVFP4 GEMV fed by TMA (Hopper and newer): y = x @ W^T, W kept packed.
+
+Why a second M=1 kernel: the pointer-load GEMV in ``nvfp4_matmul`` keeps only one weight tile in
+flight per warp and reached ~57% of the copy ceiling on lm_head. Here the weight words, their e4m3
+scales and the activation pairs are loaded by TMA into a multi-stage shared-memory ring
+(``tl.range(num_stages=...)`` pipelines descriptor loads even without ``tl.dot``), so several
+tiles are in flight per CTA and no thread spends instructions on addresses.
+
+Two launches per call:
+
+* ``_x_pairs_kernel`` (grid over 16-groups of K): per 16-group g a power of two xs_g with
+  max|x_g| * xs_g in [2^14, 2^15); x' = x * xs_g rounded to f16 (exact for bf16 x) and packed as
+  the f16x2 pairs the inner loop multiplies (pair 4h + j = elements 8h + j and 8h + j + 4), plus
+  1/xs_g. Per-group (not per-row) scaling: no global reduction, so this prelude is one short wave,
+  and a group of tiny values next to a large outlier keeps its precision.
+* ``_gemv_tma_kernel`` (M == 1; grid = row tiles x K splits): the f16x2 inner loop of ``nvfp4_matmul``
+  (``_H2_GROUP_ASM``: two E2M1 nibbles -> one f16x2 register, ``fma.rn.f16x2`` against x', the
+  16-product group sum widened to fp32 once) times (block scale * 1/xs_g). Split K finishes like
+  the other kernels: fp32 partials, a per-tile counter, the last split sums in split order
+  (deterministic, one launch, graph-safe).
+
+M in 2..16 (``_gemv_tma_dot_kernel``) uses the same weight ring with ``nvfp4_matmul``'s ``tl.dot``
+inner loop (exact E2M1*s planes against x^T planes, batch padded to 16); no prelude.
+
+Requirements (else ``nvfp4_matmul`` keeps the pointer-load GEMV): CUDA capability >= 9.0, K a
+multiple of 256 (TMA needs 16-byte row strides for the e4m3 scales [N, K/16]) and 16-byte aligned
+weight/scale base pointers. Under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (the PTX
+emulated in plain Triton), which is how CI checks it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .nvfp4_matmul import (_H2_GROUP_ASM, _INTERPRET, _counters, _dot_dtype, _e4m3_to_f32, _fp16_pair,
+                           _h2_word_emulated, _num_sms)
+
+G = 16  # 16-groups per TMA box along K: 128 bytes of weight words, 16 bytes of scales per row
+
+
+@triton.jit
+def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, KG, BG: tl.constexpr):
+    """x [K] -> f16x2 pairs [KG, 8] and 1/xs [KG] (per 16-group power-of-two scaling)."""
+    g = tl.program_id(0) * BG + tl.arange(0, BG)
+    ok = g < KG
+    x = tl.load(x_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    e = (tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    b = tl.minimum(tl.maximum(268 - e, 1), 253)        # xs = 2^(141 - e) = 2^(b - 127)
+    xs = (b << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - b) << 23).to(tl.float32, bitcast=True)
+    h = (x * xs[:, None]).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    h = tl.permute(tl.reshape(h, (BG, 2, 2, 4)), (0, 1, 3, 2))   # [g, h, j, +0/+4]
+    lo, hi = tl.split(h)
+    tl.store(xp_ptr + g[:, None] * 8 + tl.arange(0, 8)[None, :], tl.reshape(lo | (hi << 16), (BG, 8)),
+             mask=ok[:, None])
+    tl.store(inv_ptr + g, inv, mask=ok)
+
+
+@triton.jit
+def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, N, KG, gps, SPLIT,
+                     USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr,
+                     USE_ASM: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n0 = pid_n * BN
+    rows = n0 + tl.arange(0, BN)
+    row_ok = rows < N
+    g_lo = pid_k * gps
+    g_hi = tl.minimum(g_lo + gps, KG)
+    acc = tl.zeros((BN, G), dtype=tl.float32)
+    for g0 in tl.range(g_lo, g_hi, G, num_stages=STAGES):
+        w64 = w_desc.load([n0, g0])                     # [BN, G] int64: 16 nibbles = one scale block
+        gg = g0 + tl.arange(0, G)
+        sc = _e4m3_to_f32(s_desc.load([n0, g0])) * tl.load(inv_ptr + gg, mask=gg < KG, other=0.0)[None, :]
+        w_lo = w64.to(tl.int32)
+        w_hi = (w64 >> 32).to(tl.int32)
+        xt = tl.reshape(x_desc.load([g0, 0]), (G, 2, 2, 2))   # [g, h, j >> 1, j & 1]
+        e0, e1 = tl.split(xt)
+        e00, e01 = tl.split(e0)
+        e10, e11 = tl.split(e1)
+        x0, x4 = tl.split(e00)
+        x2, x6 = tl.split(e01)
+        x1, x5 = tl.split(e10)
+        x3, x7 = tl.split(e11)
+        x0 = x0[None, :]
+        x1 = x1[None, :]
+        x2 = x2[None, :]
+        x3 = x3[None, :]
+        x4 = x4[None, :]
+        x5 = x5[None, :]
+        x6 = x6[None, :]
+        x7 = x7[None, :]
+        if USE_ASM:
+            part = tl.inline_asm_elementwise(
+                _H2_GROUP_ASM, "=r,r,r,r,r,r,r,r,r,r,r", [w_lo, w_hi, x0, x1, x2, x3, x4, x5, x6, x7],
+                dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+        else:
+            z = tl.zeros((BN, G), dtype=tl.float32)
+            a_lo, a_hi = _h2_word_emulated(w_lo, x0, x1, x2, x3, z, z)
+            a_lo, a_hi = _h2_word_emulated(w_hi, x4, x5, x6, x7, a_lo, a_hi)
+            part = a_lo + a_hi
+        acc += part * sc
+    res = tl.sum(acc, axis=1) * 16384.0  # undo the 2^-14 of the nibble trick
+    gs = tl.load(gs_ptr).to(tl.float32)
+    if not USE_SPLIT:
+        tl.store(y_ptr + rows, (res * gs).to(y_ptr.dtype.element_ty), mask=row_ok)
+    else:
+        tl.store(ws_ptr + pid_k * N + rows, res, mask=row_ok)
+        tl.debug_barrier()
+        old = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if old == SPLIT - 1:
+            tot = tl.zeros((BN,), dtype=tl.float32)
+            for s in range(SPLIT):
+                tot += tl.load(ws_ptr + s * N + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + rows, (tot * gs).to(y_ptr.dtype.element_ty), mask=row_ok)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+@triton.jit
+def _gemv_tma_dot_kernel(w_desc, s_desc, x_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, KG, stride_xm, stride_ym,
+                         gps, SPLIT, USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
+                         BMP: tl.constexpr, STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """M in 2..16: the same TMA-fed weight ring; per nibble plane the exact E2M1*s tile (bf16/f16)
+    goes through ``tl.dot`` against the matching x^T plane (batch padded to BMP = 16)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n0 = pid_n * BN
+    rows = n0 + tl.arange(0, BN)
+    row_ok = rows < N
+    g_lo = pid_k * gps
+    g_hi = tl.minimum(g_lo + gps, KG)
+    offs_m = tl.arange(0, BMP)
+    m_ok = offs_m < M
+    acc = tl.zeros((BN, BMP), dtype=tl.float32)
+    for g0 in tl.range(g_lo, g_hi, G, num_stages=STAGES):
+        w64 = w_desc.load([n0, g0])
+        sc = _e4m3_to_f32(s_desc.load([n0, g0])) * 16384.0
+        w_lo = w64.to(tl.int32)
+        w_hi = (w64 >> 32).to(tl.int32)
+        gg = g0 + tl.arange(0, G)
+        xt = x_ptr + offs_m[None, :] * stride_xm + gg[:, None] * 16   # x^T planes [G, BMP]
+        xm = (gg < KG)[:, None] & m_ok[None, :]
+        for j in tl.static_range(4):
+            a, b = _fp16_pair(w_lo, j)
+            acc = tl.dot((a * sc).to(DOT_DTYPE), tl.load(xt + j, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+            acc = tl.dot((b * sc).to(DOT_DTYPE), tl.load(xt + j + 4, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+            c, d = _fp16_pair(w_hi, j)
+            acc = tl.dot((c * sc).to(DOT_DTYPE), tl.load(xt + j + 8, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+            acc = tl.dot((d * sc).to(DOT_DTYPE), tl.load(xt + j + 12, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+    gs = tl.load(gs_ptr).to(tl.float32)
+    omask = row_ok[:, None] & m_ok[None, :]
+    yp = y_ptr + offs_m[None, :] * stride_ym + rows[:, None]
+    if not USE_SPLIT:
+        tl.store(yp, (acc * gs).to(y_ptr.dtype.element_ty), mask=omask)
+    else:
+        wsp = ws_ptr + offs_m[None, :] * N + rows[:, None]
+        tl.store(wsp + pid_k * M * N, acc, mask=omask)
+        tl.debug_barrier()
+        old = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if old == SPLIT - 1:
+            tot = tl.zeros((BN, BMP), dtype=tl.float32)
+            for s in range(SPLIT):
+                tot += tl.load(wsp + s * M * N, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.store(yp, (tot * gs).to(y_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+# ----------------------------------------------------------------------------- host side
+def tma_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether the TMA GEMV can take this call (see the module docstring)."""
+    K = packed.shape[1] * 2
+    if K % 256 or packed.data_ptr() % 16 or scale.data_ptr() % 16:
+        return False
+    if _INTERPRET:
+        return True
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+def _split_for(N: int, K: int, bn: int, mult: int, sms: int) -> int:
+    tiles = triton.cdiv(N, bn)
+    return max(1, min(triton.cdiv(mult * sms, tiles), max(1, (K // 16) // G), 64))
+
+
+def tma_default_config(N: int, K: int, device: torch.device, M: int = 1) -> dict:
+    """The tile choice, from the H200 sweeps (``benchmarks/m1_sweep.py``, docs/kernels.md): 256-row
+    tiles without split when they cover the SMs (lm_head, q_b), split K over ~2 waves for few long
+    rows (o_b), 64-row tiles split over ~2 waves for the small expert/projection shapes.
+
+    Not tuned at run time: ``do_bench`` on eager calls times the host launch path (descriptor
+    set-up, two launches), not the kernel, and picked tiles up to 1.4x slower than these."""
+    if _INTERPRET:
+        return {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": 1, "num_warps": 1}
+    sms = _num_sms(device)
+    if M > 1:  # the tl.dot loop: 128-row tiles when they cover the SMs, else split K over ~4 waves
+        if triton.cdiv(N, 128) >= sms:
+            bn, mult = 128, 1
+        else:
+            bn, mult = (128 if N >= 4096 else 64), 4
+        return {"TMA": True, "BN": bn, "STAGES": 3, "SPLIT": _split_for(N, K, bn, mult, sms), "num_warps": 4}
+    if triton.cdiv(N, 256) >= sms:
+        bn, mult, stages = 256, 1, 3
+    elif K >= 8192:
+        bn, mult, stages = 256, 2, 4
+    else:
+        bn, mult, stages = 64, 2, 3
+    return {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": _split_for(N, K, bn, mult, sms), "num_warps": 4}
+
+
+def x_pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [K] (any float dtype) -> (f16x2 pairs int32 [K/16, 8], 1/xs fp32 [K/16])."""
+    K = x.shape[-1]
+    KG = K // 16
+    xp = torch.empty((KG, 8), dtype=torch.int32, device=x.device)
+    inv = torch.empty(KG, dtype=torch.float32, device=x.device)
+    bg = 16 if _INTERPRET else 32
+    _x_pairs_kernel[(triton.cdiv(KG, bg),)](x, xp, inv, KG, BG=bg, num_warps=1 if _INTERPRET else 4)
+    return xp, inv
+
+
+def launch_gemv_tma(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor,
+                    y: torch.Tensor, cfg: dict) -> None:
+    """y[M, N] = x2[M, K] @ W^T for M <= 16 with ``cfg`` = {BN, STAGES, SPLIT, num_warps}
+    (``tma_default_config``): M == 1 the f16x2 loop, M in 2..16 the ``tl.dot`` loop."""
+    M, K = x2.shape
+    N = packed.shape[0]
+    KG = K // 16
+    w64 = packed.view(torch.int64)
+    s8 = scale.view(torch.uint8)
+    bn = cfg["BN"]
+    gps = triton.cdiv(triton.cdiv(KG, cfg["SPLIT"]), G) * G   # whole boxes per split: no box straddles two
+    split = triton.cdiv(KG, gps)
+    n_tiles = triton.cdiv(N, bn)
+    if split > 1:
+        ws = torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
+        cnt = _counters(x2.device, n_tiles)
+    else:
+        ws, cnt = y, y
+    wd = TensorDescriptor.from_tensor(w64, [bn, G])
+    sd = TensorDescriptor.from_tensor(s8, [bn, G])
+    if M == 1:
+        xp, inv = x_pairs(x2[0])
+        _gemv_tma_kernel[(n_tiles, split)](
+            wd, sd, TensorDescriptor.from_tensor(xp, [G, 8]), inv, gs, y, ws, cnt, N, KG, gps, split,
+            USE_SPLIT=split > 1, BN=bn, G=G, STAGES=cfg["STAGES"], USE_ASM=not _INTERPRET,
+            num_warps=cfg["num_warps"])
+    else:
+        _gemv_tma_dot_kernel[(n_tiles, split)](
+            wd, sd, x2, gs, y, ws, cnt, M, N, KG, x2.stride(0), y.stride(0), gps, split,
+            USE_SPLIT=split > 1, BN=bn, G=G, BMP=16, STAGES=cfg["STAGES"], DOT_DTYPE=_dot_dtype(x2),
+            num_warps=cfg["num_warps"])
