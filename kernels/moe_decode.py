@@ -1,4 +1,5 @@
-"""MoE decode path for NVFP4 experts in two launches.
+"""MoE decode path for NVFP4 experts in two launches (pointer loads; ``kernels.moe_decode_tma`` is the
+TMA-fed variant taken on sm_90+).
 
 For each token t and each of its k chosen experts e = ids[t, j]:
     gate = clamp(x_t @ w1[e]^T, max=limit); up = clamp(x_t @ w3[e]^T, -limit, limit)
@@ -108,8 +109,13 @@ if triton is not None:
 
 
     def moe_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: StackedNVFP4,
-                          w3: StackedNVFP4, w2: StackedNVFP4, limit: float | None) -> torch.Tensor:
-        """x [T, H], ids [T, k] (int), weights [T, k] -> [T, H] in x.dtype. Two launches."""
+                          w3: StackedNVFP4, w2: StackedNVFP4, limit: float | None,
+                          tma: bool | None = None) -> torch.Tensor:
+        """x [T, H], ids [T, k] (int), weights [T, k] -> [T, H] in x.dtype.
+
+        ``tma=None``: the TMA-fed path (``kernels.moe_decode_tma``, four launches) where it is
+        supported (sm_90+, H and I multiples of 256; DSV4LAB_KERNEL_TMA=0 opts out), else the two
+        pointer-load launches here. ``True`` forces it (ValueError when unsupported)."""
         T, H = x.shape
         k = ids.shape[1]
         E, I, Hk = w1.shape
@@ -119,11 +125,20 @@ if triton is not None:
         ids_c = ids.reshape(-1).to(torch.int32).contiguous()
         wts = weights.reshape(-1).to(torch.float32).contiguous()
         lim = float("inf") if limit is None or limit <= 0 else float(limit)
+        if T == 0:
+            return torch.empty((0, H), dtype=x.dtype, device=x.device)
+        from .moe_decode_tma import moe_decode_tma, tma_moe_supported
+
+        ok = tma_moe_supported(x, w1, w2) and tma_moe_supported(x, w3, w2)
+        if tma is None:
+            tma = ok and os.environ.get("DSV4LAB_KERNEL_TMA", "1") != "0"
+        elif tma and not ok:
+            raise ValueError("the TMA MoE path needs H, I multiples of 256, 16-byte aligned stacks and sm_90+")
+        if tma:
+            return moe_decode_tma(x, ids_c, wts, w1, w3, w2, lim, k)
         bn, g, warps = _cfg()
         h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
         y = torch.empty((T, H), dtype=x.dtype, device=x.device)
-        if T == 0:
-            return y
 
         def parts(w):
             p = w.packed.view(torch.int64)

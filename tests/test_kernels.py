@@ -180,6 +180,23 @@ try:
     res["tma_rejects_m17"] = False
 except ValueError:
     res["tma_rejects_m17"] = True
+# TMA-fed MoE decode (kernels.moe_decode_tma): H = I = 256 (one TMA box of groups), 4 experts
+E, H, I, T, k = 4, 256, 256, 3, 2
+w1, w3, w2 = mk(I, H), mk(I, H), mk(H, I)
+x = rnd(T, H).to(torch.bfloat16)
+ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+wt = torch.rand(T, k, generator=g)
+for lim in (None, 1.5):
+    y = moe_decode_triton(x, ids, wt, w1, w3, w2, lim, tma=True)
+    y2 = moe_decode_triton(x, ids, wt, w1, w3, w2, lim, tma=True)
+    ref = moe_decode_ref(x, ids, wt, w1, w3, w2, lim)
+    res[f"moetma_lim{lim}"] = {"max_abs": (y.float() - ref.float()).abs().max().item(), "ref_max": ref.abs().max().item(),
+                               "repeat_equal": bool(torch.equal(y, y2))}
+try:
+    moe_decode_triton(rnd(T, 64).to(torch.bfloat16), ids, wt, mk(32, 64), mk(32, 64), mk(64, 32), None, tma=True)
+    res["moetma_rejects"] = False
+except ValueError:
+    res["moetma_rejects"] = True
 print("RESULT" + json.dumps(res))
 """
 
@@ -226,6 +243,14 @@ def test_interp_act_quant_bit_exact(interp_results):
         # fp32: bit-exact. bf16: the interpreter's numpy bf16 cast is not RNE, so allow 1 bf16 ulp
         # here; the GPU test requires bit-exact bf16 too.
         assert r["dq_exact"] if name.endswith("float32") else r["dq_rel"] <= 2 ** -7, (name, r)
+
+
+def test_interp_moe_decode_tma(interp_results):
+    for lim in ("None", "1.5"):
+        r = interp_results[f"moetma_lim{lim}"]
+        assert r["ref_max"] > 0 and r["max_abs"] <= 2e-2 * r["ref_max"], r
+        assert r["repeat_equal"], r  # the down kernel's counters were reset; deterministic sum order
+    assert interp_results["moetma_rejects"] is True
 
 
 def test_interp_moe_decode(interp_results):
@@ -395,7 +420,10 @@ def test_gpu_act_quant(mode):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("T", [1, 4])
-def test_gpu_moe_decode(T):
+@pytest.mark.parametrize("tma", [True, False])
+def test_gpu_moe_decode(T, tma):
+    """Both MoE decode paths (TMA-fed and pointer loads) on V4-Pro expert shapes; the TMA path
+    twice, which also checks that the down kernel's counters were reset."""
     from kernels.moe_decode import StackedNVFP4, moe_decode_ref, moe_decode_triton
 
     H, I, E, k = 7168, 3072, 8, 6
@@ -405,11 +433,12 @@ def test_gpu_moe_decode(T):
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16) * 0.05
     ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
     wt = torch.rand(T, k, device="cuda")
-    y = moe_decode_triton(x, ids, wt, w1, w3, w2, 10.0)
     ref = moe_decode_ref(x, ids, wt, w1, w3, w2, 10.0)
     assert ref.abs().max() > 0
-    err = (y.float() - ref.float()).abs().max() / ref.float().abs().max()
-    assert err <= 2e-2, err
+    for _ in range(2 if tma else 1):
+        y = moe_decode_triton(x, ids, wt, w1, w3, w2, 10.0, tma=tma)
+        err = (y.float() - ref.float()).abs().max() / ref.float().abs().max()
+        assert err <= 2e-2, err
 
 
 @pytest.mark.gpu

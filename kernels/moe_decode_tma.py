@@ -1,0 +1,162 @@
+"""MoE decode path with TMA-fed expert weights (Hopper and newer).
+
+Same math and roundings as ``kernels.moe_decode`` (gate/up rounded to x.dtype before the clamps,
+h stored in x.dtype, the k weighted expert outputs summed in fp32 and rounded once), but the
+expert rows stream through the multi-stage TMA ring and the f16x2 inner loop of
+``kernels.nvfp4_gemv_tma`` instead of per-thread pointer loads with fp32 FMAs:
+
+1. ``x_pairs(x)``: per-16-group scaled f16x2 pairs of every token row (one short wave);
+2. ``_moe_up_kernel`` (grid = I tiles x T*k): rows of w1[e] and w3[e] against token t's pairs,
+   the clamped SwiGLU, h[t*k + j] in x.dtype;
+3. ``x_pairs(h)``;
+4. ``_moe_down_kernel`` (grid = H tiles x T*k): one (token, expert) w2 GEMV per CTA, weighted by
+   the routing weight into an fp32 partial; the last of a token's k CTAs (per-tile counter) sums
+   the k partials in expert order and stores y (deterministic, no zero-fill, graph-safe).
+
+Expert stacks are addressed as 2-D [E*N, K/16] descriptors with the row offset e*N read from the
+device-side ids: no host sync. Needs H and I multiples of 256 (16-byte TMA strides for the scales).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .nvfp4_gemv_tma import G, x_pairs
+from .nvfp4_matmul import _H2_GROUP_ASM, _INTERPRET, _counters, _e4m3_to_f32, _h2_word_emulated
+
+
+@triton.jit
+def _pairs_at(x_desc, row0, G: tl.constexpr):
+    """The 8 f16x2 pair columns of G groups starting at pair row ``row0``, each [1, G]."""
+    xt = tl.reshape(x_desc.load([row0, 0]), (G, 2, 2, 2))
+    e0, e1 = tl.split(xt)
+    e00, e01 = tl.split(e0)
+    e10, e11 = tl.split(e1)
+    x0, x4 = tl.split(e00)
+    x2, x6 = tl.split(e01)
+    x1, x5 = tl.split(e10)
+    x3, x7 = tl.split(e11)
+    return x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :], x5[None, :], x6[None, :], x7[None, :]
+
+
+@triton.jit
+def _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr):
+    """Per (row, group) sum of 16 products in units of 2^-14 / xs_g (see nvfp4_gemv_tma)."""
+    w_lo = w64.to(tl.int32)
+    w_hi = (w64 >> 32).to(tl.int32)
+    if USE_ASM:
+        part = tl.inline_asm_elementwise(
+            _H2_GROUP_ASM, "=r,r,r,r,r,r,r,r,r,r,r", [w_lo, w_hi, x0, x1, x2, x3, x4, x5, x6, x7],
+            dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+    else:
+        z = tl.zeros((BN, G), dtype=tl.float32)
+        a_lo, a_hi = _h2_word_emulated(w_lo, x0, x1, x2, x3, z, z)
+        a_lo, a_hi = _h2_word_emulated(w_hi, x4, x5, x6, x7, a_lo, a_hi)
+        part = a_lo + a_hi
+    return part
+
+
+@triton.jit
+def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, x_desc, xinv_ptr, ids_ptr, g1_ptr, g3_ptr, h_ptr,
+                   I, KG, TOPK, stride_h, limit,
+                   BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)  # t * TOPK + j
+    t = pair // TOPK
+    e = tl.load(ids_ptr + pair)
+    n0 = pid_n * BN
+    r0 = e * I + n0
+    rows = n0 + tl.arange(0, BN)
+    acc1 = tl.zeros((BN, G), dtype=tl.float32)
+    acc3 = tl.zeros((BN, G), dtype=tl.float32)
+    for g0 in tl.range(0, KG, G, num_stages=STAGES):
+        gg = g0 + tl.arange(0, G)
+        inv = tl.load(xinv_ptr + t * KG + gg, mask=gg < KG, other=0.0)[None, :]
+        x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(x_desc, t * KG + g0, G)
+        acc1 += _group_dot(w1_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
+            (_e4m3_to_f32(s1_desc.load([r0, g0])) * inv)
+        acc3 += _group_dot(w3_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
+            (_e4m3_to_f32(s3_desc.load([r0, g0])) * inv)
+    gate = (tl.sum(acc1, axis=1) * (16384.0 * tl.load(g1_ptr + e))).to(h_ptr.dtype.element_ty).to(tl.float32)
+    up = (tl.sum(acc3, axis=1) * (16384.0 * tl.load(g3_ptr + e))).to(h_ptr.dtype.element_ty).to(tl.float32)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(h_ptr + pair * stride_h + rows, h.to(h_ptr.dtype.element_ty), mask=rows < I)
+
+
+@triton.jit
+def _moe_down_kernel(w2_desc, s2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_ptr, y_ptr, ws_ptr, cnt_ptr,
+                     H, KG, TOPK, stride_yt,
+                     BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)
+    t = pair // TOPK
+    e = tl.load(ids_ptr + pair)
+    n0 = pid_n * BN
+    r0 = e * H + n0
+    rows = n0 + tl.arange(0, BN)
+    row_ok = rows < H
+    acc = tl.zeros((BN, G), dtype=tl.float32)
+    for g0 in tl.range(0, KG, G, num_stages=STAGES):
+        gg = g0 + tl.arange(0, G)
+        inv = tl.load(hinv_ptr + pair * KG + gg, mask=gg < KG, other=0.0)[None, :]
+        x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(h_desc, pair * KG + g0, G)
+        acc += _group_dot(w2_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
+            (_e4m3_to_f32(s2_desc.load([r0, g0])) * inv)
+    part = tl.sum(acc, axis=1) * (16384.0 * tl.load(g2_ptr + e) * tl.load(wts_ptr + pair).to(tl.float32))
+    tl.store(ws_ptr + pair * H + rows, part, mask=row_ok)
+    tl.debug_barrier()
+    tile = t * tl.num_programs(0) + pid_n
+    old = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    if old == TOPK - 1:  # the token's last expert for this tile: sum the k partials in expert order
+        tot = tl.zeros((BN,), dtype=tl.float32)
+        for j in range(TOPK):
+            tot += tl.load(ws_ptr + (t * TOPK + j) * H + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptr + t * stride_yt + rows, tot.to(y_ptr.dtype.element_ty), mask=row_ok)
+        tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+def tma_moe_supported(x: torch.Tensor, w1, w2) -> bool:
+    """H and I multiples of 256 and 16-byte aligned stacks, on sm_90+ (or under the interpreter)."""
+    E, I, H = w1.shape
+    if H % 256 or I % 256:
+        return False
+    if any(t.data_ptr() % 16 for w in (w1, w2) for t in (w.packed, w.block_scale)):
+        return False
+    return _INTERPRET or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+def _descs(w, bn: int):
+    e, n, kh = w.packed.shape
+    p = w.packed.view(torch.int64).reshape(e * n, kh // 8)
+    s = w.block_scale.view(torch.uint8).reshape(e * n, kh // 8)
+    return TensorDescriptor.from_tensor(p, [bn, G]), TensorDescriptor.from_tensor(s, [bn, G])
+
+
+def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, w3, w2, lim: float,
+                   k: int) -> torch.Tensor:
+    """x [T, H] contiguous, ids_c int32 [T*k], wts fp32 [T*k], stacks as in ``moe_decode_triton``."""
+    T, H = x.shape
+    E, I, _ = w1.shape
+    bn, stages, warps = (16, 2, 1) if _INTERPRET else (64, 3, 4)
+    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
+    y = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    xp, xinv = x_pairs(x.reshape(-1))
+    w1d, s1d = _descs(w1, bn)
+    w3d, s3d = _descs(w3, bn)
+    _moe_up_kernel[(triton.cdiv(I, bn), T * k)](
+        w1d, s1d, w3d, s3d, TensorDescriptor.from_tensor(xp, [G, 8]), xinv, ids_c,
+        w1.global_scale.to(torch.float32).contiguous(), w3.global_scale.to(torch.float32).contiguous(), h,
+        I, H // 16, k, h.stride(0), lim, BN=bn, G=G, STAGES=stages, USE_ASM=not _INTERPRET, num_warps=warps)
+    hp, hinv = x_pairs(h.reshape(-1))
+    w2d, s2d = _descs(w2, bn)
+    n_tiles = triton.cdiv(H, bn)
+    ws = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
+    _moe_down_kernel[(n_tiles, T * k)](
+        w2d, s2d, TensorDescriptor.from_tensor(hp, [G, 8]), hinv, ids_c, wts,
+        w2.global_scale.to(torch.float32).contiguous(), y, ws, _counters(x.device, T * n_tiles),
+        H, I // 16, k, y.stride(0), BN=bn, G=G, STAGES=stages, USE_ASM=not _INTERPRET, num_warps=warps)
+    return y
