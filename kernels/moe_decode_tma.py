@@ -23,39 +23,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .nvfp4_gemv_tma import G, x_pairs
-from .nvfp4_matmul import _H2_GROUP_ASM, _INTERPRET, _counters, _e4m3_to_f32, _h2_word_emulated
-
-
-@triton.jit
-def _pairs_at(x_desc, row0, G: tl.constexpr):
-    """The 8 f16x2 pair columns of G groups starting at pair row ``row0``, each [1, G]."""
-    xt = tl.reshape(x_desc.load([row0, 0]), (G, 2, 2, 2))
-    e0, e1 = tl.split(xt)
-    e00, e01 = tl.split(e0)
-    e10, e11 = tl.split(e1)
-    x0, x4 = tl.split(e00)
-    x2, x6 = tl.split(e01)
-    x1, x5 = tl.split(e10)
-    x3, x7 = tl.split(e11)
-    return x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :], x5[None, :], x6[None, :], x7[None, :]
-
-
-@triton.jit
-def _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr):
-    """Per (row, group) sum of 16 products in units of 2^-14 / xs_g (see nvfp4_gemv_tma)."""
-    w_lo = w64.to(tl.int32)
-    w_hi = (w64 >> 32).to(tl.int32)
-    if USE_ASM:
-        part = tl.inline_asm_elementwise(
-            _H2_GROUP_ASM, "=r,r,r,r,r,r,r,r,r,r,r", [w_lo, w_hi, x0, x1, x2, x3, x4, x5, x6, x7],
-            dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
-    else:
-        z = tl.zeros((BN, G), dtype=tl.float32)
-        a_lo, a_hi = _h2_word_emulated(w_lo, x0, x1, x2, x3, z, z)
-        a_lo, a_hi = _h2_word_emulated(w_hi, x4, x5, x6, x7, a_lo, a_hi)
-        part = a_lo + a_hi
-    return part
+from .nvfp4_gemv_tma import G, _group_dot, _pairs_at, x_pairs
+from .nvfp4_matmul import _INTERPRET, _counters, _e4m3_to_f32
 
 
 @triton.jit

@@ -59,6 +59,37 @@ def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, KG, BG: tl.constexpr):
 
 
 @triton.jit
+def _pairs_at(x_desc, row0, G: tl.constexpr):
+    """The 8 f16x2 pair columns of G groups starting at pair row ``row0``, each [1, G]."""
+    xt = tl.reshape(x_desc.load([row0, 0]), (G, 2, 2, 2))
+    e0, e1 = tl.split(xt)
+    e00, e01 = tl.split(e0)
+    e10, e11 = tl.split(e1)
+    x0, x4 = tl.split(e00)
+    x2, x6 = tl.split(e01)
+    x1, x5 = tl.split(e10)
+    x3, x7 = tl.split(e11)
+    return x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :], x5[None, :], x6[None, :], x7[None, :]
+
+
+@triton.jit
+def _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr):
+    """Per (row, group) sum of 16 products in units of 2^-14 / xs_g (see nvfp4_gemv_tma)."""
+    w_lo = w64.to(tl.int32)
+    w_hi = (w64 >> 32).to(tl.int32)
+    if USE_ASM:
+        part = tl.inline_asm_elementwise(
+            _H2_GROUP_ASM, "=r,r,r,r,r,r,r,r,r,r,r", [w_lo, w_hi, x0, x1, x2, x3, x4, x5, x6, x7],
+            dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+    else:
+        z = tl.zeros((BN, G), dtype=tl.float32)
+        a_lo, a_hi = _h2_word_emulated(w_lo, x0, x1, x2, x3, z, z)
+        a_lo, a_hi = _h2_word_emulated(w_hi, x4, x5, x6, x7, a_lo, a_hi)
+        part = a_lo + a_hi
+    return part
+
+
+@triton.jit
 def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, N, KG, gps, SPLIT,
                      USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr,
                      USE_ASM: tl.constexpr):
@@ -74,33 +105,8 @@ def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt
         w64 = w_desc.load([n0, g0])                     # [BN, G] int64: 16 nibbles = one scale block
         gg = g0 + tl.arange(0, G)
         sc = _e4m3_to_f32(s_desc.load([n0, g0])) * tl.load(inv_ptr + gg, mask=gg < KG, other=0.0)[None, :]
-        w_lo = w64.to(tl.int32)
-        w_hi = (w64 >> 32).to(tl.int32)
-        xt = tl.reshape(x_desc.load([g0, 0]), (G, 2, 2, 2))   # [g, h, j >> 1, j & 1]
-        e0, e1 = tl.split(xt)
-        e00, e01 = tl.split(e0)
-        e10, e11 = tl.split(e1)
-        x0, x4 = tl.split(e00)
-        x2, x6 = tl.split(e01)
-        x1, x5 = tl.split(e10)
-        x3, x7 = tl.split(e11)
-        x0 = x0[None, :]
-        x1 = x1[None, :]
-        x2 = x2[None, :]
-        x3 = x3[None, :]
-        x4 = x4[None, :]
-        x5 = x5[None, :]
-        x6 = x6[None, :]
-        x7 = x7[None, :]
-        if USE_ASM:
-            part = tl.inline_asm_elementwise(
-                _H2_GROUP_ASM, "=r,r,r,r,r,r,r,r,r,r,r", [w_lo, w_hi, x0, x1, x2, x3, x4, x5, x6, x7],
-                dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
-        else:
-            z = tl.zeros((BN, G), dtype=tl.float32)
-            a_lo, a_hi = _h2_word_emulated(w_lo, x0, x1, x2, x3, z, z)
-            a_lo, a_hi = _h2_word_emulated(w_hi, x4, x5, x6, x7, a_lo, a_hi)
-            part = a_lo + a_hi
+        x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(x_desc, g0, G)
+        part = _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM)
         acc += part * sc
     res = tl.sum(acc, axis=1) * 16384.0  # undo the 2^-14 of the nibble trick
     gs = tl.load(gs_ptr).to(tl.float32)

@@ -264,3 +264,30 @@ def test_streaming_load_peak_host_memory(tmp_path):
           f"peak RSS incl. mmapped file pages {(r['peak_rss'] or 0) / 1e6:.1f} MB, {r['seconds']:.2f} s")
     assert r["final_anon"] >= 0.9 * r["model_bytes"]  # the measurement sees the model
     assert over <= bound, r
+
+
+def test_multi_gpu_benchmark_split_map_and_cpu_smoke(tmp_path):
+    """benchmarks/multi_gpu.py (issue #9's run): contiguous split maps, and its CPU smoke run
+    (eager only) reports identical tokens and bitwise-equal logits for the split placement."""
+    import importlib.util
+
+    from dsv4lab.multidevice import normalize_device_map
+
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("multi_gpu", root / "benchmarks" / "multi_gpu.py")
+    mg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mg)
+    for n_dev in (1, 2, 3, 4, 8):
+        devs = [f"cuda:{i}" for i in range(n_dev)]
+        m = mg.split_map(6, devs)
+        normalize_device_map(m, 6)  # raises unless contiguous
+        assert m[0] == "cuda:0" and len(set(m)) == min(n_dev, 6)
+    out = tmp_path / "mg.json"
+    assert mg.main(["--devices", "cpu,cpu", "--steps", "4", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["all_tokens_identical"] is True
+    for name in ("single", "split"):
+        assert rep[name]["eager"]["bitwise_equal_steps"] == 4 and rep[name]["load_s"] > 0
+    assert "graph" not in rep["split"]  # no CUDA graphs on a CPU
