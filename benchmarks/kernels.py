@@ -9,8 +9,8 @@ scales + x + y bytes / time) and its fraction of a copy ceiling measured in the 
 checked against the reference. At batch 1 also: the pointer-load GEMV (what M=1 used before the
 TMA kernel) with its f16x2 and fp32-FMA inner loops, and cuBLAS's bf16 GEMV over a matrix of the
 same N holding the same bytes (what a vendor kernel reaches at that size: the calibration for the
-fraction-of-ceiling figures). Also times the MoE decode path (6 experts, 7168->3072->7168) and the
-activation quantiser.
+fraction-of-ceiling figures). Also times the MoE decode path (6 experts, 7168->3072->7168), the
+official-format matmuls (MXFP4 expert shapes, FP8-block projections) and the activation quantiser.
 
     python3 benchmarks/kernels.py --json out.json
 """
@@ -204,6 +204,29 @@ def main():
         print(f"moe_decode T={T:2d} k=6 ({uniq} distinct experts)  ours {t_k*1e3:8.1f} us  pointer-load path "
               f"{t_p*1e3:8.1f} us  ref {t_r*1e3:9.1f} us  {gbs:6.0f} GB/s {gbs/ceil:5.1%}  err {err:.2e}", flush=True)
 
+    # official formats (MXFP4 experts, FP8-block projections): kernel vs dequantise-then-matmul
+    from dsv4lab.quant.weights import quantize_fp8_block, quantize_mxfp4
+    from kernels.official_matmul import official_matmul
+
+    official = []
+    for fmt, K, N in (("mxfp4", 7168, 3072), ("mxfp4", 3072, 7168), ("fp8_block", 7168, 1536), ("fp8_block", 16384, 7168)):
+        mk_w = quantize_mxfp4 if fmt == "mxfp4" else quantize_fp8_block
+        w0 = mk_w(torch.randn(N, K, device="cuda") * 0.02)
+        nb = w0.nbytes
+        copies = [w0] + [mk_w(torch.randn(N, K, device="cuda") * 0.02) for _ in range(max(0, min(31, -(-400_000_000 // nb) - 1)))]
+        for M in (1, 16, 128):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            err = rel_err(official_matmul(x, w0), F.linear(x, w0.dequantize(torch.bfloat16)))
+            t_k = graph_time_us([lambda c=c: official_matmul(x, c) for c in copies])
+            t_t = graph_time_us([lambda c=c: F.linear(x, c.dequantize(torch.bfloat16)) for c in copies[:4]], reps=5)
+            gbs = (nb + M * (K + N) * 2) / (t_k * 1e-6) / 1e9
+            official.append(dict(format=fmt, K=K, N=N, batch=M, kernel_us=t_k, torch_us=t_t, GBps=gbs, frac_copy=gbs / ceil,
+                                 speedup=t_t / t_k, max_rel_err=err))
+            print(f"{fmt:9s} {K:6d}->{N:6d} M={M:4d}  ours {t_k:8.1f} us  torch {t_t:9.1f} us  {gbs:6.0f} GB/s "
+                  f"{gbs/ceil:5.1%}  x{t_t/t_k:6.1f}  err {err:.2e}", flush=True)
+        del copies, w0
+        torch.cuda.empty_cache()
+
     # activation quant
     from dsv4lab.quant.activations import fake_quant_nvfp4, nvfp4_global_scale
 
@@ -230,7 +253,8 @@ def main():
     print(json.dumps(summary), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=dev, torch=torch.__version__, copy_GBps=ceil,
-                                                   matmul=rows, moe=moe, act_quant=act, summary=summary), indent=1))
+                                                   matmul=rows, moe=moe, official=official, act_quant=act,
+                                                   summary=summary), indent=1))
 
 
 if __name__ == "__main__":

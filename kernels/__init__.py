@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["have_triton_cuda", "nvfp4_linear", "moe_decode", "act_quant_nvfp4", "install_kernels"]
+__all__ = ["have_triton_cuda", "quant_linear", "nvfp4_linear", "moe_decode", "act_quant_nvfp4", "install_kernels"]
 
 
 def patch_interpreter_for_numpy2() -> None:

@@ -1,11 +1,12 @@
 """Component implementations: the Triton kernel on CUDA (with triton importable), the PyTorch
 reference elsewhere. Importing this module never imports triton.
 
-* ``nvfp4_linear(x, w)``: ``QLinear.kernel``-compatible ``f(x, qweight) -> y``; non-NVFP4 weights,
-  CPU tensors or unsupported dtypes take the reference (``w.dequantize`` + ``F.linear``).
+* ``quant_linear(x, w)`` (alias ``nvfp4_linear``): ``QLinear.kernel``-compatible ``f(x, qweight) -> y``
+  for NVFP4, MXFP4 and FP8-block weights; other formats, CPU tensors or unsupported dtypes take the
+  reference (``w.dequantize`` + ``F.linear``).
 * ``act_quant_nvfp4(x, global_scale)``: fake quant (drop-in for ``fake_quant_nvfp4``).
 * ``moe_decode(x, ids, weights, w1, w3, w2, limit)``: routed experts for decode tokens.
-* ``install_kernels(model)``: set ``.kernel = nvfp4_linear`` on every NVFP4 ``QLinear`` and
+* ``install_kernels(model)``: set ``.kernel = quant_linear`` on every NVFP4/MXFP4/FP8-block ``QLinear`` and
   ``.kernel = moe_decode`` on every routed ``Experts`` (CUDA only, returns how many);
   ``install_kernels(model, False)`` removes them. Per component: ``dsv4lab.analysis.components.use_kernels``.
 """
@@ -41,13 +42,33 @@ def _use_kernel(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in _KERNEL_DTYPES and have_triton_cuda()
 
 
-def nvfp4_linear(x: torch.Tensor, w) -> torch.Tensor:
-    """y = x @ W^T for a ``QuantWeight`` W (NVFP4 through the kernel on CUDA)."""
-    if getattr(w, "format", None) == "nvfp4" and _use_kernel(x) and w.packed.is_cuda:
-        from .nvfp4_matmul import nvfp4_matmul
+KERNEL_FORMATS = ("nvfp4", "mxfp4", "fp8_block")
 
-        return nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale)
+
+def weight_on_cuda(w) -> bool:
+    """Is the stored tensor of a kernel-format QuantWeight on a CUDA device?"""
+    t = getattr(w, "data" if getattr(w, "format", None) == "fp8_block" else "packed", None)
+    return t is not None and t.is_cuda
+
+
+def quant_linear(x: torch.Tensor, w) -> torch.Tensor:
+    """y = x @ W^T for a ``QuantWeight`` W: NVFP4 through ``nvfp4_matmul``, MXFP4 / FP8-block
+    through ``official_matmul`` (first call per shape checked against the reference) on CUDA;
+    ``F.linear(x, w.dequantize(x.dtype))`` for anything else."""
+    fmt = getattr(w, "format", None)
+    if fmt in KERNEL_FORMATS and _use_kernel(x) and weight_on_cuda(w):
+        if fmt == "nvfp4":
+            from .nvfp4_matmul import nvfp4_matmul
+
+            return nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale)
+        from .official_matmul import supported, verified_official_matmul
+
+        if supported(x, w):
+            return verified_official_matmul(x, w)
     return F.linear(x, w.dequantize(x.dtype))
+
+
+nvfp4_linear = quant_linear  # the name QLinear.kernel had when only NVFP4 had a kernel
 
 
 def act_quant_nvfp4(x: torch.Tensor, global_scale) -> torch.Tensor:
@@ -77,8 +98,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3
 
 
 def install_kernels(model: torch.nn.Module, enable: bool = True) -> int:
-    """Install (or remove) the kernels on a whole model (or any module): ``nvfp4_linear`` as the
-    fast path of every NVFP4 ``QLinear`` and ``moe_decode`` as the fused decode of every routed
+    """Install (or remove) the kernels on a whole model (or any module): ``quant_linear`` as the
+    fast path of every NVFP4, MXFP4 and FP8-block ``QLinear`` and ``moe_decode`` as the fused decode of every NVFP4 routed
     ``Experts`` block, on CUDA only; returns the count. Installs nothing when
     ``have_triton_cuda()`` is False (the reference stays in place). ``enable=False`` puts every
     component back on the reference. Same as ``dsv4lab.analysis.components.use_kernels(model)``

@@ -180,6 +180,38 @@ try:
     res["tma_rejects_m17"] = False
 except ValueError:
     res["tma_rejects_m17"] = True
+# official formats (kernels.official_matmul): MXFP4 (quantised and random codes with exponents
+# 2^-20..2^20) and FP8-block (fp32 and E8M0 scales, 2 row blocks, a partial K block)
+from dsv4lab.quant.weights import quantize_mxfp4, quantize_fp8_block, MXFP4Weight
+from kernels.official_matmul import official_matmul, verified_official_matmul, _VERIFIED
+import kernels.official_matmul as om
+mx_q = quantize_mxfp4(rnd(40, 512) * torch.rand(40, 1, generator=g) * 3)
+mx_r = MXFP4Weight(torch.randint(0, 256, (40, 256), generator=g, dtype=torch.uint8),
+                   torch.randint(107, 148, (40, 16), generator=g, dtype=torch.uint8))
+fp_a = quantize_fp8_block(rnd(150, 320) * 0.1)
+fp_b = quantize_fp8_block(rnd(150, 320) * 30, scale_format="e8m0")
+for wname, wq in (("mxq", mx_q), ("mxr", mx_r), ("fp8", fp_a), ("fp8e8m0", fp_b)):
+    for M in (1, 3, 20):
+        x = rnd(M, wq.shape[1]).to(torch.bfloat16)
+        for split in (1, 2):
+            y = official_matmul(x, wq, config={"SPLIT": split})
+            res[f"off_{wname}_M{M}_split{split}"] = err(y, torch.nn.functional.linear(x.float(), wq.dequantize(torch.float32)))
+x = rnd(2, 512).to(torch.bfloat16)
+y = verified_official_matmul(x, mx_q)
+res["off_verified_ok"] = {"kept": list(_VERIFIED.values()) == [True], "equal": bool(torch.equal(y, official_matmul(x, mx_q)))}
+_VERIFIED.clear()
+real = om.official_matmul
+om.official_matmul = lambda x, w, config=None: torch.zeros(*x.shape[:-1], w.shape[0], dtype=x.dtype)  # a broken kernel
+import warnings
+with warnings.catch_warnings(record=True) as wl:
+    warnings.simplefilter("always")
+    y = verified_official_matmul(x, mx_q)
+    y2 = verified_official_matmul(x, mx_q)
+om.official_matmul = real
+ref = torch.nn.functional.linear(x, mx_q.dequantize(x.dtype))
+res["off_verified_guard"] = {"warned": len(wl) == 1, "ref_first": bool(torch.equal(y, ref)), "ref_after": bool(torch.equal(y2, ref)),
+                             "state": list(_VERIFIED.values()) == [False]}
+
 # TMA-fed MoE decode (kernels.moe_decode_tma): H = I = 256 (one TMA box of groups), 4 experts
 E, H, I, T, k = 4, 256, 256, 3, 2
 w1, w3, w2 = mk(I, H), mk(I, H), mk(H, I)
@@ -243,6 +275,16 @@ def test_interp_act_quant_bit_exact(interp_results):
         # fp32: bit-exact. bf16: the interpreter's numpy bf16 cast is not RNE, so allow 1 bf16 ulp
         # here; the GPU test requires bit-exact bf16 too.
         assert r["dq_exact"] if name.endswith("float32") else r["dq_rel"] <= 2 ** -7, (name, r)
+
+
+def test_interp_official_formats(interp_results):
+    """MXFP4 and FP8-block kernels (decode and prefill tiles, split K) and the first-use guard."""
+    r = {k: v for k, v in interp_results.items() if k.startswith("off_") and "verified" not in k}
+    assert len(r) == 4 * 3 * 2
+    for k, v in r.items():  # bf16 x (exact in the dot), exact weights, fp32 accumulate, bf16 out
+        assert v["bad"] == 0 and v["ref_max"] > 0, (k, v)
+    assert interp_results["off_verified_ok"] == {"kept": True, "equal": True}
+    assert interp_results["off_verified_guard"] == {"warned": True, "ref_first": True, "ref_after": True, "state": True}
 
 
 def test_interp_moe_decode_tma(interp_results):
@@ -361,6 +403,28 @@ def test_gpu_tma_dot(M, bn, split):
     cfg = {"TMA": True, "BN": bn, "STAGES": 3, "SPLIT": split, "num_warps": 4}
     for _ in range(2):
         _close(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config=cfg), nvfp4_matmul_ref(x, w))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt,K,N", [("mxfp4", 7168, 3072), ("mxfp4", 3072, 7168), ("fp8_block", 7168, 1536),
+                                     ("fp8_block", 16384, 7168), ("fp8_block", 7168, 1000)])
+@pytest.mark.parametrize("M", [1, 4, 16, 128])
+def test_gpu_official_formats(fmt, K, N, M):
+    """MXFP4 / FP8-block kernels on V4-Pro shapes (plus a partial row block) against the reference,
+    and the dispatcher keeping them after its first-use check."""
+    from dsv4lab.quant.weights import quantize_fp8_block, quantize_mxfp4
+    from kernels import dispatch
+    from kernels.official_matmul import _VERIFIED, official_matmul
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    wf = torch.randn(N, K, device="cuda", generator=g) * 0.02
+    w = quantize_mxfp4(wf) if fmt == "mxfp4" else quantize_fp8_block(wf, scale_format="e8m0" if N == 1000 else "fp32")
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    ref = torch.nn.functional.linear(x, w.dequantize(torch.bfloat16))
+    _close(official_matmul(x, w), ref)
+    _close(dispatch.quant_linear(x, w), ref)
+    assert all(v for k, v in _VERIFIED.items() if k[0] == fmt and k[1:3] == (N, K))
 
 
 @pytest.mark.gpu

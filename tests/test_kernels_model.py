@@ -433,7 +433,7 @@ def test_gpu_load_auto_installs_kernels():
     m = dsv4lab.load("tiny-nvfp4", device="cuda", dtype=torch.bfloat16, progress=False)
     assert m.load_stats["kernels"] > 0
     impl = set(m.components().impl)
-    assert {"kernel:nvfp4_linear", "kernel:moe_decode"} <= impl
+    assert {"kernel:quant_linear", "kernel:moe_decode"} <= impl
     assert m.use_kernels(enable=False) == m.load_stats["kernels"]
     assert set(m.components().impl) == {"reference"}
 

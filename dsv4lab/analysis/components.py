@@ -292,10 +292,10 @@ def use_kernels(model, pattern="**", enable: bool = True, *, linear: Callable | 
     ``"layers.3"`` = every linear and expert block of layer 3). Returns how many components were
     set (enable) or put back on the reference (disable; only those that had a kernel).
 
-    Defaults: ``kernels.dispatch.nvfp4_linear`` as ``QLinear.kernel`` and
-    ``kernels.dispatch.moe_decode`` as ``Experts.kernel``, installed only where they run: with
-    ``have_triton_cuda()``, on components whose weights are NVFP4 and on a CUDA device (elsewhere
-    the reference stays). ``linear=`` / ``experts=`` install another callable with the same
+    Defaults: ``kernels.dispatch.quant_linear`` as ``QLinear.kernel`` (weights NVFP4, MXFP4 or
+    FP8-block) and ``kernels.dispatch.moe_decode`` as ``Experts.kernel`` (NVFP4 experts),
+    installed only where they run: with ``have_triton_cuda()`` and the weights on a CUDA device
+    (elsewhere the reference stays). ``linear=`` / ``experts=`` install another callable with the same
     signature on every matching component that can use one (a quantised QLinear; any Experts),
     whatever the device -- e.g. a reference-equal fake on CPU in tests. ``enable=False`` removes
     any kernel. A QLinear's kernel runs outside ``dense`` mode; the Experts kernel in graph-safe
@@ -324,8 +324,8 @@ def use_kernels(model, pattern="**", enable: bool = True, *, linear: Callable | 
                 continue
             if linear is not None:
                 mod.kernel = linear
-            elif have and qw.format == "nvfp4" and _on_cuda(qw.packed):
-                mod.kernel = dispatch.nvfp4_linear
+            elif have and qw.format in dispatch.KERNEL_FORMATS and dispatch.weight_on_cuda(qw):
+                mod.kernel = dispatch.quant_linear
             else:
                 continue
         else:  # Experts

@@ -1,0 +1,239 @@
+"""Matmul for the official DeepSeek weight formats: MXFP4 (routed experts) and FP8-block (the rest).
+
+y[M, N] = x[M, K] @ W^T with W kept as stored (``dsv4lab.quant.weights``):
+
+* ``MXFP4Weight``: E2M1 codes packed two per byte (low nibble = even element), one E8M0 exponent
+  per 32 elements along K. The rows are read as int64 words (16 codes); nibbles j and j+4 of an
+  int32 become exact E2M1 * 2^-14 values with the shift/mask trick of ``nvfp4_matmul``, times
+  2^(e-127) * 2^14 (exact), cast to bf16 (exact: 2 significant bits) and fed to ``tl.dot``
+  nibble plane by nibble plane against the matching x^T plane.
+* ``FP8BlockWeight`` (block 128): e4m3 tiles [BN, 128] cast to bf16 (exact) through ``tl.dot``
+  against x^T [128, BM]; the fp32 block scale (E8M0 scales are widened on the host, a
+  [N/128, K/128] tensor) multiplies each 128-wide partial product.
+
+One kernel per format covers decode (BM = 16) and prefill (BM = 64) over (N tiles, M tiles, K
+splits); the loads go through Triton's software pipeline (``tl.range(num_stages=...)``, cp.async
+on sm_80+). Split K finishes with the counter fix-up used by every kernel here (deterministic,
+one launch, graph-safe). x is cast to bf16 (fp16 for fp16 x), the accumulation is fp32.
+
+Not yet measured on a GPU (the device budget of the session that wrote them was spent): the
+dispatcher (``kernels.dispatch.quant_linear``) therefore checks each (format, shape, batch
+bucket, dtype, device) against the PyTorch reference on its first call and keeps the reference,
+with a warning, where they disagree (``verified_official_matmul``).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .nvfp4_matmul import _INTERPRET, _counters, _dot_dtype, _fp16_pair, _num_sms
+
+
+@triton.jit
+def _e8m0_to_f32(e):
+    """E8M0 byte -> 2^(e-127) as fp32 (e = 0: 2^-127, a subnormal; e = 255: NaN), like torch."""
+    e = e.to(tl.int32)
+    v = (e << 23).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, tl.full(e.shape, 4194304, tl.int32).to(tl.float32, bitcast=True), v)
+    return tl.where(e == 255, float("nan"), v)
+
+
+@triton.jit
+def _fixup_store(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym, pid_m, pid_n, pid_k, SPLIT,
+                 USE_SPLIT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
+    """acc [BN, BM] -> y[m, n]; with split K: fp32 partials, the last split sums them in order."""
+    omask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    yp = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    if not USE_SPLIT:
+        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=omask)
+    else:
+        wsp = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
+        tl.store(wsp + pid_k * M * N, acc, mask=omask)
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        old = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if old == SPLIT - 1:
+            tot = tl.zeros((BN, BM), dtype=tl.float32)
+            for s in range(SPLIT):
+                tot += tl.load(wsp + s * M * N, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.store(yp, tot.to(y_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def _mxfp4_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, KW, stride_xm, stride_wn, stride_sn,
+                  stride_ym, wps, SPLIT, USE_SPLIT: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
+                  BM: tl.constexpr, STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """KW int64 words per row (16 codes each, 2 words per E8M0 scale); BW words per step."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    w_lo_i = pid_k * wps
+    w_hi_i = tl.minimum(w_lo_i + wps, KW)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for w0 in tl.range(w_lo_i, w_hi_i, BW, num_stages=STAGES):
+        ww = w0 + tl.arange(0, BW)
+        wm = ww < w_hi_i
+        w64 = tl.load(w_ptr + offs_n[:, None] * stride_wn + ww[None, :], mask=n_ok[:, None] & wm[None, :], other=0)
+        sb = w0 // 2 + tl.arange(0, BW // 2)
+        s8 = tl.load(s_ptr + offs_n[:, None] * stride_sn + sb[None, :], mask=n_ok[:, None] & (sb < KW // 2)[None, :],
+                     other=127)
+        sc = _e8m0_to_f32(s8) * 16384.0                                       # [BN, BW/2]
+        sc = tl.reshape(tl.join(sc, sc), (BN, BW))                             # word 2i and 2i+1 share scale i
+        w_lo = w64.to(tl.int32)
+        w_hi = (w64 >> 32).to(tl.int32)
+        xt = x_ptr + offs_m[None, :] * stride_xm + ww[:, None] * 16            # x^T planes [BW, BM]
+        xm = wm[:, None] & m_ok[None, :]
+        for j in tl.static_range(4):
+            a, b = _fp16_pair(w_lo, j)
+            acc = tl.dot((a * sc).to(DOT_DTYPE), tl.load(xt + j, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+            acc = tl.dot((b * sc).to(DOT_DTYPE), tl.load(xt + j + 4, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+            c, d = _fp16_pair(w_hi, j)
+            acc = tl.dot((c * sc).to(DOT_DTYPE), tl.load(xt + j + 8, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+            acc = tl.dot((d * sc).to(DOT_DTYPE), tl.load(xt + j + 12, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+    _fixup_store(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym, pid_m, pid_n, pid_k, SPLIT,
+                 USE_SPLIT, BN, BM)
+
+
+@triton.jit
+def _fp8_block_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+                      stride_ym, kps, SPLIT, USE_SPLIT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                      STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """e4m3 W [N, K] with fp32 scales [ceil(N/128), ceil(K/128)]; BN divides 128, K steps of 128."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = tl.arange(0, 128)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    k_lo = pid_k * kps
+    k_hi = tl.minimum(k_lo + kps, K)
+    s_row = s_ptr + (pid_n * BN // 128) * stride_sn
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, 128, num_stages=STAGES):
+        kk = k0 + offs_k
+        km = kk < k_hi
+        w8 = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & km[None, :], other=0)
+        w = w8.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DOT_DTYPE)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=km[:, None] & m_ok[None, :], other=0.0)
+        part = tl.dot(w, xt.to(DOT_DTYPE))
+        acc += part * tl.load(s_row + k0 // 128)
+    _fixup_store(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym, pid_m, pid_n, pid_k, SPLIT,
+                 USE_SPLIT, BN, BM)
+
+
+# ----------------------------------------------------------------------------- host side
+def _tiles(M: int, N: int, K: int, device: torch.device, bn: int) -> tuple[int, int, int]:
+    """(BM, K splits for the number of K steps ``K``): decode BM = 16, prefill 64; split K until
+    the grid covers the SMs ~2x (at most 32 splits, at least 4 steps each)."""
+    bm = 16 if M <= 16 else 64
+    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+    split = max(1, min(triton.cdiv(2 * _num_sms(device), tiles), K // 4 if K >= 4 else 1, 32))
+    return bm, split, tiles
+
+
+def supported(x: torch.Tensor, w) -> bool:
+    """Whether the kernel can take (x, w): MXFP4 anywhere triton runs; FP8-block with block 128 on
+    sm_89+ (e4m3 conversions) or under the interpreter."""
+    fmt = getattr(w, "format", None)
+    if fmt == "mxfp4":
+        return w.packed.data_ptr() % 8 == 0 and w.packed.stride(-1) == 1
+    if fmt == "fp8_block":
+        if w.block != 128 or w.data.stride(-1) != 1:
+            return False
+        return _INTERPRET or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9))
+    return False
+
+
+def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Tensor:
+    """y[..., N] = x[..., K] @ W^T for an ``MXFP4Weight`` or ``FP8BlockWeight`` (``supported``)."""
+    N, K = w.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"x last dim {x.shape[-1]} != weight in_features {K}")
+    if not supported(x, w):
+        raise ValueError(f"no kernel for {type(w).__name__} (format {getattr(w, 'format', None)!r}) here")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y.reshape(*lead, N)
+    cfg = dict(config or {})
+    warps = cfg.get("num_warps", 1 if _INTERPRET else 4)
+    stages = cfg.get("STAGES", 2 if _INTERPRET else 3)
+    if w.format == "mxfp4":
+        w64 = w.packed.view(torch.int64)
+        s8 = w.scale.view(torch.uint8)
+        bn, bw = cfg.get("BN", 16 if _INTERPRET else 64), cfg.get("BW", 16)  # tl.dot needs K >= 16
+        KW = K // 16
+        bm, split, tiles = _tiles(M, N, KW // bw, x.device, bn)
+        split = cfg.get("SPLIT", split)
+        wps = triton.cdiv(triton.cdiv(KW, split), bw) * bw
+        split = triton.cdiv(KW, wps)
+    else:
+        s32 = w.scale_float().contiguous()
+        bn = cfg.get("BN", 16 if _INTERPRET else 64)
+        if 128 % bn:
+            raise ValueError(f"FP8-block BN {bn} must divide the 128-row scale block")
+        bm, split, tiles = _tiles(M, N, triton.cdiv(K, 128), x.device, bn)
+        split = cfg.get("SPLIT", split)
+        kps = triton.cdiv(triton.cdiv(K, split), 128) * 128
+        split = triton.cdiv(K, kps)
+    bm = cfg.get("BM", bm)
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
+    if split > 1:
+        ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, grid[0] * grid[1])
+    else:
+        ws, cnt = y, y
+    if w.format == "mxfp4":
+        _mxfp4_kernel[grid](x2, w64, s8, y, ws, cnt, M, N, KW, x2.stride(0), w64.stride(0), s8.stride(0), y.stride(0),
+                            wps, split, USE_SPLIT=split > 1, BN=bn, BW=bw, BM=bm, STAGES=stages,
+                            DOT_DTYPE=_dot_dtype(x2), num_warps=warps)
+    else:
+        _fp8_block_kernel[grid](x2, w.data.view(torch.uint8), s32, y, ws, cnt, M, N, K, x2.stride(0), w.data.stride(0),
+                                s32.stride(0), y.stride(0), kps, split, USE_SPLIT=split > 1, BN=bn, BM=bm,
+                                STAGES=stages, DOT_DTYPE=_dot_dtype(x2), num_warps=warps)
+    return y.reshape(*lead, N)
+
+
+_VERIFIED: dict = {}
+
+
+def verified_official_matmul(x: torch.Tensor, w) -> torch.Tensor:
+    """``official_matmul`` behind a first-use parity check per (format, N, K, batch bucket, dtype,
+    device): the first call (outside CUDA-graph capture) also runs the reference and keeps the
+    kernel only when |y - ref| <= 1e-2 |ref| + 1e-2 max|ref| everywhere; a call under capture
+    before that check runs the reference (graph-safe). ``DSV4LAB_KERNEL_VERIFY=0`` skips the check."""
+    ref = lambda: F.linear(x, w.dequantize(x.dtype))  # noqa: E731
+    M = x.numel() // max(x.shape[-1], 1)
+    key = (w.format, *w.shape, 1 if M == 1 else (16 if M <= 16 else 17), x.dtype, x.device.type, x.device.index)
+    ok = _VERIFIED.get(key)
+    if ok is None and os.environ.get("DSV4LAB_KERNEL_VERIFY", "1") == "0":
+        ok = _VERIFIED[key] = True
+    if ok is None:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return ref()
+        y, r = official_matmul(x, w), ref()
+        yf, rf = y.float(), r.float()
+        ok = bool(((yf - rf).abs() <= 1e-2 * rf.abs() + 1e-2 * rf.abs().max()).all())
+        _VERIFIED[key] = ok
+        if not ok:
+            warnings.warn(f"{w.format} kernel disagrees with the reference for {key}; keeping the reference "
+                          f"(max |diff| {float((yf - rf).abs().max()):.3g}, max |ref| {float(rf.abs().max()):.3g})")
+            return r
+        return y
+    return official_matmul(x, w) if ok else ref()
