@@ -196,6 +196,11 @@ for wname, wq in (("mxq", mx_q), ("mxr", mx_r), ("fp8", fp_a), ("fp8e8m0", fp_b)
         for split in (1, 2):
             y = official_matmul(x, wq, config={"SPLIT": split})
             res[f"off_{wname}_M{M}_split{split}"] = err(y, torch.nn.functional.linear(x.float(), wq.dequantize(torch.float32)))
+# uneven splits: MXFP4 K=1280 (80 words: splits of 32/32/16), FP8 N=130 (a 2-row second row block), K=700
+for wname, wq in (("mxodd", quantize_mxfp4(rnd(24, 1280))), ("fp8odd", quantize_fp8_block(rnd(130, 700)))):
+    x = rnd(2, wq.shape[1]).to(torch.bfloat16)
+    y = official_matmul(x, wq, config={"SPLIT": 3})
+    res[f"off_{wname}_M2_split3"] = err(y, torch.nn.functional.linear(x.float(), wq.dequantize(torch.float32)))
 x = rnd(2, 512).to(torch.bfloat16)
 y = verified_official_matmul(x, mx_q)
 res["off_verified_ok"] = {"kept": list(_VERIFIED.values()) == [True], "equal": bool(torch.equal(y, official_matmul(x, mx_q)))}
@@ -280,7 +285,7 @@ def test_interp_act_quant_bit_exact(interp_results):
 def test_interp_official_formats(interp_results):
     """MXFP4 and FP8-block kernels (decode and prefill tiles, split K) and the first-use guard."""
     r = {k: v for k, v in interp_results.items() if k.startswith("off_") and "verified" not in k}
-    assert len(r) == 4 * 3 * 2
+    assert len(r) == 4 * 3 * 2 + 2
     for k, v in r.items():  # bf16 x (exact in the dot), exact weights, fp32 accumulate, bf16 out
         assert v["bad"] == 0 and v["ref_max"] > 0, (k, v)
     assert interp_results["off_verified_ok"] == {"kept": True, "equal": True}
