@@ -1,8 +1,11 @@
-"""Triton kernels for NVFP4 inference, each beside a plain PyTorch reference.
+"""Triton kernels for quantised DSV4 inference, each beside a plain PyTorch reference.
 
 * ``kernels.nvfp4_matmul``    W4A16 matmul (split-K GEMV for M <= 16, tiled GEMM for prefill);
+* ``kernels.nvfp4_gemv_tma``  the TMA-fed decode GEMV (M <= 16) that nvfp4_matmul takes on sm_90+;
 * ``kernels.nvfp4_act_quant`` NVFP4 activation quantisation (fake quant + packed codes/scales);
-* ``kernels.moe_decode``      MoE decode path (top-k experts, clamped SwiGLU, w2, weighted sum);
+* ``kernels.moe_decode``      MoE decode path (top-k experts, clamped SwiGLU, w2, weighted sum),
+                              TMA-fed on sm_90+ (``kernels.moe_decode_tma``);
+* ``kernels.official_matmul`` MXFP4 and FP8-block matmul (the official checkpoint formats);
 * ``kernels.dispatch``        the public entry points: the kernel on CUDA with triton, the
                               PyTorch reference elsewhere. Importing ``kernels`` or
                               ``kernels.dispatch`` never imports triton.
