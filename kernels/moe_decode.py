@@ -129,7 +129,7 @@ if triton is not None:
             return torch.empty((0, H), dtype=x.dtype, device=x.device)
         from .moe_decode_tma import moe_decode_tma, tma_moe_supported
 
-        ok = tma_moe_supported(x, w1, w2) and tma_moe_supported(x, w3, w2)
+        ok = tma_moe_supported(x, w1, w3, w2)
         if tma is None:
             tma = ok and os.environ.get("DSV4LAB_KERNEL_TMA", "1") != "0"
         elif tma and not ok:

@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .nvfp4_gemv_tma import G, _group_dot, _pairs_at, x_pairs
-from .nvfp4_matmul import _INTERPRET, _counters, _e4m3_to_f32
+from .nvfp4_matmul import _INTERPRET, _counters, _e4m3_to_f32, _store_or_fix_up
 
 
 @triton.jit
@@ -76,24 +76,17 @@ def _moe_down_kernel(w2_desc, s2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_pt
         acc += _group_dot(w2_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
             (_e4m3_to_f32(s2_desc.load([r0, g0])) * inv)
     part = tl.sum(acc, axis=1) * (16384.0 * tl.load(g2_ptr + e) * tl.load(wts_ptr + pair).to(tl.float32))
-    tl.store(ws_ptr + pair * H + rows, part, mask=row_ok)
-    tl.debug_barrier()
-    tile = t * tl.num_programs(0) + pid_n
-    old = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-    if old == TOPK - 1:  # the token's last expert for this tile: sum the k partials in expert order
-        tot = tl.zeros((BN,), dtype=tl.float32)
-        for j in range(TOPK):
-            tot += tl.load(ws_ptr + (t * TOPK + j) * H + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
-        tl.store(y_ptr + t * stride_yt + rows, tot.to(y_ptr.dtype.element_ty), mask=row_ok)
-        tl.atomic_xchg(cnt_ptr + tile, 0)
+    # the token's k experts are the "splits" of its row tile: the last sums them in expert order
+    _store_or_fix_up(part, y_ptr + t * stride_yt + rows, ws_ptr + t * TOPK * H + rows, row_ok, cnt_ptr,
+                     t * tl.num_programs(0) + pid_n, pair - t * TOPK, H, TOPK, 1.0, True)
 
 
-def tma_moe_supported(x: torch.Tensor, w1, w2) -> bool:
+def tma_moe_supported(x: torch.Tensor, w1, w3, w2) -> bool:
     """H and I multiples of 256 and 16-byte aligned stacks, on sm_90+ (or under the interpreter)."""
     E, I, H = w1.shape
     if H % 256 or I % 256:
         return False
-    if any(t.data_ptr() % 16 for w in (w1, w2) for t in (w.packed, w.block_scale)):
+    if any(t.data_ptr() % 16 for w in (w1, w3, w2) for t in (w.packed, w.block_scale)):
         return False
     return _INTERPRET or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0))
 

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .nvfp4_matmul import (_H2_GROUP_ASM, _INTERPRET, _counters, _dot_dtype, _e4m3_to_f32, _fp16_pair,
-                           _h2_word_emulated, _num_sms)
+from .nvfp4_matmul import (_H2_GROUP_ASM, _INTERPRET, _counters, _dot_dtype, _e4m3_to_f32, _h2_word_emulated,
+                           _nibble_plane_dots, _num_sms, _store_or_fix_up)
 
 G = 16  # 16-groups per TMA box along K: 128 bytes of weight words, 16 bytes of scales per row
 
@@ -109,19 +109,8 @@ def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt
         part = _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM)
         acc += part * sc
     res = tl.sum(acc, axis=1) * 16384.0  # undo the 2^-14 of the nibble trick
-    gs = tl.load(gs_ptr).to(tl.float32)
-    if not USE_SPLIT:
-        tl.store(y_ptr + rows, (res * gs).to(y_ptr.dtype.element_ty), mask=row_ok)
-    else:
-        tl.store(ws_ptr + pid_k * N + rows, res, mask=row_ok)
-        tl.debug_barrier()
-        old = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-        if old == SPLIT - 1:
-            tot = tl.zeros((BN,), dtype=tl.float32)
-            for s in range(SPLIT):
-                tot += tl.load(ws_ptr + s * N + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + rows, (tot * gs).to(y_ptr.dtype.element_ty), mask=row_ok)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+    _store_or_fix_up(res, y_ptr + rows, ws_ptr + rows, row_ok, cnt_ptr, pid_n, pid_k, N, SPLIT,
+                     tl.load(gs_ptr).to(tl.float32), USE_SPLIT)
 
 
 @triton.jit
@@ -143,34 +132,12 @@ def _gemv_tma_dot_kernel(w_desc, s_desc, x_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
     for g0 in tl.range(g_lo, g_hi, G, num_stages=STAGES):
         w64 = w_desc.load([n0, g0])
         sc = _e4m3_to_f32(s_desc.load([n0, g0])) * 16384.0
-        w_lo = w64.to(tl.int32)
-        w_hi = (w64 >> 32).to(tl.int32)
         gg = g0 + tl.arange(0, G)
         xt = x_ptr + offs_m[None, :] * stride_xm + gg[:, None] * 16   # x^T planes [G, BMP]
-        xm = (gg < KG)[:, None] & m_ok[None, :]
-        for j in tl.static_range(4):
-            a, b = _fp16_pair(w_lo, j)
-            acc = tl.dot((a * sc).to(DOT_DTYPE), tl.load(xt + j, mask=xm, other=0.0).to(DOT_DTYPE), acc)
-            acc = tl.dot((b * sc).to(DOT_DTYPE), tl.load(xt + j + 4, mask=xm, other=0.0).to(DOT_DTYPE), acc)
-            c, d = _fp16_pair(w_hi, j)
-            acc = tl.dot((c * sc).to(DOT_DTYPE), tl.load(xt + j + 8, mask=xm, other=0.0).to(DOT_DTYPE), acc)
-            acc = tl.dot((d * sc).to(DOT_DTYPE), tl.load(xt + j + 12, mask=xm, other=0.0).to(DOT_DTYPE), acc)
-    gs = tl.load(gs_ptr).to(tl.float32)
-    omask = row_ok[:, None] & m_ok[None, :]
-    yp = y_ptr + offs_m[None, :] * stride_ym + rows[:, None]
-    if not USE_SPLIT:
-        tl.store(yp, (acc * gs).to(y_ptr.dtype.element_ty), mask=omask)
-    else:
-        wsp = ws_ptr + offs_m[None, :] * N + rows[:, None]
-        tl.store(wsp + pid_k * M * N, acc, mask=omask)
-        tl.debug_barrier()
-        old = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-        if old == SPLIT - 1:
-            tot = tl.zeros((BN, BMP), dtype=tl.float32)
-            for s in range(SPLIT):
-                tot += tl.load(wsp + s * M * N, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.store(yp, (tot * gs).to(y_ptr.dtype.element_ty), mask=omask)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+        acc = _nibble_plane_dots(w64, sc, xt, (gg < KG)[:, None] & m_ok[None, :], acc, DOT_DTYPE)
+    _store_or_fix_up(acc, y_ptr + offs_m[None, :] * stride_ym + rows[:, None], ws_ptr + offs_m[None, :] * N + rows[:, None],
+                     row_ok[:, None] & m_ok[None, :], cnt_ptr, pid_n, pid_k, M * N, SPLIT,
+                     tl.load(gs_ptr).to(tl.float32), USE_SPLIT)
 
 
 # ----------------------------------------------------------------------------- host side

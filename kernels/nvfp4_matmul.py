@@ -67,6 +67,43 @@ def _e4m3_to_f32(s_u8):
 
 
 @triton.jit
+def _store_or_fix_up(acc, y_ptrs, ws_ptrs, mask, cnt_ptr, tile, pid_k, split_stride, SPLIT, scale,
+                     USE_SPLIT: tl.constexpr):
+    """y = acc * scale; with split K every split writes its fp32 partial at ws_ptrs + pid_k *
+    split_stride and bumps the tile's counter, and the last one sums the SPLIT partials in split
+    order, stores and resets the counter (one launch, deterministic, CUDA-graph safe)."""
+    if not USE_SPLIT:
+        tl.store(y_ptrs, (acc * scale).to(y_ptrs.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptrs + pid_k * split_stride, acc, mask=mask)
+        tl.debug_barrier()
+        old = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if old == SPLIT - 1:
+            tot = tl.zeros_like(acc)
+            for s in range(SPLIT):
+                tot += tl.load(ws_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, (tot * scale).to(y_ptrs.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def _nibble_plane_dots(w64, sc, xt, xm, acc, DOT_DTYPE: tl.constexpr):
+    """acc [BN, BM] += the 16 nibble planes of the int64 words w64 [BN, W] (element 16w + j),
+    each as exact E2M1 * 2^-14 * sc in DOT_DTYPE, through tl.dot against the x^T plane at
+    xt + j ([W, BM] pointers, mask xm)."""
+    w_lo = w64.to(tl.int32)
+    w_hi = (w64 >> 32).to(tl.int32)
+    for j in tl.static_range(4):
+        a, b = _fp16_pair(w_lo, j)
+        acc = tl.dot((a * sc).to(DOT_DTYPE), tl.load(xt + j, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+        acc = tl.dot((b * sc).to(DOT_DTYPE), tl.load(xt + j + 4, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+        c, d = _fp16_pair(w_hi, j)
+        acc = tl.dot((c * sc).to(DOT_DTYPE), tl.load(xt + j + 8, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+        acc = tl.dot((d * sc).to(DOT_DTYPE), tl.load(xt + j + 12, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+    return acc
+
+
+@triton.jit
 def _gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, g_hi, gps,
                   BN: tl.constexpr, G: tl.constexpr):
     """sum_k W'[rows, k] * x[k] over groups [g_lo, g_hi) for one activation row; W' = E2M1*s*2^-14.
@@ -273,18 +310,9 @@ def _gemv_rows_dot(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, stride_xm, M, rows
         m2 = row_ok[:, None] & gm[None, :]
         w64 = tl.load(w_ptr + rows[:, None] * stride_wn + gg[None, :], mask=m2, other=0)
         sc = _e4m3_to_f32(tl.load(s_ptr + rows[:, None] * stride_sn + gg[None, :], mask=m2, other=0)) * 16384.0
-        w_lo = w64.to(tl.int32)
-        w_hi = (w64 >> 32).to(tl.int32)
         # x^T planes [G, BMP]: element 16*g + j of each activation row
         xt = x_ptr + offs_m[None, :] * stride_xm + gg[:, None] * 16
-        xm = gm[:, None] & m_ok[None, :]
-        for j in tl.static_range(4):
-            a, b = _fp16_pair(w_lo, j)
-            acc = tl.dot((a * sc).to(DOT_DTYPE), tl.load(xt + j, mask=xm, other=0.0).to(DOT_DTYPE), acc)
-            acc = tl.dot((b * sc).to(DOT_DTYPE), tl.load(xt + j + 4, mask=xm, other=0.0).to(DOT_DTYPE), acc)
-            c, d = _fp16_pair(w_hi, j)
-            acc = tl.dot((c * sc).to(DOT_DTYPE), tl.load(xt + j + 8, mask=xm, other=0.0).to(DOT_DTYPE), acc)
-            acc = tl.dot((d * sc).to(DOT_DTYPE), tl.load(xt + j + 12, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+        acc = _nibble_plane_dots(w64, sc, xt, gm[:, None] & m_ok[None, :], acc, DOT_DTYPE)
     return acc
 
 
@@ -314,36 +342,13 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, xp_ptr, in
         else:
             acc = _gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, g_hi, groups_per_split, BN, G)
             acc = acc * 16384.0  # undo the 2^-14 of the fp16 nibble trick
-        if not USE_SPLIT:
-            tl.store(y_ptr + rows, (acc * gs).to(y_ptr.dtype.element_ty), mask=row_ok)
-        else:
-            tl.store(ws_ptr + pid_k * N + rows, acc, mask=row_ok)
-            tl.debug_barrier()
-            old = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-            if old == SPLIT - 1:
-                tot = tl.zeros((BN,), dtype=tl.float32)
-                for s in range(SPLIT):
-                    tot += tl.load(ws_ptr + s * N + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptr + rows, (tot * gs).to(y_ptr.dtype.element_ty), mask=row_ok)
-                tl.atomic_xchg(cnt_ptr + pid_n, 0)
+        _store_or_fix_up(acc, y_ptr + rows, ws_ptr + rows, row_ok, cnt_ptr, pid_n, pid_k, N, SPLIT, gs, USE_SPLIT)
     else:
         acc = _gemv_rows_dot(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, stride_xm, M, rows, row_ok,
                              g_lo, g_hi, groups_per_split, BN, G, BMP, DOT_DTYPE)
         offs_m = tl.arange(0, BMP)
-        omask = row_ok[:, None] & (offs_m < M)[None, :]
-        if not USE_SPLIT:
-            tl.store(y_ptr + offs_m[None, :] * stride_ym + rows[:, None], (acc * gs).to(y_ptr.dtype.element_ty), mask=omask)
-        else:
-            wsp = ws_ptr + offs_m[None, :] * N + rows[:, None]
-            tl.store(wsp + pid_k * M * N, acc, mask=omask)
-            tl.debug_barrier()
-            old = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-            if old == SPLIT - 1:
-                tot = tl.zeros((BN, BMP), dtype=tl.float32)
-                for s in range(SPLIT):
-                    tot += tl.load(wsp + s * M * N, mask=omask, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptr + offs_m[None, :] * stride_ym + rows[:, None], (tot * gs).to(y_ptr.dtype.element_ty), mask=omask)
-                tl.atomic_xchg(cnt_ptr + pid_n, 0)
+        _store_or_fix_up(acc, y_ptr + offs_m[None, :] * stride_ym + rows[:, None], ws_ptr + offs_m[None, :] * N + rows[:, None],
+                         row_ok[:, None] & (offs_m < M)[None, :], cnt_ptr, pid_n, pid_k, M * N, SPLIT, gs, USE_SPLIT)
 
 
 @triton.jit
@@ -381,23 +386,9 @@ def _gemm_kernel(x_ptr, p_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k
         w = tl.reshape(tl.join(lo, hi), (BN, BK // 16, 16))
         w = tl.reshape(w * sc[:, :, None], (BN, BK)).to(DOT_DTYPE)
         acc = tl.dot(xt, tl.trans(w), acc)
-    gs = tl.load(gs_ptr).to(tl.float32)
-    omask = m_ok[:, None] & n_ok[None, :]
-    yp = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    if not USE_SPLIT:
-        tl.store(yp, (acc * gs).to(y_ptr.dtype.element_ty), mask=omask)
-    else:
-        wsp = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(wsp + pid_k * M * N, acc, mask=omask)
-        tl.debug_barrier()
-        tile = pid_m * tl.num_programs(1) + pid_n
-        old = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if old == SPLIT - 1:
-            tot = tl.zeros((BM, BN), dtype=tl.float32)
-            for sp in range(SPLIT):
-                tot += tl.load(wsp + sp * M * N, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.store(yp, (tot * gs).to(y_ptr.dtype.element_ty), mask=omask)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
+    _store_or_fix_up(acc, y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], ws_ptr + offs_m[:, None] * N + offs_n[None, :],
+                     m_ok[:, None] & n_ok[None, :], cnt_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k, M * N, SPLIT,
+                     tl.load(gs_ptr).to(tl.float32), USE_SPLIT)
 
 
 # ----------------------------------------------------------------------------- host side

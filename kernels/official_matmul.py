@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .nvfp4_matmul import _INTERPRET, _counters, _dot_dtype, _fp16_pair, _num_sms
+from .nvfp4_matmul import _INTERPRET, _counters, _dot_dtype, _nibble_plane_dots, _num_sms, _store_or_fix_up
 
 
 @triton.jit
@@ -44,25 +44,12 @@ def _e8m0_to_f32(e):
 
 
 @triton.jit
-def _fixup_store(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym, pid_m, pid_n, pid_k, SPLIT,
-                 USE_SPLIT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
-    """acc [BN, BM] -> y[m, n]; with split K: fp32 partials, the last split sums them in order."""
-    omask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    yp = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    if not USE_SPLIT:
-        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=omask)
-    else:
-        wsp = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
-        tl.store(wsp + pid_k * M * N, acc, mask=omask)
-        tl.debug_barrier()
-        tile = pid_m * tl.num_programs(0) + pid_n
-        old = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if old == SPLIT - 1:
-            tot = tl.zeros((BN, BM), dtype=tl.float32)
-            for s in range(SPLIT):
-                tot += tl.load(wsp + s * M * N, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.store(yp, tot.to(y_ptr.dtype.element_ty), mask=omask)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
+def _finish(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym, pid_m, pid_n, pid_k, SPLIT,
+            USE_SPLIT: tl.constexpr):
+    """acc [BN, BM] (rows n, batch m) -> y[m, n] through the shared split-K finish."""
+    _store_or_fix_up(acc, y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], ws_ptr + offs_m[None, :] * N + offs_n[:, None],
+                     (offs_n < N)[:, None] & (offs_m < M)[None, :], cnt_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k,
+                     M * N, SPLIT, 1.0, USE_SPLIT)
 
 
 @triton.jit
@@ -89,19 +76,9 @@ def _mxfp4_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, KW, stride_
                      other=127)
         sc = _e8m0_to_f32(s8) * 16384.0                                       # [BN, BW/2]
         sc = tl.reshape(tl.join(sc, sc), (BN, BW))                             # word 2i and 2i+1 share scale i
-        w_lo = w64.to(tl.int32)
-        w_hi = (w64 >> 32).to(tl.int32)
         xt = x_ptr + offs_m[None, :] * stride_xm + ww[:, None] * 16            # x^T planes [BW, BM]
-        xm = wm[:, None] & m_ok[None, :]
-        for j in tl.static_range(4):
-            a, b = _fp16_pair(w_lo, j)
-            acc = tl.dot((a * sc).to(DOT_DTYPE), tl.load(xt + j, mask=xm, other=0.0).to(DOT_DTYPE), acc)
-            acc = tl.dot((b * sc).to(DOT_DTYPE), tl.load(xt + j + 4, mask=xm, other=0.0).to(DOT_DTYPE), acc)
-            c, d = _fp16_pair(w_hi, j)
-            acc = tl.dot((c * sc).to(DOT_DTYPE), tl.load(xt + j + 8, mask=xm, other=0.0).to(DOT_DTYPE), acc)
-            acc = tl.dot((d * sc).to(DOT_DTYPE), tl.load(xt + j + 12, mask=xm, other=0.0).to(DOT_DTYPE), acc)
-    _fixup_store(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym, pid_m, pid_n, pid_k, SPLIT,
-                 USE_SPLIT, BN, BM)
+        acc = _nibble_plane_dots(w64, sc, xt, wm[:, None] & m_ok[None, :], acc, DOT_DTYPE)
+    _finish(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym, pid_m, pid_n, pid_k, SPLIT, USE_SPLIT)
 
 
 @triton.jit
@@ -129,18 +106,17 @@ def _fp8_block_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stri
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=km[:, None] & m_ok[None, :], other=0.0)
         part = tl.dot(w, xt.to(DOT_DTYPE))
         acc += part * tl.load(s_row + k0 // 128)
-    _fixup_store(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym, pid_m, pid_n, pid_k, SPLIT,
-                 USE_SPLIT, BN, BM)
+    _finish(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym, pid_m, pid_n, pid_k, SPLIT, USE_SPLIT)
 
 
 # ----------------------------------------------------------------------------- host side
-def _tiles(M: int, N: int, K: int, device: torch.device, bn: int) -> tuple[int, int, int]:
+def _tiles(M: int, N: int, K: int, device: torch.device, bn: int) -> tuple[int, int]:
     """(BM, K splits for the number of K steps ``K``): decode BM = 16, prefill 64; split K until
     the grid covers the SMs ~2x (at most 32 splits, at least 4 steps each)."""
     bm = 16 if M <= 16 else 64
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
     split = max(1, min(triton.cdiv(2 * _num_sms(device), tiles), K // 4 if K >= 4 else 1, 32))
-    return bm, split, tiles
+    return bm, split
 
 
 def supported(x: torch.Tensor, w) -> bool:
@@ -179,7 +155,7 @@ def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Ten
         s8 = w.scale.view(torch.uint8)
         bn, bw = cfg.get("BN", 16 if _INTERPRET else 64), cfg.get("BW", 16)  # tl.dot needs K >= 16
         KW = K // 16
-        bm, split, tiles = _tiles(M, N, KW // bw, x.device, bn)
+        bm, split = _tiles(M, N, KW // bw, x.device, bn)
         split = cfg.get("SPLIT", split)
         wps = triton.cdiv(triton.cdiv(KW, split), bw) * bw
         split = triton.cdiv(KW, wps)
@@ -188,7 +164,7 @@ def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Ten
         bn = cfg.get("BN", 16 if _INTERPRET else 64)
         if 128 % bn:
             raise ValueError(f"FP8-block BN {bn} must divide the 128-row scale block")
-        bm, split, tiles = _tiles(M, N, triton.cdiv(K, 128), x.device, bn)
+        bm, split = _tiles(M, N, triton.cdiv(K, 128), x.device, bn)
         split = cfg.get("SPLIT", split)
         kps = triton.cdiv(triton.cdiv(K, split), 128) * 128
         split = triton.cdiv(K, kps)

@@ -325,6 +325,18 @@ def _rand_nvfp4_cuda(n, k, seed=0):
     return NVFP4Weight(packed, sc, torch.tensor(0.021, device="cuda"))
 
 
+def _stress_x(kind: str, K: int, seed: int) -> torch.Tensor:
+    """One activation row [1, K] that stresses the f16x2 x scaling: bf16/fp16/fp32 dtypes, a few
+    1e4 outliers (bf16), or values of order 1e-30 (bf16)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(1, K, device="cuda", generator=g)
+    if kind == "outliers":
+        x[0, ::997] = 1e4
+    elif kind == "tiny":
+        x = x * 1e-30
+    return x.to({"fp16": torch.float16, "fp32": torch.float32}.get(kind, torch.bfloat16))
+
+
 def _close(y, r, rtol=1e-2, atol_frac=1e-2):
     y, r = y.float(), r.float()
     assert r.abs().max() > 0
@@ -359,13 +371,7 @@ def test_gpu_m1_inner_loops(h2, xp, pf, xkind):
 
     K, N = 7168, 3072
     w = _rand_nvfp4_cuda(N, K, seed=3)
-    g = torch.Generator(device="cuda").manual_seed(4)
-    x = torch.randn(1, K, device="cuda", generator=g)
-    if xkind == "outliers":
-        x[0, ::997] = 1e4
-    elif xkind == "tiny":
-        x = x * 1e-30
-    x = x.to({"fp16": torch.float16, "fp32": torch.float32}.get(xkind, torch.bfloat16))
+    x = _stress_x(xkind, K, seed=4)
     for split in (1, 8):
         cfg = {"BN": 64, "G": 8, "SPLIT": split, "num_warps": 4, "H2": h2, "XP": xp, "PF": pf}
         _close(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config=cfg), nvfp4_matmul_ref(x, w))
@@ -384,13 +390,7 @@ def test_gpu_tma_gemv(bn, stages, split, xkind):
         pytest.fail("the TMA GEMV needs sm_90+; run the GPU tests on the H200")
     K, N = 7168, 3000
     w = _rand_nvfp4_cuda(N, K, seed=6)
-    g = torch.Generator(device="cuda").manual_seed(7)
-    x = torch.randn(1, K, device="cuda", generator=g)
-    if xkind == "outliers":
-        x[0, ::997] = 1e4
-    elif xkind == "tiny":
-        x = x * 1e-30
-    x = x.to({"fp16": torch.float16, "fp32": torch.float32}.get(xkind, torch.bfloat16))
+    x = _stress_x(xkind, K, seed=7)
     cfg = {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": 4}
     for _ in range(2):  # the second call checks that the split counters were reset
         _close(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config=cfg), nvfp4_matmul_ref(x, w))
