@@ -19,6 +19,12 @@ Two launches per call:
   the other kernels: fp32 partials, a per-tile counter, the last split sums in split order
   (deterministic, one launch, graph-safe).
 
+With ``PDL`` (chosen for grids of about one wave) both launch with programmatic dependent launch:
+the prelude waits for the previous grid and lets the GEMV launch at once; the GEMV's CTAs become
+resident while the prelude runs and wait (``griddepcontrol.wait``) before their first load, which
+hides the second launch's latency (~1 us of a 20 us q_b call). Safe in CUDA graphs and next to
+kernels launched without it (their launch then waits for completion as usual).
+
 M in 2..16 (``_gemv_tma_dot_kernel``) uses the same weight ring with ``nvfp4_matmul``'s ``tl.dot``
 inner loop (exact E2M1*s planes against x^T planes, batch padded to 16); no prelude.
 
@@ -32,6 +38,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .nvfp4_matmul import (_H2_GROUP_ASM, _INTERPRET, _counters, _dot_dtype, _e4m3_to_f32, _h2_word_emulated,
@@ -41,8 +48,11 @@ G = 16  # 16-groups per TMA box along K: 128 bytes of weight words, 16 bytes of 
 
 
 @triton.jit
-def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, KG, BG: tl.constexpr):
+def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, KG, BG: tl.constexpr, PDL: tl.constexpr):
     """x [K] -> f16x2 pairs [KG, 8] and 1/xs [KG] (per 16-group power-of-two scaling)."""
+    if PDL:  # launched early (programmatic dependent launch): wait for the previous grid's writes
+        gdc_wait()
+        gdc_launch_dependents()
     g = tl.program_id(0) * BG + tl.arange(0, BG)
     ok = g < KG
     x = tl.load(x_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
@@ -92,7 +102,9 @@ def _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, G: tl.cons
 @triton.jit
 def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, N, KG, gps, SPLIT,
                      USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr,
-                     USE_ASM: tl.constexpr):
+                     USE_ASM: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched while the x-pair prelude runs; its pairs are visible after the wait
+        gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * BN
@@ -108,6 +120,8 @@ def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt
         x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(x_desc, g0, G)
         part = _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM)
         acc += part * sc
+    if PDL:  # the next launch (e.g. the next call's prelude) may start while this grid finishes
+        gdc_launch_dependents()
     res = tl.sum(acc, axis=1) * 16384.0  # undo the 2^-14 of the nibble trick
     _store_or_fix_up(res, y_ptr + rows, ws_ptr + rows, row_ok, cnt_ptr, pid_n, pid_k, N, SPLIT,
                      tl.load(gs_ptr).to(tl.float32), USE_SPLIT)
@@ -162,7 +176,8 @@ def tma_default_config(N: int, K: int, device: torch.device, M: int = 1) -> dict
     rows (o_b), 64-row tiles split over ~2 waves for the small expert/projection shapes.
 
     Not tuned at run time: ``do_bench`` on eager calls times the host launch path (descriptor
-    set-up, two launches), not the kernel, and picked tiles up to 1.4x slower than these."""
+    set-up, two launches), not the kernel, and picked tiles up to 1.4x slower than these. Wider
+    TMA boxes (cfg ``G`` = 32/64 groups) or 16/32-row tiles measured slower on q_b and o_b."""
     if _INTERPRET:
         return {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": 1, "num_warps": 1}
     sms = _num_sms(device)
@@ -178,31 +193,38 @@ def tma_default_config(N: int, K: int, device: torch.device, M: int = 1) -> dict
         bn, mult, stages = 256, 2, 4
     else:
         bn, mult, stages = 64, 2, 3
-    return {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": _split_for(N, K, bn, mult, sms), "num_warps": 4}
+    split = _split_for(N, K, bn, mult, sms)
+    # programmatic dependent launch of prelude -> GEMV pays off when the GEMV grid is about one wave
+    # (q_b 21.6 -> 20.6 us, o_b 27.1 -> 25.9, experts 9.9 -> 9.4); lm_head's multi-wave grid lost
+    # 145 -> 163 us with it, so it stays off there (benchmarks/gemv_anatomy.py)
+    pdl = torch.cuda.get_device_capability(device) >= (9, 0) and triton.cdiv(N, bn) * split <= 3 * sms
+    return {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": 4, "PDL": pdl}
 
 
-def x_pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def x_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [K] (any float dtype) -> (f16x2 pairs int32 [K/16, 8], 1/xs fp32 [K/16])."""
     K = x.shape[-1]
     KG = K // 16
     xp = torch.empty((KG, 8), dtype=torch.int32, device=x.device)
     inv = torch.empty(KG, dtype=torch.float32, device=x.device)
     bg = 16 if _INTERPRET else 32
-    _x_pairs_kernel[(triton.cdiv(KG, bg),)](x, xp, inv, KG, BG=bg, num_warps=1 if _INTERPRET else 4)
+    _x_pairs_kernel[(triton.cdiv(KG, bg),)](x, xp, inv, KG, BG=bg, PDL=pdl, num_warps=1 if _INTERPRET else 4,
+                                            **({"launch_pdl": True} if pdl else {}))
     return xp, inv
 
 
 def launch_gemv_tma(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor,
-                    y: torch.Tensor, cfg: dict) -> None:
-    """y[M, N] = x2[M, K] @ W^T for M <= 16 with ``cfg`` = {BN, STAGES, SPLIT, num_warps}
-    (``tma_default_config``): M == 1 the f16x2 loop, M in 2..16 the ``tl.dot`` loop."""
+                    y: torch.Tensor, cfg: dict, pairs: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """y[M, N] = x2[M, K] @ W^T for M <= 16 with ``cfg`` = {BN, STAGES, SPLIT, num_warps, optional G
+    (groups per box, default 16) and PDL} (``tma_default_config``): M == 1 the f16x2 loop, M in 2..16
+    the ``tl.dot`` loop. ``pairs``: precomputed ``x_pairs(x2[0])`` (benchmarks time the GEMV alone)."""
     M, K = x2.shape
     N = packed.shape[0]
     KG = K // 16
     w64 = packed.view(torch.int64)
     s8 = scale.view(torch.uint8)
-    bn = cfg["BN"]
-    gps = triton.cdiv(triton.cdiv(KG, cfg["SPLIT"]), G) * G   # whole boxes per split: no box straddles two
+    bn, g = cfg["BN"], cfg.get("G", G)   # g: 16-groups per TMA box along K
+    gps = triton.cdiv(triton.cdiv(KG, cfg["SPLIT"]), g) * g   # whole boxes per split: no box straddles two
     split = triton.cdiv(KG, gps)
     n_tiles = triton.cdiv(N, bn)
     if split > 1:
@@ -210,16 +232,17 @@ def launch_gemv_tma(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         cnt = _counters(x2.device, n_tiles)
     else:
         ws, cnt = y, y
-    wd = TensorDescriptor.from_tensor(w64, [bn, G])
-    sd = TensorDescriptor.from_tensor(s8, [bn, G])
+    wd = TensorDescriptor.from_tensor(w64, [bn, g])
+    sd = TensorDescriptor.from_tensor(s8, [bn, g])
     if M == 1:
-        xp, inv = x_pairs(x2[0])
+        pdl = bool(cfg.get("PDL", False)) and not _INTERPRET
+        xp, inv = x_pairs(x2[0], pdl) if pairs is None else pairs
         _gemv_tma_kernel[(n_tiles, split)](
-            wd, sd, TensorDescriptor.from_tensor(xp, [G, 8]), inv, gs, y, ws, cnt, N, KG, gps, split,
-            USE_SPLIT=split > 1, BN=bn, G=G, STAGES=cfg["STAGES"], USE_ASM=not _INTERPRET,
-            num_warps=cfg["num_warps"])
+            wd, sd, TensorDescriptor.from_tensor(xp, [g, 8]), inv, gs, y, ws, cnt, N, KG, gps, split,
+            USE_SPLIT=split > 1, BN=bn, G=g, STAGES=cfg["STAGES"], USE_ASM=not _INTERPRET, PDL=pdl,
+            num_warps=cfg["num_warps"], **({"launch_pdl": True} if pdl else {}))
     else:
         _gemv_tma_dot_kernel[(n_tiles, split)](
             wd, sd, x2, gs, y, ws, cnt, M, N, KG, x2.stride(0), y.stride(0), gps, split,
-            USE_SPLIT=split > 1, BN=bn, G=G, BMP=16, STAGES=cfg["STAGES"], DOT_DTYPE=_dot_dtype(x2),
+            USE_SPLIT=split > 1, BN=bn, G=g, BMP=16, STAGES=cfg["STAGES"], DOT_DTYPE=_dot_dtype(x2),
             num_warps=cfg["num_warps"])

@@ -156,6 +156,12 @@ for kind in ("bf16", "fp16", "fp32", "outliers", "tiny"):
         cfg = {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": split, "num_warps": 1}
         y = nvfp4_matmul(x, wt.packed, wt.block_scale, wt.global_scale, out_dtype=torch.float32, config=cfg)
         res[f"tma_{kind}_split{split}"] = err(y, nvfp4_matmul_ref(x.float(), wt))
+wt2 = random_nvfp4(40, 1024)  # 32-group boxes (cfg G): 64 groups = 2 boxes, split across them
+x = rnd(1, 1024).to(torch.bfloat16)
+for split in (1, 2):
+    cfg = {"TMA": True, "BN": 16, "G": 32, "STAGES": 2, "SPLIT": split, "num_warps": 1}
+    y = nvfp4_matmul(x, wt2.packed, wt2.block_scale, wt2.global_scale, out_dtype=torch.float32, config=cfg)
+    res[f"tma_G32_split{split}"] = err(y, nvfp4_matmul_ref(x.float(), wt2))
 x = rnd(512).to(torch.bfloat16)
 x[:16] *= 1e3
 x[16:32] *= 1e-3
@@ -251,7 +257,7 @@ def interp_results():
 def test_interp_tma_gemv(interp_results):
     """The TMA GEMV (descriptor loads, per-group x scaling, split-K fix-up) through the interpreter."""
     r = {k: v for k, v in interp_results.items() if k.startswith("tma_") and k not in ("tma_pairs", "tma_rejects_m17")}
-    assert len(r) == 10
+    assert len(r) == 12  # 5 x kinds x 2 splits + 32-group boxes x 2 splits
     for k, v in r.items():
         assert v["bad"] == 0 and v["ref_max"] > 0, (k, v)
         assert v["max_abs"] <= 2e-3 * v["ref_max"], (k, v)  # fp32 out: only f16 group sums round
@@ -379,11 +385,13 @@ def test_gpu_m1_inner_loops(h2, xp, pf, xkind):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("bn,stages,split", [(64, 3, 1), (256, 3, 1), (128, 4, 7), (256, 4, 10)])
+@pytest.mark.parametrize("bn,stages,split,extra", [(64, 3, 1, {}), (256, 3, 1, {"PDL": True}), (128, 4, 7, {}),
+                                                   (256, 4, 10, {"PDL": True}), (64, 4, 3, {"G": 32, "PDL": True})])
 @pytest.mark.parametrize("xkind", ["bf16", "fp16", "fp32", "outliers", "tiny"])
-def test_gpu_tma_gemv(bn, stages, split, xkind):
-    """The TMA GEMV's tiles/stages/splits on inputs that stress the per-group x scaling; N = 3000
-    leaves a partial row tile (TMA zero-fills it, the store is masked)."""
+def test_gpu_tma_gemv(bn, stages, split, extra, xkind):
+    """The TMA GEMV's tiles/stages/splits/box widths, with and without programmatic dependent
+    launch, on inputs that stress the per-group x scaling; N = 3000 leaves a partial row tile (TMA
+    zero-fills it, the store is masked)."""
     from kernels.nvfp4_matmul import nvfp4_matmul, nvfp4_matmul_ref
 
     if torch.cuda.get_device_capability() < (9, 0):
@@ -391,7 +399,7 @@ def test_gpu_tma_gemv(bn, stages, split, xkind):
     K, N = 7168, 3000
     w = _rand_nvfp4_cuda(N, K, seed=6)
     x = _stress_x(xkind, K, seed=7)
-    cfg = {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": 4}
+    cfg = {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": 4, **extra}
     for _ in range(2):  # the second call checks that the split counters were reset
         _close(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config=cfg), nvfp4_matmul_ref(x, w))
 

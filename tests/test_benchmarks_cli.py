@@ -1,0 +1,23 @@
+"""Every benchmark script imports and parses its arguments on a CPU box (the timing itself needs
+the device machine): a renamed module or a broken import fails here, not during a device lease."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if p.name != "__init__.py")
+
+
+def test_there_are_benchmarks():
+    assert {"kernels.py", "m1_sweep.py", "gemv_anatomy.py", "decode.py"} <= {p.name for p in SCRIPTS}
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_benchmark_help(script: Path):
+    r = subprocess.run([sys.executable, str(script), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("usage:"), r.stdout[:200]
