@@ -85,22 +85,31 @@ def act_quant_nvfp4(x: torch.Tensor, global_scale) -> torch.Tensor:
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3, w2,
                limit: float | None) -> torch.Tensor:
     """Routed-expert output [T, H] for tokens x [T, H] with top-k ``ids``/``weights`` [T, k];
-    w1/w3/w2 are ``kernels.moe_decode.StackedNVFP4`` (or lists of ``NVFP4Weight``, stacked here:
-    stack once per layer and pass the stack to avoid the copy)."""
-    from .moe_decode import StackedNVFP4, moe_decode_ref  # moe_decode_ref needs no triton
+    w1/w3/w2 are ``kernels.moe_decode.StackedNVFP4`` / ``StackedMXFP4`` (or lists of
+    ``NVFP4Weight`` / ``MXFP4Weight``, stacked here: stack once per layer and pass the stack to
+    avoid the copy). MXFP4 stacks run the TMA kernels where they apply (sm_90+, H and I multiples
+    of 512), else the reference."""
+    from .moe_decode import StackedMXFP4, StackedNVFP4, moe_decode_ref, stack_experts  # no triton needed
 
-    w1, w3, w2 = (w if isinstance(w, StackedNVFP4) else StackedNVFP4.from_weights(w) for w in (w1, w3, w2))
+    w1, w3, w2 = (w if isinstance(w, (StackedNVFP4, StackedMXFP4)) else stack_experts(w) for w in (w1, w3, w2))
+    if len({type(w) for w in (w1, w3, w2)}) != 1:
+        raise ValueError(f"w1/w3/w2 must share one format, got {[type(w).__name__ for w in (w1, w3, w2)]}")
     if _use_kernel(x) and w1.packed.is_cuda:
         from .moe_decode import moe_decode_triton
 
+        if isinstance(w1, StackedMXFP4):
+            from .moe_decode_tma import tma_moe_supported
+
+            if not tma_moe_supported(x, w1, w3, w2):
+                return moe_decode_ref(x, ids, weights, w1, w3, w2, limit)
         return moe_decode_triton(x, ids, weights, w1, w3, w2, limit)
     return moe_decode_ref(x, ids, weights, w1, w3, w2, limit)
 
 
 def install_kernels(model: torch.nn.Module, enable: bool = True) -> int:
     """Install (or remove) the kernels on a whole model (or any module): ``quant_linear`` as the
-    fast path of every NVFP4, MXFP4 and FP8-block ``QLinear`` and ``moe_decode`` as the fused decode of every NVFP4 routed
-    ``Experts`` block, on CUDA only; returns the count. Installs nothing when
+    fast path of every NVFP4, MXFP4 and FP8-block ``QLinear`` and ``moe_decode`` as the fused decode of every NVFP4 or
+    MXFP4 routed ``Experts`` block, on CUDA only; returns the count. Installs nothing when
     ``have_triton_cuda()`` is False (the reference stays in place). ``enable=False`` puts every
     component back on the reference. Same as ``dsv4lab.analysis.components.use_kernels(model)``
     (which also takes a component pattern)."""

@@ -13,7 +13,8 @@ each w2 GEMV by the routing weight and writes the fp32 sum once (no atomics, no 
 Expert ids and weights stay on the device: no host sync, CUDA-graph capturable.
 
 Experts are given stacked (``StackedNVFP4``: packed [E, N, K/2], e4m3 scales [E, N, K/16], global
-scales [E]); build the stack once per layer (``StackedNVFP4.from_weights``).
+scales [E]); build the stack once per layer (``StackedNVFP4.from_weights``). MXFP4 experts
+(``StackedMXFP4``, the official checkpoint's) run through the TMA variant only.
 """
 from __future__ import annotations
 
@@ -54,6 +55,41 @@ class StackedNVFP4:
         from dsv4lab.quant.weights import NVFP4Weight
 
         return NVFP4Weight(self.packed[e], self.block_scale[e], self.global_scale[e])
+
+
+
+@dataclass
+class StackedMXFP4:
+    """E MXFP4 weights (the official checkpoint's experts) of one shape [N, K] stacked along a
+    leading expert dim; only the TMA-fed decode (``kernels.moe_decode_tma``) takes them."""
+
+    packed: torch.Tensor  # uint8 [E, N, K/2]
+    scale: torch.Tensor  # E8M0 [E, N, K/32]
+
+    @classmethod
+    def from_weights(cls, ws) -> "StackedMXFP4":
+        return cls(torch.stack([w.packed for w in ws]), torch.stack([w.scale for w in ws]))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, kh = self.packed.shape
+        return e, n, kh * 2
+
+    def weight(self, e: int):
+        """Expert ``e`` as an ``MXFP4Weight`` (views, no copy)."""
+        from dsv4lab.quant.weights import MXFP4Weight
+
+        return MXFP4Weight(self.packed[e], self.scale[e])
+
+
+def stack_experts(ws):
+    """A list of per-expert weights of one format as ``StackedNVFP4`` or ``StackedMXFP4``."""
+    fmts = {getattr(w, "format", None) for w in ws}
+    if fmts == {"nvfp4"}:
+        return StackedNVFP4.from_weights(ws)
+    if fmts == {"mxfp4"}:
+        return StackedMXFP4.from_weights(ws)
+    raise ValueError(f"cannot stack expert weights of formats {sorted(map(str, fmts))}")
 
 
 if triton is not None:
@@ -130,6 +166,11 @@ if triton is not None:
         from .moe_decode_tma import moe_decode_tma, tma_moe_supported
 
         ok = tma_moe_supported(x, w1, w3, w2)
+        if isinstance(w1, StackedMXFP4):  # no pointer-load variant for E8M0 scales
+            if not ok or tma is False:
+                raise ValueError("MXFP4 experts need the TMA MoE path: H, I multiples of 512, 16-byte aligned "
+                                 "stacks and sm_90+ (kernels.dispatch.moe_decode falls back to the reference)")
+            tma = True
         if tma is None:
             tma = ok and os.environ.get("DSV4LAB_KERNEL_TMA", "1") != "0"
         elif tma and not ok:

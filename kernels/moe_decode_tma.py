@@ -15,6 +15,9 @@ expert rows stream through the multi-stage TMA ring and the f16x2 inner loop of
 
 Expert stacks are addressed as 2-D [E*N, K/16] descriptors with the row offset e*N read from the
 device-side ids: no host sync. Needs H and I multiples of 256 (16-byte TMA strides for the scales).
+MXFP4 stacks (the official checkpoint's experts: one E8M0 per 32 elements, no global scale) take
+the same kernels with 32-group boxes and the scales expanded per group pair (``MX``); they need
+H and I multiples of 512.
 """
 from __future__ import annotations
 
@@ -23,14 +26,14 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .nvfp4_gemv_tma import G, _group_dot, _pairs_at, x_pairs
-from .nvfp4_matmul import _INTERPRET, _counters, _e4m3_to_f32, _store_or_fix_up
+from .nvfp4_gemv_tma import G, _block_scales, _group_dot, _pairs_at, x_pairs
+from .nvfp4_matmul import _INTERPRET, _counters, _store_or_fix_up
 
 
 @triton.jit
 def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, x_desc, xinv_ptr, ids_ptr, g1_ptr, g3_ptr, h_ptr,
                    I, KG, TOPK, stride_h, limit,
-                   BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr):
+                   BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr, MX: tl.constexpr):
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)  # t * TOPK + j
     t = pair // TOPK
@@ -45,9 +48,9 @@ def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, x_desc, xinv_ptr, ids_ptr
         inv = tl.load(xinv_ptr + t * KG + gg, mask=gg < KG, other=0.0)[None, :]
         x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(x_desc, t * KG + g0, G)
         acc1 += _group_dot(w1_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
-            (_e4m3_to_f32(s1_desc.load([r0, g0])) * inv)
+            (_block_scales(s1_desc, r0, g0, BN, G, MX) * inv)
         acc3 += _group_dot(w3_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
-            (_e4m3_to_f32(s3_desc.load([r0, g0])) * inv)
+            (_block_scales(s3_desc, r0, g0, BN, G, MX) * inv)
     gate = (tl.sum(acc1, axis=1) * (16384.0 * tl.load(g1_ptr + e))).to(h_ptr.dtype.element_ty).to(tl.float32)
     up = (tl.sum(acc3, axis=1) * (16384.0 * tl.load(g3_ptr + e))).to(h_ptr.dtype.element_ty).to(tl.float32)
     gate = tl.minimum(gate, limit)
@@ -59,7 +62,7 @@ def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, x_desc, xinv_ptr, ids_ptr
 @triton.jit
 def _moe_down_kernel(w2_desc, s2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_ptr, y_ptr, ws_ptr, cnt_ptr,
                      H, KG, TOPK, stride_yt,
-                     BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr):
+                     BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr, MX: tl.constexpr):
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     t = pair // TOPK
@@ -74,7 +77,7 @@ def _moe_down_kernel(w2_desc, s2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_pt
         inv = tl.load(hinv_ptr + pair * KG + gg, mask=gg < KG, other=0.0)[None, :]
         x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(h_desc, pair * KG + g0, G)
         acc += _group_dot(w2_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
-            (_e4m3_to_f32(s2_desc.load([r0, g0])) * inv)
+            (_block_scales(s2_desc, r0, g0, BN, G, MX) * inv)
     part = tl.sum(acc, axis=1) * (16384.0 * tl.load(g2_ptr + e) * tl.load(wts_ptr + pair).to(tl.float32))
     # the token's k experts are the "splits" of its row tile: the last sums them in expert order
     _store_or_fix_up(part, y_ptr + t * stride_yt + rows, ws_ptr + t * TOPK * H + rows, row_ok, cnt_ptr,
@@ -82,43 +85,72 @@ def _moe_down_kernel(w2_desc, s2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_pt
 
 
 def tma_moe_supported(x: torch.Tensor, w1, w3, w2) -> bool:
-    """H and I multiples of 256 and 16-byte aligned stacks, on sm_90+ (or under the interpreter)."""
+    """H and I multiples of 256 (MXFP4: 512, for 16-byte E8M0 rows) and 16-byte aligned stacks, on
+    sm_90+ (or under the interpreter)."""
     E, I, H = w1.shape
-    if H % 256 or I % 256:
+    mult = 512 if _is_mx(w1) else 256
+    if H % mult or I % mult:
         return False
-    if any(t.data_ptr() % 16 for w in (w1, w3, w2) for t in (w.packed, w.block_scale)):
+    if any(t.data_ptr() % 16 for w in (w1, w3, w2) for t in _parts(w)):
         return False
     return _INTERPRET or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
-def _descs(w, bn: int):
-    e, n, kh = w.packed.shape
-    p = w.packed.view(torch.int64).reshape(e * n, kh // 8)
-    s = w.block_scale.view(torch.uint8).reshape(e * n, kh // 8)
-    return TensorDescriptor.from_tensor(p, [bn, G]), TensorDescriptor.from_tensor(s, [bn, G])
+def _is_mx(w) -> bool:
+    return hasattr(w, "scale") and not hasattr(w, "block_scale")
+
+
+def _parts(w) -> tuple[torch.Tensor, torch.Tensor]:
+    return w.packed, (w.scale if _is_mx(w) else w.block_scale)
+
+
+def _descs(w, bn: int, g: int):
+    """2-D [E*N, ...] descriptors of a stack: weight words boxes [bn, g], scale boxes [bn, g] (NVFP4
+    e4m3) or [bn, g/2] (MXFP4 E8M0, one per two groups)."""
+    packed, scale = _parts(w)
+    e, n, kh = packed.shape
+    p = packed.view(torch.int64).reshape(e * n, kh // 8)
+    s = scale.view(torch.uint8).reshape(e * n, scale.shape[-1])
+    return TensorDescriptor.from_tensor(p, [bn, g]), TensorDescriptor.from_tensor(s, [bn, g // 2 if _is_mx(w) else g])
+
+
+def _global_scales(w, device: torch.device) -> torch.Tensor:
+    """Per-expert global scales; MXFP4 has none (ones, cached per size and device)."""
+    if not _is_mx(w):
+        return w.global_scale.to(torch.float32).contiguous()
+    key = (w.shape[0], device)
+    if key not in _ONES:
+        _ONES[key] = torch.ones(w.shape[0], dtype=torch.float32, device=device)
+    return _ONES[key]
+
+
+_ONES: dict = {}
 
 
 def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, w3, w2, lim: float,
                    k: int) -> torch.Tensor:
-    """x [T, H] contiguous, ids_c int32 [T*k], wts fp32 [T*k], stacks as in ``moe_decode_triton``."""
+    """x [T, H] contiguous, ids_c int32 [T*k], wts fp32 [T*k], stacks as in ``moe_decode_triton``
+    (``StackedNVFP4`` or ``StackedMXFP4``: MXFP4 boxes hold 32 groups so the E8M0 box is 16 bytes)."""
     T, H = x.shape
     E, I, _ = w1.shape
+    mx = _is_mx(w1)
+    g = 32 if mx else G
     bn, stages, warps = (16, 2, 1) if _INTERPRET else (64, 3, 4)
     h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
     y = torch.empty((T, H), dtype=x.dtype, device=x.device)
     xp, xinv = x_pairs(x.reshape(-1))
-    w1d, s1d = _descs(w1, bn)
-    w3d, s3d = _descs(w3, bn)
+    w1d, s1d = _descs(w1, bn, g)
+    w3d, s3d = _descs(w3, bn, g)
     _moe_up_kernel[(triton.cdiv(I, bn), T * k)](
-        w1d, s1d, w3d, s3d, TensorDescriptor.from_tensor(xp, [G, 8]), xinv, ids_c,
-        w1.global_scale.to(torch.float32).contiguous(), w3.global_scale.to(torch.float32).contiguous(), h,
-        I, H // 16, k, h.stride(0), lim, BN=bn, G=G, STAGES=stages, USE_ASM=not _INTERPRET, num_warps=warps)
+        w1d, s1d, w3d, s3d, TensorDescriptor.from_tensor(xp, [g, 8]), xinv, ids_c,
+        _global_scales(w1, x.device), _global_scales(w3, x.device), h,
+        I, H // 16, k, h.stride(0), lim, BN=bn, G=g, STAGES=stages, USE_ASM=not _INTERPRET, MX=mx, num_warps=warps)
     hp, hinv = x_pairs(h.reshape(-1))
-    w2d, s2d = _descs(w2, bn)
+    w2d, s2d = _descs(w2, bn, g)
     n_tiles = triton.cdiv(H, bn)
     ws = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
     _moe_down_kernel[(n_tiles, T * k)](
-        w2d, s2d, TensorDescriptor.from_tensor(hp, [G, 8]), hinv, ids_c, wts,
-        w2.global_scale.to(torch.float32).contiguous(), y, ws, _counters(x.device, T * n_tiles),
-        H, I // 16, k, y.stride(0), BN=bn, G=G, STAGES=stages, USE_ASM=not _INTERPRET, num_warps=warps)
+        w2d, s2d, TensorDescriptor.from_tensor(hp, [g, 8]), hinv, ids_c, wts,
+        _global_scales(w2, x.device), y, ws, _counters(x.device, T * n_tiles),
+        H, I // 16, k, y.stride(0), BN=bn, G=g, STAGES=stages, USE_ASM=not _INTERPRET, MX=mx, num_warps=warps)
     return y

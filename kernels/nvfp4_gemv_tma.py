@@ -41,7 +41,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .nvfp4_matmul import (_H2_GROUP_ASM, _INTERPRET, _counters, _dot_dtype, _e4m3_to_f32, _h2_word_emulated,
+from .nvfp4_matmul import (_H2_GROUP_ASM, _INTERPRET, _counters, _dot_dtype, _e4m3_to_f32, _e8m0_to_f32,
+                           _h2_word_emulated,
                            _nibble_plane_dots, _num_sms, _store_or_fix_up)
 
 G = 16  # 16-groups per TMA box along K: 128 bytes of weight words, 16 bytes of scales per row
@@ -100,9 +101,20 @@ def _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, G: tl.cons
 
 
 @triton.jit
+def _block_scales(s_desc, n0, g0, BN: tl.constexpr, G: tl.constexpr, MX: tl.constexpr):
+    """[BN, G] fp32 scales of the G 16-groups from g0: NVFP4 one e4m3 per group; MXFP4 one E8M0 per
+    32 elements, i.e. per two groups (the descriptor's box is [BN, G/2])."""
+    if MX:
+        f = _e8m0_to_f32(s_desc.load([n0, g0 // 2]))
+        return tl.reshape(tl.join(f, f), (BN, G))
+    else:
+        return _e4m3_to_f32(s_desc.load([n0, g0]))
+
+
+@triton.jit
 def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, N, KG, gps, SPLIT,
                      USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr,
-                     USE_ASM: tl.constexpr, PDL: tl.constexpr):
+                     USE_ASM: tl.constexpr, PDL: tl.constexpr, MX: tl.constexpr):
     if PDL:  # launched while the x-pair prelude runs; its pairs are visible after the wait
         gdc_wait()
     pid_n = tl.program_id(0)
@@ -116,7 +128,7 @@ def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt
     for g0 in tl.range(g_lo, g_hi, G, num_stages=STAGES):
         w64 = w_desc.load([n0, g0])                     # [BN, G] int64: 16 nibbles = one scale block
         gg = g0 + tl.arange(0, G)
-        sc = _e4m3_to_f32(s_desc.load([n0, g0])) * tl.load(inv_ptr + gg, mask=gg < KG, other=0.0)[None, :]
+        sc = _block_scales(s_desc, n0, g0, BN, G, MX) * tl.load(inv_ptr + gg, mask=gg < KG, other=0.0)[None, :]
         x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(x_desc, g0, G)
         part = _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM)
         acc += part * sc
@@ -130,7 +142,7 @@ def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt
 @triton.jit
 def _gemv_tma_dot_kernel(w_desc, s_desc, x_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, KG, stride_xm, stride_ym,
                          gps, SPLIT, USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
-                         BMP: tl.constexpr, STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                         BMP: tl.constexpr, STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, MX: tl.constexpr):
     """M in 2..16: the same TMA-fed weight ring; per nibble plane the exact E2M1*s tile (bf16/f16)
     goes through ``tl.dot`` against the matching x^T plane (batch padded to BMP = 16)."""
     pid_n = tl.program_id(0)
@@ -145,7 +157,7 @@ def _gemv_tma_dot_kernel(w_desc, s_desc, x_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
     acc = tl.zeros((BN, BMP), dtype=tl.float32)
     for g0 in tl.range(g_lo, g_hi, G, num_stages=STAGES):
         w64 = w_desc.load([n0, g0])
-        sc = _e4m3_to_f32(s_desc.load([n0, g0])) * 16384.0
+        sc = _block_scales(s_desc, n0, g0, BN, G, MX) * 16384.0
         gg = g0 + tl.arange(0, G)
         xt = x_ptr + offs_m[None, :] * stride_xm + gg[:, None] * 16   # x^T planes [G, BMP]
         acc = _nibble_plane_dots(w64, sc, xt, (gg < KG)[:, None] & m_ok[None, :], acc, DOT_DTYPE)
@@ -232,17 +244,18 @@ def launch_gemv_tma(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         cnt = _counters(x2.device, n_tiles)
     else:
         ws, cnt = y, y
+    mx = bool(cfg.get("MX", False))   # MXFP4: s8 holds one E8M0 per two groups, gs is 1
     wd = TensorDescriptor.from_tensor(w64, [bn, g])
-    sd = TensorDescriptor.from_tensor(s8, [bn, g])
+    sd = TensorDescriptor.from_tensor(s8, [bn, g // 2 if mx else g])
     if M == 1:
         pdl = bool(cfg.get("PDL", False)) and not _INTERPRET
         xp, inv = x_pairs(x2[0], pdl) if pairs is None else pairs
         _gemv_tma_kernel[(n_tiles, split)](
             wd, sd, TensorDescriptor.from_tensor(xp, [g, 8]), inv, gs, y, ws, cnt, N, KG, gps, split,
-            USE_SPLIT=split > 1, BN=bn, G=g, STAGES=cfg["STAGES"], USE_ASM=not _INTERPRET, PDL=pdl,
+            USE_SPLIT=split > 1, BN=bn, G=g, STAGES=cfg["STAGES"], USE_ASM=not _INTERPRET, PDL=pdl, MX=mx,
             num_warps=cfg["num_warps"], **({"launch_pdl": True} if pdl else {}))
     else:
         _gemv_tma_dot_kernel[(n_tiles, split)](
             wd, sd, x2, gs, y, ws, cnt, M, N, KG, x2.stride(0), y.stride(0), gps, split,
-            USE_SPLIT=split > 1, BN=bn, G=g, BMP=16, STAGES=cfg["STAGES"], DOT_DTYPE=_dot_dtype(x2),
+            USE_SPLIT=split > 1, BN=bn, G=g, BMP=16, STAGES=cfg["STAGES"], DOT_DTYPE=_dot_dtype(x2), MX=mx,
             num_warps=cfg["num_warps"])

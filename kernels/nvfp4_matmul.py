@@ -67,6 +67,15 @@ def _e4m3_to_f32(s_u8):
 
 
 @triton.jit
+def _e8m0_to_f32(e):
+    """E8M0 byte -> 2^(e-127) as fp32 (e = 0: 2^-127, a subnormal; e = 255: NaN), like torch."""
+    e = e.to(tl.int32)
+    v = (e << 23).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, tl.full(e.shape, 4194304, tl.int32).to(tl.float32, bitcast=True), v)
+    return tl.where(e == 255, float("nan"), v)
+
+
+@triton.jit
 def _store_or_fix_up(acc, y_ptrs, ws_ptrs, mask, cnt_ptr, tile, pid_k, split_stride, SPLIT, scale,
                      USE_SPLIT: tl.constexpr):
     """y = acc * scale; with split K every split writes its fp32 partial at ws_ptrs + pid_k *

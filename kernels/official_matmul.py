@@ -16,10 +16,14 @@ splits); the loads go through Triton's software pipeline (``tl.range(num_stages=
 on sm_80+). Split K finishes with the counter fix-up used by every kernel here (deterministic,
 one launch, graph-safe). x is cast to bf16 (fp16 for fp16 x), the accumulation is fp32.
 
-Not yet measured on a GPU (the device budget of the session that wrote them was spent): the
-dispatcher (``kernels.dispatch.quant_linear``) therefore checks each (format, shape, batch
-bucket, dtype, device) against the PyTorch reference on its first call and keeps the reference,
-with a warning, where they disagree (``verified_official_matmul``).
+MXFP4 at decode (M <= 16, K % 512 == 0, sm_90+) instead goes through the TMA GEMV of
+``nvfp4_gemv_tma`` with E8M0 block scales (one per two 16-groups, global scale 1): the TMA ring
+and, at M = 1, the f16x2 loop of NVFP4 (``config={"TMA": False}`` keeps the tiled kernel).
+
+Measured on the H200 (docs/kernels.md); the dispatcher (``kernels.dispatch.quant_linear``) still
+checks each (format, shape, batch bucket, dtype, device) against the PyTorch reference on its
+first call and keeps the reference, with a warning, where they disagree
+(``verified_official_matmul``): a cheap guard for GPUs these kernels have not run on.
 """
 from __future__ import annotations
 
@@ -31,16 +35,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .nvfp4_matmul import _INTERPRET, _counters, _dot_dtype, _nibble_plane_dots, _num_sms, _store_or_fix_up
-
-
-@triton.jit
-def _e8m0_to_f32(e):
-    """E8M0 byte -> 2^(e-127) as fp32 (e = 0: 2^-127, a subnormal; e = 255: NaN), like torch."""
-    e = e.to(tl.int32)
-    v = (e << 23).to(tl.float32, bitcast=True)
-    v = tl.where(e == 0, tl.full(e.shape, 4194304, tl.int32).to(tl.float32, bitcast=True), v)
-    return tl.where(e == 255, float("nan"), v)
+from .nvfp4_gemv_tma import launch_gemv_tma, tma_default_config, tma_supported
+from .nvfp4_matmul import (_INTERPRET, _counters, _dot_dtype, _e8m0_to_f32, _nibble_plane_dots, _num_sms,
+                           _store_or_fix_up)
 
 
 @triton.jit
@@ -132,6 +129,31 @@ def supported(x: torch.Tensor, w) -> bool:
     return False
 
 
+def mx_tma_supported(x2: torch.Tensor, w) -> bool:
+    """MXFP4 decode through the TMA GEMV of ``nvfp4_gemv_tma`` (sm_90+): the E8M0 rows need a
+    16-byte stride and 16-byte boxes (K % 512 == 0, boxes of 32 groups) and aligned bases."""
+    K = w.shape[1]
+    if K % 512 or w.packed.stride(0) != K // 2 or w.scale.stride(0) != K // 32:
+        return False
+    return tma_supported(x2, w.packed, w.scale)
+
+
+def _mx_decode_tma(x2: torch.Tensor, w, y: torch.Tensor, cfg: dict) -> None:
+    """M <= 16 MXFP4: the NVFP4 TMA GEMV's tiles with 32-group boxes (one E8M0 per two groups),
+    rows capped at 128 (a 256-row box of 32 groups would be 64 KB per stage), global scale 1."""
+    N, K = w.shape
+    base = tma_default_config(N, K, x2.device, x2.shape[0])
+    base["BN"] = min(base["BN"], 128)
+    tc = {**base, "G": 32, **{k: v for k, v in cfg.items() if k != "TMA"}, "MX": True}
+    one = _ONES.get(x2.device)
+    if one is None:
+        one = _ONES[x2.device] = torch.ones((), dtype=torch.float32, device=x2.device)
+    launch_gemv_tma(x2, w.packed, w.scale.view(torch.uint8), one, y, tc)
+
+
+_ONES: dict = {}
+
+
 def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Tensor:
     """y[..., N] = x[..., K] @ W^T for an ``MXFP4Weight`` or ``FP8BlockWeight`` (``supported``)."""
     N, K = w.shape
@@ -148,6 +170,9 @@ def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Ten
     if M == 0:
         return y.reshape(*lead, N)
     cfg = dict(config or {})
+    if w.format == "mxfp4" and M <= 16 and cfg.get("TMA", True) and mx_tma_supported(x2, w):
+        _mx_decode_tma(x2, w, y, cfg)
+        return y.reshape(*lead, N)
     warps = cfg.get("num_warps", 1 if _INTERPRET else 4)
     stages = cfg.get("STAGES", 2 if _INTERPRET else 3)
     if w.format == "mxfp4":

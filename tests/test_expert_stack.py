@@ -4,19 +4,21 @@ from __future__ import annotations
 import torch
 
 from dsv4lab.model.init import random_model
-from dsv4lab.quant.weights import quantize_nvfp4
+from dsv4lab.quant.weights import quantize_mxfp4, quantize_nvfp4
 from oracle_util import tiny_config
 
 
-def _model(quant: bool):
+def _model(quant: bool | str):
+    """quant: False (plain), True / "nvfp4", or "mxfp4" (the official checkpoint's expert format)."""
     cfg = tiny_config(n_routed_experts=24, num_experts_per_tok=3, moe_intermediate_size=32)
     m = random_model(cfg, seed=2)
     if quant:
+        q = quantize_mxfp4 if quant == "mxfp4" else quantize_nvfp4
         for layer in m.layers:
             for e in range(cfg.n_routed_experts):
                 for p in ("w1", "w2", "w3"):
                     ql = getattr(layer.mlp.experts[e], p)
-                    ql.set_weight(quantize_nvfp4(ql.weight.data))
+                    ql.set_weight(q(ql.weight.data))
     return m
 
 
@@ -53,3 +55,19 @@ def test_stack_rebuilt_after_weight_swap():
     assert ex.stack() is None
     assert _decode_vs_full(m) < 1e-4  # falls back to the masked loop
     assert s1 is not None
+
+
+def test_gathered_decode_mxfp4():
+    """MXFP4 experts stack too (gathered decode instead of the masked loop over every expert), the
+    gathered weights equal each expert's own dequantisation, and the experts view the stack."""
+    m = _model("mxfp4")
+    ex = m.layers[1].mlp.experts
+    assert _decode_vs_full(m) < 1e-4
+    stack = ex.stack()
+    assert stack is not None and set(stack.formats.values()) == {"mxfp4"}
+    assert ex[3].w1.qweight.packed.untyped_storage().data_ptr() == stack.tensors["w1"]["packed"].untyped_storage().data_ptr()
+    ids = torch.tensor([3, 0, 23])
+    for p in ("w1", "w3", "w2"):
+        got = stack.gather(p, ids, torch.float32)
+        want = torch.stack([getattr(ex[i], p).qweight.dequantize(torch.float32) for i in ids.tolist()])
+        assert torch.equal(got, want), p

@@ -200,8 +200,20 @@ for wname, wq in (("mxq", mx_q), ("mxr", mx_r), ("fp8", fp_a), ("fp8e8m0", fp_b)
     for M in (1, 3, 20):
         x = rnd(M, wq.shape[1]).to(torch.bfloat16)
         for split in (1, 2):
-            y = official_matmul(x, wq, config={"SPLIT": split})
+            y = official_matmul(x, wq, config={"SPLIT": split})  # MXFP4 M <= 16: the TMA GEMV (K % 512 == 0)
             res[f"off_{wname}_M{M}_split{split}"] = err(y, torch.nn.functional.linear(x.float(), wq.dequantize(torch.float32)))
+            if wname.startswith("mx") and M <= 16:  # and the tiled MXFP4 kernel it replaces there
+                y = official_matmul(x, wq, config={"SPLIT": split, "TMA": False})
+                res[f"off_{wname}_M{M}_split{split}_tiled"] = err(y, torch.nn.functional.linear(x.float(), wq.dequantize(torch.float32)))
+# MXFP4 through the TMA GEMV over 3 boxes of 32 groups, split 2 (boxes 2 + 1), M = 1 and 4
+from kernels.official_matmul import mx_tma_supported
+mx_3 = MXFP4Weight(torch.randint(0, 256, (40, 768), generator=g, dtype=torch.uint8),
+                   torch.randint(117, 138, (40, 48), generator=g, dtype=torch.uint8))
+for M in (1, 4):
+    x = rnd(M, 1536).to(torch.bfloat16)
+    y = official_matmul(x, mx_3, config={"SPLIT": 2})
+    res[f"off_mx3_M{M}_split2"] = err(y, torch.nn.functional.linear(x.float(), mx_3.dequantize(torch.float32)))
+res["off_mx_tma_choice"] = [mx_tma_supported(x, mx_3), mx_tma_supported(x, quantize_mxfp4(rnd(24, 1280)))]
 # uneven splits: MXFP4 K=1280 (80 words: splits of 32/32/16), FP8 N=130 (a 2-row second row block), K=700
 for wname, wq in (("mxodd", quantize_mxfp4(rnd(24, 1280))), ("fp8odd", quantize_fp8_block(rnd(130, 700)))):
     x = rnd(2, wq.shape[1]).to(torch.bfloat16)
@@ -240,6 +252,25 @@ try:
     res["moetma_rejects"] = False
 except ValueError:
     res["moetma_rejects"] = True
+# the same kernels on MXFP4 stacks (official experts: E8M0 per 32, no global scale): H = I = 512
+from kernels.moe_decode import StackedMXFP4
+from dsv4lab.quant.weights import quantize_mxfp4
+from kernels import dispatch
+mkx = lambda n, kk: StackedMXFP4.from_weights([quantize_mxfp4(rnd(n, kk) * (1 + e)) for e in range(E)])
+H = I = 512
+m1, m3, m2 = mkx(I, H), mkx(I, H), mkx(H, I)
+x = rnd(2, H).to(torch.bfloat16)
+ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(2)])
+wt = torch.rand(2, k, generator=g)
+y = moe_decode_triton(x, ids, wt, m1, m3, m2, 1.5)
+ref = moe_decode_ref(x, ids, wt, m1, m3, m2, 1.5)
+res["moetma_mx"] = {"max_abs": (y.float() - ref.float()).abs().max().item(), "ref_max": ref.abs().max().item(),
+                    "dispatch_cpu_is_ref": bool(torch.equal(dispatch.moe_decode(x, ids, wt, m1, m3, m2, 1.5), ref))}
+try:  # MXFP4 has no pointer-load variant
+    moe_decode_triton(x, ids, wt, m1, m3, m2, 1.5, tma=False)
+    res["moetma_mx_rejects_pointer"] = False
+except ValueError:
+    res["moetma_mx_rejects_pointer"] = True
 print("RESULT" + json.dumps(res))
 """
 
@@ -289,9 +320,11 @@ def test_interp_act_quant_bit_exact(interp_results):
 
 
 def test_interp_official_formats(interp_results):
-    """MXFP4 and FP8-block kernels (decode and prefill tiles, split K) and the first-use guard."""
-    r = {k: v for k, v in interp_results.items() if k.startswith("off_") and "verified" not in k}
-    assert len(r) == 4 * 3 * 2 + 2
+    """MXFP4 and FP8-block kernels (decode and prefill tiles, split K; MXFP4 decode through the TMA
+    GEMV with E8M0 scales and through the tiled kernel) and the first-use guard."""
+    r = {k: v for k, v in interp_results.items() if k.startswith("off_") and "verified" not in k and "choice" not in k}
+    assert len(r) == 4 * 3 * 2 + 2 * 2 * 2 + 2 + 2
+    assert interp_results["off_mx_tma_choice"] == [True, False]  # K = 1280 is not a multiple of 512
     for k, v in r.items():  # bf16 x (exact in the dot), exact weights, fp32 accumulate, bf16 out
         assert v["bad"] == 0 and v["ref_max"] > 0, (k, v)
     assert interp_results["off_verified_ok"] == {"kept": True, "equal": True}
@@ -304,6 +337,9 @@ def test_interp_moe_decode_tma(interp_results):
         assert r["ref_max"] > 0 and r["max_abs"] <= 2e-2 * r["ref_max"], r
         assert r["repeat_equal"], r  # the down kernel's counters were reset; deterministic sum order
     assert interp_results["moetma_rejects"] is True
+    r = interp_results["moetma_mx"]  # MXFP4 stacks through the same kernels (32-group boxes, E8M0)
+    assert r["ref_max"] > 0 and r["max_abs"] <= 2e-2 * r["ref_max"], r
+    assert r["dispatch_cpu_is_ref"] and interp_results["moetma_mx_rejects_pointer"] is True
 
 
 def test_interp_moe_decode(interp_results):
@@ -436,6 +472,8 @@ def test_gpu_official_formats(fmt, K, N, M):
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     ref = torch.nn.functional.linear(x, w.dequantize(torch.bfloat16))
     _close(official_matmul(x, w), ref)
+    if fmt == "mxfp4" and M <= 16:  # decode takes the TMA GEMV; the tiled kernel stays correct too
+        _close(official_matmul(x, w, config={"TMA": False}), ref)
     _close(dispatch.quant_linear(x, w), ref)
     assert all(v for k, v in _VERIFIED.items() if k[0] == fmt and k[1:3] == (N, K))
 
@@ -516,6 +554,38 @@ def test_gpu_moe_decode(T, tma):
         y = moe_decode_triton(x, ids, wt, w1, w3, w2, 10.0, tma=tma)
         err = (y.float() - ref.float()).abs().max() / ref.float().abs().max()
         assert err <= 2e-2, err
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T", [1, 4])
+def test_gpu_moe_decode_mxfp4(T):
+    """Official-format (MXFP4) experts through the TMA MoE kernels on V4-Pro shapes, twice (the
+    counters reset), also under a CUDA graph, and through the dispatcher."""
+    from dsv4lab.quant.weights import quantize_mxfp4
+    from kernels import dispatch
+    from kernels.moe_decode import StackedMXFP4, moe_decode_ref, moe_decode_triton
+
+    H, I, E, k = 7168, 3072, 8, 6
+    g = torch.Generator(device="cuda").manual_seed(5)
+    mk = lambda n, kk: StackedMXFP4.from_weights(  # noqa: E731
+        [quantize_mxfp4(torch.randn(n, kk, device="cuda", generator=g) * 0.02) for _ in range(E)])
+    w1, w3, w2 = mk(I, H), mk(I, H), mk(H, I)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16) * 0.05
+    ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
+    wt = torch.rand(T, k, device="cuda")
+    ref = moe_decode_ref(x, ids, wt, w1, w3, w2, 10.0)
+    assert ref.abs().max() > 0
+    ys = [moe_decode_triton(x, ids, wt, w1, w3, w2, 10.0) for _ in range(2)] + [dispatch.moe_decode(x, ids, wt, w1, w3, w2, 10.0)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = moe_decode_triton(x, ids, wt, w1, w3, w2, 10.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    for y in ys + [yg]:
+        err = (y.float() - ref.float()).abs().max() / ref.float().abs().max()
+        assert err <= 2e-2, err
+    assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], yg)
 
 
 @pytest.mark.gpu

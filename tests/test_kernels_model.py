@@ -80,6 +80,35 @@ def _nvfp4_experts_model(n_experts=24, seed=2):
     return m
 
 
+def test_experts_kernel_dispatch_mxfp4():
+    """Official-format (MXFP4) experts get the fused-decode slot too: the stacks handed to the
+    kernel are ``StackedMXFP4`` views of the ExpertStack, and the kernel's reference on them equals
+    the gathered reference path."""
+    from dsv4lab.quant.weights import quantize_mxfp4
+    from kernels.moe_decode import StackedMXFP4, moe_decode_ref
+
+    cfg = tiny_config(n_routed_experts=24, num_experts_per_tok=3, moe_intermediate_size=32)
+    m = random_model(cfg, seed=3)
+    for layer in m.layers:
+        for e in range(cfg.n_routed_experts):
+            for p in ("w1", "w2", "w3"):
+                ql = getattr(layer.mlp.experts[e], p)
+                ql.set_weight(quantize_mxfp4(ql.weight.data))
+    ex = m.layers[1].mlp.experts
+    x, ids, w = _moe_case(ex)
+    with torch.no_grad():
+        ref = ex(x, ids, w, graph_safe=True)
+        kern = Counting(moe_decode_ref)
+        assert use_kernels(m, "layers.1.mlp.experts", experts=kern) == 1
+        ex.kernel_devices = ("cpu", "cuda")
+        got = ex(x, ids, w, graph_safe=True)
+        assert kern.calls == 1
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        w1, w3, w2 = ex.kernel_stacks(ex.stack())
+        assert all(isinstance(t, StackedMXFP4) for t in (w1, w3, w2))
+        assert w2.scale.data_ptr() == ex.stack().tensors["w2"]["scale"].data_ptr()
+
+
 def _prefill_decode(m, ids, n_prefill):
     with torch.no_grad():
         st = m.new_state(ids.shape[0], ids.shape[1])

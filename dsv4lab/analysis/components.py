@@ -293,7 +293,7 @@ def use_kernels(model, pattern="**", enable: bool = True, *, linear: Callable | 
     set (enable) or put back on the reference (disable; only those that had a kernel).
 
     Defaults: ``kernels.dispatch.quant_linear`` as ``QLinear.kernel`` (weights NVFP4, MXFP4 or
-    FP8-block) and ``kernels.dispatch.moe_decode`` as ``Experts.kernel`` (NVFP4 experts),
+    FP8-block) and ``kernels.dispatch.moe_decode`` as ``Experts.kernel`` (NVFP4 or MXFP4 experts),
     installed only where they run: with ``have_triton_cuda()`` and the weights on a CUDA device
     (elsewhere the reference stays). ``linear=`` / ``experts=`` install another callable with the same
     signature on every matching component that can use one (a quantised QLinear; any Experts),
@@ -331,7 +331,7 @@ def use_kernels(model, pattern="**", enable: bool = True, *, linear: Callable | 
         else:  # Experts
             if experts is not None:
                 mod.kernel = experts
-            elif have and _experts_nvfp4_on_cuda(mod):
+            elif have and _experts_fp4_on_cuda(mod):
                 mod.kernel = dispatch.moe_decode
             else:
                 continue
@@ -339,14 +339,17 @@ def use_kernels(model, pattern="**", enable: bool = True, *, linear: Callable | 
     return n
 
 
-def _experts_nvfp4_on_cuda(experts) -> bool:
+def _experts_fp4_on_cuda(experts) -> bool:
+    """Every expert projection NVFP4 (or every one MXFP4, the official experts) and on CUDA."""
+    fmts = set()
     for e in range(len(experts)):
         for p in ("w1", "w3", "w2"):
             ql = getattr(experts[e], p, None)
             qw = getattr(ql, "qweight", None)
-            if qw is None or qw.format != "nvfp4" or not _on_cuda(qw.packed):
+            if qw is None or qw.format not in ("nvfp4", "mxfp4") or not _on_cuda(qw.packed):
                 return False
-    return True
+            fmts.add(qw.format)
+    return len(fmts) == 1
 
 
 def kernel_state(model) -> dict:

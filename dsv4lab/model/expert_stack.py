@@ -3,14 +3,16 @@
 Decode must pick a token's experts on the device (graph-safe, no host sync) and read only their
 bytes. Stacking the per-expert weights once lets a step gather by expert id; each expert's
 QLinear keeps a view into the stack, so no memory is duplicated and per-expert inspection still
-works. Plain and NVFP4 weights gather natively; other formats fall back to the masked loop.
+works. Plain, NVFP4 and MXFP4 (the official checkpoint's experts) weights gather natively; other
+formats fall back to the masked loop.
 """
 from __future__ import annotations
 
 import torch
 
-from ..quant.fp4 import nvfp4_dequantize_blocks, unpack_fp4
-from ..quant.weights import NVFP4Weight
+from ..quant.fp4 import e2m1_decode, nvfp4_dequantize_blocks, unpack_fp4
+from ..quant.fp8 import e8m0_to_float
+from ..quant.weights import MXFP4_BLOCK, MXFP4Weight, NVFP4Weight
 
 
 class ExpertStack:
@@ -22,7 +24,7 @@ class ExpertStack:
         for p in self.PROJ:
             qls = [getattr(experts[e], p) for e in range(len(experts))]
             fmts = {ql.format for ql in qls}
-            if len(fmts) != 1 or next(iter(fmts)) not in ("plain", "nvfp4"):
+            if len(fmts) != 1 or next(iter(fmts)) not in ("plain", "nvfp4", "mxfp4"):
                 raise ValueError(f"cannot stack experts' {p}: formats {sorted(fmts)}")
             fmt = fmts.pop()
             self.formats[p] = fmt
@@ -31,6 +33,12 @@ class ExpertStack:
                 self.tensors[p] = {"weight": w}
                 for e, ql in enumerate(qls):
                     ql.weight.data = w[e]
+            elif fmt == "mxfp4":
+                t = {"packed": torch.stack([ql.qweight.packed for ql in qls]),
+                     "scale": torch.stack([ql.qweight.scale for ql in qls])}
+                self.tensors[p] = t
+                for e, ql in enumerate(qls):
+                    ql.qweight = MXFP4Weight(t["packed"][e], t["scale"][e])
             else:
                 t = {"packed": torch.stack([ql.qweight.packed for ql in qls]),
                      "scale": torch.stack([ql.qweight.block_scale for ql in qls]),
@@ -57,7 +65,11 @@ class ExpertStack:
         if self.formats[proj] == "plain":
             return t["weight"].index_select(0, ids).to(dtype)
         packed = t["packed"].index_select(0, ids)            # [n, out, in/2]
-        scale = t["scale"].index_select(0, ids)              # [n, out, in/16]
+        scale = t["scale"].index_select(0, ids)              # [n, out, in/16] (MXFP4: in/32, E8M0)
+        if self.formats[proj] == "mxfp4":
+            n, out, half = packed.shape
+            v = e2m1_decode(unpack_fp4(packed)).view(n, out, half * 2 // MXFP4_BLOCK, MXFP4_BLOCK)
+            return (v * e8m0_to_float(scale).unsqueeze(-1)).view(n, out, half * 2).to(dtype)
         gs = t["gs"].index_select(0, ids).view(-1, 1, 1, 1)
         n, out, half = packed.shape
         codes = unpack_fp4(packed).view(n, out, half * 2 // 16, 16)

@@ -90,9 +90,9 @@ class Experts(nn.Module):
     graph-safe, ``gather_in_decode``) reads only the chosen experts from the stacked weights.
 
     ``kernel``: optional fused decode implementation ``f(x, ids, weights, w1, w3, w2, limit)``
-    over ``kernels.moe_decode.StackedNVFP4`` stacks (``kernels.dispatch.moe_decode``, installed by
-    ``use_kernels``). Graph-safe decode calls it instead of the reference when every projection
-    is NVFP4, the mode is ``w4a16`` (no activation quant), x is on one of ``kernel_devices`` and
+    over ``kernels.moe_decode.StackedNVFP4`` / ``StackedMXFP4`` stacks (``kernels.dispatch.moe_decode``,
+    installed by ``use_kernels``). Graph-safe decode calls it instead of the reference when every
+    projection is NVFP4 (or every one MXFP4), the mode is ``w4a16`` (no activation quant), x is on one of ``kernel_devices`` and
     ``hook_expert_out`` is not active (it needs per-expert outputs: the reference runs then)."""
 
     kernel_devices = ("cuda",)
@@ -104,7 +104,7 @@ class Experts(nn.Module):
             self.add_module(str(e), Expert(config))
         self.limit = config.swiglu_limit
         self._stack = None
-        self._kernel_stacks = None  # (ExpertStack, (w1, w3, w2) StackedNVFP4 views of it)
+        self._kernel_stacks = None  # (ExpertStack, (w1, w3, w2) StackedNVFP4/StackedMXFP4 views of it)
         self.kernel = None  # optional fused decode fast path (see the class docstring)
         self.gather_in_decode = config.n_routed_experts > 16  # small E: the masked loop is as cheap
         self.hook_expert_out = HookPoint("per-token chosen experts' outputs [T,k,D], unweighted")
@@ -136,20 +136,23 @@ class Experts(nn.Module):
         """Would graph-safe decode run ``self.kernel`` on ``x`` with this stack? (Host-side
         checks only: no device syncs.)"""
         return (self.kernel is not None and stack is not None
-                and all(stack.formats[p] == "nvfp4" for p in stack.PROJ)
+                and len({stack.formats[p] for p in stack.PROJ}) == 1 and stack.formats["w1"] in ("nvfp4", "mxfp4")
                 and self[0].w1.mode == "w4a16"  # stack() guarantees one mode for every projection
                 and x.device.type in self.kernel_devices
                 # a replaced linear (e.g. another quantize_input) is not what the kernel computes
                 and all(type(getattr(self[e], p)) is QLinear for e in range(self.n_experts) for p in stack.PROJ))
 
     def kernel_stacks(self, stack):
-        """(w1, w3, w2) as ``StackedNVFP4`` wrapping the ExpertStack tensors (views, no copy),
-        cached per stack."""
+        """(w1, w3, w2) as ``StackedNVFP4`` / ``StackedMXFP4`` wrapping the ExpertStack tensors
+        (views, no copy), cached per stack."""
         if self._kernel_stacks is None or self._kernel_stacks[0] is not stack:
-            from kernels.moe_decode import StackedNVFP4
+            from kernels.moe_decode import StackedMXFP4, StackedNVFP4
 
-            ws = tuple(StackedNVFP4(stack.tensors[p]["packed"], stack.tensors[p]["scale"],
-                                    stack.tensors[p]["gs"].reshape(-1).float()) for p in ("w1", "w3", "w2"))
+            if stack.formats["w1"] == "mxfp4":
+                ws = tuple(StackedMXFP4(stack.tensors[p]["packed"], stack.tensors[p]["scale"]) for p in ("w1", "w3", "w2"))
+            else:
+                ws = tuple(StackedNVFP4(stack.tensors[p]["packed"], stack.tensors[p]["scale"],
+                                        stack.tensors[p]["gs"].reshape(-1).float()) for p in ("w1", "w3", "w2"))
             self._kernel_stacks = (stack, ws)
         return self._kernel_stacks[1]
 
