@@ -5,8 +5,10 @@
     moe_intermediate 3072, NVFP4 experts/shared/attention, BF16 router + compressor/indexer
     helper projections as our users' engine runs them), batch 1, eager vs graph, with achieved
     weight bandwidth against a device-to-device copy ceiling measured in the same run.
+    ``--format official`` builds the layer as the official checkpoint stores it instead: MXFP4
+    routed experts, FP8-block (block 128) for the other quantised linears.
 
-    python3 benchmarks/decode.py --json out.json [--steps 512] [--layer-modes reference,kernels]
+    python3 benchmarks/decode.py --json out.json [--steps 512] [--layer-modes reference,kernels] [--format official]
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from dsv4lab.model.decoder import DecoderLayer  # noqa: E402
 from dsv4lab.model.linear import QLinear  # noqa: E402
 from dsv4lab.model.rope import Rotary, inverse_frequencies  # noqa: E402
 from dsv4lab.model.state import DecodeState  # noqa: E402
-from dsv4lab.quant.weights import NVFP4Weight  # noqa: E402
+from dsv4lab.quant.weights import FP8BlockWeight, MXFP4Weight, NVFP4Weight  # noqa: E402
 
 
 def copy_ceiling(dev, nbytes=4 * 2**30, iters=10) -> float:
@@ -57,7 +59,16 @@ def random_nvfp4(out, inn, dev, g) -> NVFP4Weight:
     return NVFP4Weight(packed, scale, torch.tensor(0.02 / 6, device=dev))
 
 
-def build_layer(layer_type: str, dev, small: bool = False) -> tuple[DecoderLayer, object, int]:
+def random_official(out, inn, dev, g, expert: bool):
+    """The official checkpoint's formats: MXFP4 experts (E8M0 2^-9..2^-5), FP8-block elsewhere."""
+    if expert:
+        packed = torch.randint(0, 256, (out, inn // 2), dtype=torch.uint8, device=dev, generator=g)
+        return MXFP4Weight(packed, torch.randint(118, 123, (out, inn // 32), dtype=torch.uint8, device=dev, generator=g))
+    data = torch.randn(out, inn, device=dev, generator=g).to(torch.float8_e4m3fn)
+    return FP8BlockWeight(data, torch.full((-(-out // 128), -(-inn // 128)), 0.02 / 3, device=dev))
+
+
+def build_layer(layer_type: str, dev, small: bool = False, fmt: str = "nvfp4") -> tuple[DecoderLayer, object, int]:
     spec = dict(V4_PRO, layer_types=[layer_type])
     if small:  # CPU smoke test of this script
         spec.update(hidden_size=256, num_attention_heads=8, head_dim=64, qk_rope_head_dim=32, q_lora_rank=64,
@@ -77,7 +88,10 @@ def build_layer(layer_type: str, dev, small: bool = False) -> tuple[DecoderLayer
                 mod.set_weight(w)
                 nb = w.numel() * 2
             else:
-                mod.set_weight(random_nvfp4(mod.out_features, mod.in_features, dev, g))
+                if fmt == "official":
+                    mod.set_weight(random_official(mod.out_features, mod.in_features, dev, g, is_expert))
+                else:
+                    mod.set_weight(random_nvfp4(mod.out_features, mod.in_features, dev, g))
                 nb = mod.qweight.nbytes
             if not is_expert:
                 active_bytes += nb
@@ -113,8 +127,8 @@ def time_fn(fn, iters=50) -> float:
 
 
 @torch.no_grad()
-def bench_layer(layer_type: str, dev, ceiling: float, use_kernels: bool) -> dict:
-    layer, cfg, active = build_layer(layer_type, dev)
+def bench_layer(layer_type: str, dev, ceiling: float, use_kernels: bool, fmt: str = "nvfp4") -> dict:
+    layer, cfg, active = build_layer(layer_type, dev, fmt=fmt)
     if use_kernels:
         from kernels.dispatch import install_kernels
         install_kernels(layer)
@@ -138,7 +152,7 @@ def bench_layer(layer_type: str, dev, ceiling: float, use_kernels: bool) -> dict
     return {"layer_type": layer_type, "active_weight_bytes": active, "eager_ms": eager * 1e3, "graph_ms": graph * 1e3,
             "graph_speedup": eager / graph, "floor_ms": active / ceiling * 1e3,
             "eager_fraction_of_ceiling": active / eager / ceiling, "graph_fraction_of_ceiling": active / graph / ceiling,
-            "kernels": use_kernels, "out_finite": bool(torch.isfinite(out).all())}
+            "kernels": use_kernels, "format": fmt, "out_finite": bool(torch.isfinite(out).all())}
 
 
 def bench_tiny(steps: int) -> dict:
@@ -162,10 +176,12 @@ def main() -> None:
     ap.add_argument("--layer-modes", default="reference,kernels",
                     help="comma list of V4-Pro layer variants to time: reference, kernels (empty: none)")
     ap.add_argument("--cpu-smoke", action="store_true", help="build a shrunken layer on CPU and run one eager step")
+    ap.add_argument("--format", choices=("nvfp4", "official"), default="nvfp4",
+                    help="layer weights: NVFP4 (our users' engine) or the official MXFP4 experts + FP8-block")
     args = ap.parse_args()
     if args.cpu_smoke:
         for lt in ("compressed_sparse_attention", "heavily_compressed_attention"):
-            layer, cfg, active = build_layer(lt, torch.device("cpu"), small=True)
+            layer, cfg, active = build_layer(lt, torch.device("cpu"), small=True, fmt=args.format)
             st = DecodeState.allocate(cfg, 1, 512, torch.bfloat16, "cpu")
             st.pos_on("cpu").fill_(300)
             with torch.no_grad():
@@ -183,7 +199,7 @@ def main() -> None:
     modes = [m for m in args.layer_modes.split(",") if m]
     for lt in ("compressed_sparse_attention", "heavily_compressed_attention"):
         for k in [m == "kernels" for m in modes]:
-            r = bench_layer(lt, dev, ceiling, k)
+            r = bench_layer(lt, dev, ceiling, k, args.format)
             res.setdefault("v4_pro_layer", []).append(r)
             print(json.dumps(r), flush=True)
             torch.cuda.empty_cache()

@@ -21,3 +21,16 @@ def test_benchmark_help(script: Path):
     r = subprocess.run([sys.executable, str(script), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("usage:"), r.stdout[:200]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "official"])
+def test_decode_benchmark_cpu_smoke(fmt: str):
+    """The V4-Pro layer builder of benchmarks/decode.py (shrunk) decodes one finite step on CPU in
+    both weight layouts: NVFP4 everywhere, or the official MXFP4 experts + FP8-block linears (the
+    experts stack and gather, no masked loop)."""
+    r = subprocess.run([sys.executable, "benchmarks/decode.py", "--cpu-smoke", "--format", fmt], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [ln.split() for ln in r.stdout.splitlines() if ln.endswith(tuple("0123456789"))]
+    assert [ln[0] for ln in lines] == ["compressed_sparse_attention", "heavily_compressed_attention"], r.stdout
+    assert all(ln[-2] == "True" and int(ln[-1]) > 0 for ln in lines), r.stdout  # finite output, active bytes
