@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .nvfp4_gemv_tma import G, _block_scales, _group_dot, _pairs_at, x_pairs
+from .nvfp4_gemv_tma import G, _block_scales, _global_scale, _group_dot, _pairs_at, x_pairs
 from .nvfp4_matmul import _INTERPRET, _counters, _store_or_fix_up
 
 
@@ -51,8 +51,8 @@ def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, x_desc, xinv_ptr, ids_ptr
             (_block_scales(s1_desc, r0, g0, BN, G, MX) * inv)
         acc3 += _group_dot(w3_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
             (_block_scales(s3_desc, r0, g0, BN, G, MX) * inv)
-    gate = (tl.sum(acc1, axis=1) * (16384.0 * tl.load(g1_ptr + e))).to(h_ptr.dtype.element_ty).to(tl.float32)
-    up = (tl.sum(acc3, axis=1) * (16384.0 * tl.load(g3_ptr + e))).to(h_ptr.dtype.element_ty).to(tl.float32)
+    gate = (tl.sum(acc1, axis=1) * (16384.0 * _global_scale(g1_ptr, e, MX))).to(h_ptr.dtype.element_ty).to(tl.float32)
+    up = (tl.sum(acc3, axis=1) * (16384.0 * _global_scale(g3_ptr, e, MX))).to(h_ptr.dtype.element_ty).to(tl.float32)
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     h = gate * tl.sigmoid(gate) * up
@@ -78,7 +78,7 @@ def _moe_down_kernel(w2_desc, s2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_pt
         x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(h_desc, pair * KG + g0, G)
         acc += _group_dot(w2_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
             (_block_scales(s2_desc, r0, g0, BN, G, MX) * inv)
-    part = tl.sum(acc, axis=1) * (16384.0 * tl.load(g2_ptr + e) * tl.load(wts_ptr + pair).to(tl.float32))
+    part = tl.sum(acc, axis=1) * (16384.0 * _global_scale(g2_ptr, e, MX) * tl.load(wts_ptr + pair).to(tl.float32))
     # the token's k experts are the "splits" of its row tile: the last sums them in expert order
     _store_or_fix_up(part, y_ptr + t * stride_yt + rows, ws_ptr + t * TOPK * H + rows, row_ok, cnt_ptr,
                      t * tl.num_programs(0) + pid_n, pair - t * TOPK, H, TOPK, 1.0, True)
@@ -114,17 +114,9 @@ def _descs(w, bn: int, g: int):
     return TensorDescriptor.from_tensor(p, [bn, g]), TensorDescriptor.from_tensor(s, [bn, g // 2 if _is_mx(w) else g])
 
 
-def _global_scales(w, device: torch.device) -> torch.Tensor:
-    """Per-expert global scales; MXFP4 has none (ones, cached per size and device)."""
-    if not _is_mx(w):
-        return w.global_scale.to(torch.float32).contiguous()
-    key = (w.shape[0], device)
-    if key not in _ONES:
-        _ONES[key] = torch.ones(w.shape[0], dtype=torch.float32, device=device)
-    return _ONES[key]
-
-
-_ONES: dict = {}
+def _global_scales(w) -> torch.Tensor:
+    """Per-expert NVFP4 global scales; for MXFP4 (no global scale, not read: ``MX``) a placeholder."""
+    return w.scale.view(torch.uint8) if _is_mx(w) else w.global_scale.to(torch.float32).contiguous()
 
 
 def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, w3, w2, lim: float,
@@ -143,7 +135,7 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     w3d, s3d = _descs(w3, bn, g)
     _moe_up_kernel[(triton.cdiv(I, bn), T * k)](
         w1d, s1d, w3d, s3d, TensorDescriptor.from_tensor(xp, [g, 8]), xinv, ids_c,
-        _global_scales(w1, x.device), _global_scales(w3, x.device), h,
+        _global_scales(w1), _global_scales(w3), h,
         I, H // 16, k, h.stride(0), lim, BN=bn, G=g, STAGES=stages, USE_ASM=not _INTERPRET, MX=mx, num_warps=warps)
     hp, hinv = x_pairs(h.reshape(-1))
     w2d, s2d = _descs(w2, bn, g)
@@ -151,6 +143,6 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     ws = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
     _moe_down_kernel[(n_tiles, T * k)](
         w2d, s2d, TensorDescriptor.from_tensor(hp, [g, 8]), hinv, ids_c, wts,
-        _global_scales(w2, x.device), y, ws, _counters(x.device, T * n_tiles),
+        _global_scales(w2), y, ws, _counters(x.device, T * n_tiles),
         H, I // 16, k, y.stride(0), BN=bn, G=g, STAGES=stages, USE_ASM=not _INTERPRET, MX=mx, num_warps=warps)
     return y

@@ -112,6 +112,16 @@ def _block_scales(s_desc, n0, g0, BN: tl.constexpr, G: tl.constexpr, MX: tl.cons
 
 
 @triton.jit
+def _global_scale(gs_ptr, idx, MX: tl.constexpr):
+    """The tensor-wide (per-expert: ``idx``) NVFP4 global scale; MXFP4 has none (1, no load, so a
+    placeholder pointer is fine and no device-side constant has to exist before graph capture)."""
+    if MX:
+        return 1.0
+    else:
+        return tl.load(gs_ptr + idx).to(tl.float32)
+
+
+@triton.jit
 def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, N, KG, gps, SPLIT,
                      USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr,
                      USE_ASM: tl.constexpr, PDL: tl.constexpr, MX: tl.constexpr):
@@ -136,7 +146,7 @@ def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt
         gdc_launch_dependents()
     res = tl.sum(acc, axis=1) * 16384.0  # undo the 2^-14 of the nibble trick
     _store_or_fix_up(res, y_ptr + rows, ws_ptr + rows, row_ok, cnt_ptr, pid_n, pid_k, N, SPLIT,
-                     tl.load(gs_ptr).to(tl.float32), USE_SPLIT)
+                     _global_scale(gs_ptr, 0, MX), USE_SPLIT)
 
 
 @triton.jit
@@ -163,7 +173,7 @@ def _gemv_tma_dot_kernel(w_desc, s_desc, x_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
         acc = _nibble_plane_dots(w64, sc, xt, (gg < KG)[:, None] & m_ok[None, :], acc, DOT_DTYPE)
     _store_or_fix_up(acc, y_ptr + offs_m[None, :] * stride_ym + rows[:, None], ws_ptr + offs_m[None, :] * N + rows[:, None],
                      row_ok[:, None] & m_ok[None, :], cnt_ptr, pid_n, pid_k, M * N, SPLIT,
-                     tl.load(gs_ptr).to(tl.float32), USE_SPLIT)
+                     _global_scale(gs_ptr, 0, MX), USE_SPLIT)
 
 
 # ----------------------------------------------------------------------------- host side

@@ -145,13 +145,8 @@ def _mx_decode_tma(x2: torch.Tensor, w, y: torch.Tensor, cfg: dict) -> None:
     base = tma_default_config(N, K, x2.device, x2.shape[0])
     base["BN"] = min(base["BN"], 128)
     tc = {**base, "G": 32, **{k: v for k, v in cfg.items() if k != "TMA"}, "MX": True}
-    one = _ONES.get(x2.device)
-    if one is None:
-        one = _ONES[x2.device] = torch.ones((), dtype=torch.float32, device=x2.device)
-    launch_gemv_tma(x2, w.packed, w.scale.view(torch.uint8), one, y, tc)
-
-
-_ONES: dict = {}
+    s8 = w.scale.view(torch.uint8)
+    launch_gemv_tma(x2, w.packed, s8, s8, y, tc)  # MX: no global scale (the gs argument is not read)
 
 
 def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Tensor:
