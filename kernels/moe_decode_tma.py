@@ -26,8 +26,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .nvfp4_gemv_tma import G, _block_scales, _global_scale, _group_dot, _pairs_at, x_pairs
-from .nvfp4_matmul import _INTERPRET, _counters, _store_or_fix_up
+from .moe_decode import StackedMXFP4
+from .nvfp4_gemv_tma import G, _block_scales, _global_scale, _pairs_and_inv, x_pairs
+from .nvfp4_matmul import _INTERPRET, _counters, _group_dot, _store_or_fix_up
 
 
 @triton.jit
@@ -44,9 +45,7 @@ def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, x_desc, xinv_ptr, ids_ptr
     acc1 = tl.zeros((BN, G), dtype=tl.float32)
     acc3 = tl.zeros((BN, G), dtype=tl.float32)
     for g0 in tl.range(0, KG, G, num_stages=STAGES):
-        gg = g0 + tl.arange(0, G)
-        inv = tl.load(xinv_ptr + t * KG + gg, mask=gg < KG, other=0.0)[None, :]
-        x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(x_desc, t * KG + g0, G)
+        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(x_desc, xinv_ptr, t * KG, g0, KG, G)
         acc1 += _group_dot(w1_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
             (_block_scales(s1_desc, r0, g0, BN, G, MX) * inv)
         acc3 += _group_dot(w3_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
@@ -73,9 +72,7 @@ def _moe_down_kernel(w2_desc, s2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_pt
     row_ok = rows < H
     acc = tl.zeros((BN, G), dtype=tl.float32)
     for g0 in tl.range(0, KG, G, num_stages=STAGES):
-        gg = g0 + tl.arange(0, G)
-        inv = tl.load(hinv_ptr + pair * KG + gg, mask=gg < KG, other=0.0)[None, :]
-        x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(h_desc, pair * KG + g0, G)
+        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(h_desc, hinv_ptr, pair * KG, g0, KG, G)
         acc += _group_dot(w2_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
             (_block_scales(s2_desc, r0, g0, BN, G, MX) * inv)
     part = tl.sum(acc, axis=1) * (16384.0 * _global_scale(g2_ptr, e, MX) * tl.load(wts_ptr + pair).to(tl.float32))
@@ -97,7 +94,7 @@ def tma_moe_supported(x: torch.Tensor, w1, w3, w2) -> bool:
 
 
 def _is_mx(w) -> bool:
-    return hasattr(w, "scale") and not hasattr(w, "block_scale")
+    return isinstance(w, StackedMXFP4)
 
 
 def _parts(w) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,8 +41,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .nvfp4_matmul import (_H2_GROUP_ASM, _INTERPRET, _counters, _dot_dtype, _e4m3_to_f32, _e8m0_to_f32,
-                           _h2_word_emulated,
+from .nvfp4_matmul import (_INTERPRET, _counters, _dot_dtype, _e4m3_to_f32, _e8m0_to_f32, _group_dot,
                            _nibble_plane_dots, _num_sms, _store_or_fix_up)
 
 G = 16  # 16-groups per TMA box along K: 128 bytes of weight words, 16 bytes of scales per row
@@ -84,20 +83,22 @@ def _pairs_at(x_desc, row0, G: tl.constexpr):
 
 
 @triton.jit
-def _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr):
-    """Per (row, group) sum of 16 products in units of 2^-14 / xs_g (see nvfp4_gemv_tma)."""
-    w_lo = w64.to(tl.int32)
-    w_hi = (w64 >> 32).to(tl.int32)
-    if USE_ASM:
-        part = tl.inline_asm_elementwise(
-            _H2_GROUP_ASM, "=r,r,r,r,r,r,r,r,r,r,r", [w_lo, w_hi, x0, x1, x2, x3, x4, x5, x6, x7],
-            dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
-    else:
-        z = tl.zeros((BN, G), dtype=tl.float32)
-        a_lo, a_hi = _h2_word_emulated(w_lo, x0, x1, x2, x3, z, z)
-        a_lo, a_hi = _h2_word_emulated(w_hi, x4, x5, x6, x7, a_lo, a_hi)
-        part = a_lo + a_hi
-    return part
+def _pairs_and_inv(x_desc, inv_ptr, row0, g0, KG, G: tl.constexpr):
+    """Pair columns (``_pairs_at``) and 1/xs [1, G] of the G groups g0.. of the activation row whose
+    groups start at pair row ``row0`` (0 for the GEMV; token / (token, expert) rows in the MoE)."""
+    gg = g0 + tl.arange(0, G)
+    inv = tl.load(inv_ptr + row0 + gg, mask=gg < KG, other=0.0)[None, :]
+    x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(x_desc, row0 + g0, G)
+    return inv, x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _tile_and_split(N, KG, gps, BN: tl.constexpr):
+    """(n0, rows, row_ok, g_lo, g_hi) of this CTA: row tile program_id(0), K split program_id(1)."""
+    n0 = tl.program_id(0) * BN
+    rows = n0 + tl.arange(0, BN)
+    g_lo = tl.program_id(1) * gps
+    return n0, rows, rows < N, g_lo, tl.minimum(g_lo + gps, KG)
 
 
 @triton.jit
@@ -127,25 +128,18 @@ def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt
                      USE_ASM: tl.constexpr, PDL: tl.constexpr, MX: tl.constexpr):
     if PDL:  # launched while the x-pair prelude runs; its pairs are visible after the wait
         gdc_wait()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    n0 = pid_n * BN
-    rows = n0 + tl.arange(0, BN)
-    row_ok = rows < N
-    g_lo = pid_k * gps
-    g_hi = tl.minimum(g_lo + gps, KG)
+    n0, rows, row_ok, g_lo, g_hi = _tile_and_split(N, KG, gps, BN)
     acc = tl.zeros((BN, G), dtype=tl.float32)
     for g0 in tl.range(g_lo, g_hi, G, num_stages=STAGES):
         w64 = w_desc.load([n0, g0])                     # [BN, G] int64: 16 nibbles = one scale block
-        gg = g0 + tl.arange(0, G)
-        sc = _block_scales(s_desc, n0, g0, BN, G, MX) * tl.load(inv_ptr + gg, mask=gg < KG, other=0.0)[None, :]
-        x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(x_desc, g0, G)
+        sc = _block_scales(s_desc, n0, g0, BN, G, MX)  # loads issued in the order w, s, 1/xs, x pairs
+        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(x_desc, inv_ptr, 0, g0, KG, G)
         part = _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM)
-        acc += part * sc
+        acc += part * (sc * inv)
     if PDL:  # the next launch (e.g. the next call's prelude) may start while this grid finishes
         gdc_launch_dependents()
     res = tl.sum(acc, axis=1) * 16384.0  # undo the 2^-14 of the nibble trick
-    _store_or_fix_up(res, y_ptr + rows, ws_ptr + rows, row_ok, cnt_ptr, pid_n, pid_k, N, SPLIT,
+    _store_or_fix_up(res, y_ptr + rows, ws_ptr + rows, row_ok, cnt_ptr, tl.program_id(0), tl.program_id(1), N, SPLIT,
                      _global_scale(gs_ptr, 0, MX), USE_SPLIT)
 
 
@@ -155,13 +149,7 @@ def _gemv_tma_dot_kernel(w_desc, s_desc, x_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
                          BMP: tl.constexpr, STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, MX: tl.constexpr):
     """M in 2..16: the same TMA-fed weight ring; per nibble plane the exact E2M1*s tile (bf16/f16)
     goes through ``tl.dot`` against the matching x^T plane (batch padded to BMP = 16)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    n0 = pid_n * BN
-    rows = n0 + tl.arange(0, BN)
-    row_ok = rows < N
-    g_lo = pid_k * gps
-    g_hi = tl.minimum(g_lo + gps, KG)
+    n0, rows, row_ok, g_lo, g_hi = _tile_and_split(N, KG, gps, BN)
     offs_m = tl.arange(0, BMP)
     m_ok = offs_m < M
     acc = tl.zeros((BN, BMP), dtype=tl.float32)
@@ -172,7 +160,7 @@ def _gemv_tma_dot_kernel(w_desc, s_desc, x_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
         xt = x_ptr + offs_m[None, :] * stride_xm + gg[:, None] * 16   # x^T planes [G, BMP]
         acc = _nibble_plane_dots(w64, sc, xt, (gg < KG)[:, None] & m_ok[None, :], acc, DOT_DTYPE)
     _store_or_fix_up(acc, y_ptr + offs_m[None, :] * stride_ym + rows[:, None], ws_ptr + offs_m[None, :] * N + rows[:, None],
-                     row_ok[:, None] & m_ok[None, :], cnt_ptr, pid_n, pid_k, M * N, SPLIT,
+                     row_ok[:, None] & m_ok[None, :], cnt_ptr, tl.program_id(0), tl.program_id(1), M * N, SPLIT,
                      _global_scale(gs_ptr, 0, MX), USE_SPLIT)
 
 
@@ -219,7 +207,7 @@ def tma_default_config(N: int, K: int, device: torch.device, M: int = 1) -> dict
     # programmatic dependent launch of prelude -> GEMV pays off when the GEMV grid is about one wave
     # (q_b 21.6 -> 20.6 us, o_b 27.1 -> 25.9, experts 9.9 -> 9.4); lm_head's multi-wave grid lost
     # 145 -> 163 us with it, so it stays off there (benchmarks/gemv_anatomy.py)
-    pdl = torch.cuda.get_device_capability(device) >= (9, 0) and triton.cdiv(N, bn) * split <= 3 * sms
+    pdl = triton.cdiv(N, bn) * split <= 3 * sms  # (the TMA path already implies sm_90+)
     return {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": 4, "PDL": pdl}
 
 

@@ -208,6 +208,25 @@ def _h2_word_emulated(w32, x0, x1, x2, x3, acc_lo, acc_hi):
 
 
 @triton.jit
+def _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr):
+    """Per (row, group) sum of the 16 products of one int64 weight word [BN, G] with the group's
+    x' pairs x0..x7 ([1, G] each), in units of 2^-14 / xs: ``_H2_GROUP_ASM`` on the GPU, its
+    plain-Triton emulation under the interpreter (one running f16x2 sum over both halves)."""
+    w_lo = w64.to(tl.int32)
+    w_hi = (w64 >> 32).to(tl.int32)
+    if USE_ASM:
+        part = tl.inline_asm_elementwise(
+            _H2_GROUP_ASM, "=r,r,r,r,r,r,r,r,r,r,r", [w_lo, w_hi, x0, x1, x2, x3, x4, x5, x6, x7],
+            dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+    else:
+        z = tl.zeros((BN, G), dtype=tl.float32)
+        a_lo, a_hi = _h2_word_emulated(w_lo, x0, x1, x2, x3, z, z)
+        a_lo, a_hi = _h2_word_emulated(w_hi, x4, x5, x6, x7, a_lo, a_hi)
+        part = a_lo + a_hi
+    return part
+
+
+@triton.jit
 def _x_scale(x_ptr, k_lo, k_hi, XB: tl.constexpr):
     """Power of two xs (and 1/xs) with max|x[k_lo:k_hi]| * xs in [2^14, 2^15): x' = x*xs is
     exact in f16 for bf16 x and products with E2M1*2^-14 stay normal, sums of 8 below 2^7."""
@@ -278,8 +297,6 @@ def _gemv_rows_m1_h2(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, xp_ptr, rows, ro
         else:
             w_nx = tl.load(w_ptr + rows[:, None] * stride_wn + gn[None, :], mask=mn, other=0)
             s_nx = tl.load(s_ptr + rows[:, None] * stride_sn + gn[None, :], mask=mn, other=0)
-        w_lo = w64.to(tl.int32)
-        w_hi = (w64 >> 32).to(tl.int32)
         if XP:
             x0, x1, x2, x3, x4, x5, x6, x7 = _load_pairs(xp_ptr, gg, gm)
         else:
@@ -292,16 +309,7 @@ def _gemv_rows_m1_h2(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, xp_ptr, rows, ro
             x5 = _x_pair(xb, 9, gm, xs)[None, :]
             x6 = _x_pair(xb, 10, gm, xs)[None, :]
             x7 = _x_pair(xb, 11, gm, xs)[None, :]
-        if USE_ASM:
-            part = tl.inline_asm_elementwise(
-                _H2_GROUP_ASM, "=r,r,r,r,r,r,r,r,r,r,r", [w_lo, w_hi, x0, x1, x2, x3, x4, x5, x6, x7],
-                dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
-        else:
-            z = tl.zeros((BN, G), dtype=tl.float32)
-            a_lo, a_hi = _h2_word_emulated(w_lo, x0, x1, x2, x3, z, z)
-            a_lo, a_hi = _h2_word_emulated(w_hi, x4, x5, x6, x7, a_lo, a_hi)  # one running f16x2 sum
-            part = a_lo + a_hi
-        acc += part * sc
+        acc += _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * sc
     return tl.sum(acc, axis=1)
 
 

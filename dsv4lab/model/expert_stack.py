@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..quant.fp4 import e2m1_decode, nvfp4_dequantize_blocks, unpack_fp4
-from ..quant.fp8 import e8m0_to_float
-from ..quant.weights import MXFP4_BLOCK, MXFP4Weight, NVFP4Weight
+from ..quant.fp4 import mxfp4_dequantize, nvfp4_dequantize_blocks, unpack_fp4
+from ..quant.weights import MXFP4Weight, NVFP4Weight
 
 
 class ExpertStack:
@@ -67,9 +66,7 @@ class ExpertStack:
         packed = t["packed"].index_select(0, ids)            # [n, out, in/2]
         scale = t["scale"].index_select(0, ids)              # [n, out, in/16] (MXFP4: in/32, E8M0)
         if self.formats[proj] == "mxfp4":
-            n, out, half = packed.shape
-            v = e2m1_decode(unpack_fp4(packed)).view(n, out, half * 2 // MXFP4_BLOCK, MXFP4_BLOCK)
-            return (v * e8m0_to_float(scale).unsqueeze(-1)).view(n, out, half * 2).to(dtype)
+            return mxfp4_dequantize(packed, scale).to(dtype)
         gs = t["gs"].index_select(0, ids).view(-1, 1, 1, 1)
         n, out, half = packed.shape
         codes = unpack_fp4(packed).view(n, out, half * 2 // 16, 16)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import to_e4m3
+from .fp8 import e8m0_to_float, to_e4m3
 
 E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
@@ -98,3 +98,11 @@ def nvfp4_quantize_blocks(blocks: torch.Tensor, global_scale: torch.Tensor) -> t
 def nvfp4_dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """(E2M1[code] * float(scale)) * global_scale in fp32; the first product is exact, so one rounding."""
     return (e2m1_decode(codes) * scale.float().unsqueeze(-1)) * global_scale
+
+
+def mxfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """MXFP4 [..., out, in/2] codes with E8M0 [..., out, in/32] scales -> fp32 [..., out, in]
+    (E2M1[code] * 2^(e-127), exact): one weight, or a stack of experts."""
+    v = e2m1_decode(unpack_fp4(packed))
+    v = v.view(*v.shape[:-1], v.shape[-1] // 32, 32) * e8m0_to_float(scale).unsqueeze(-1)
+    return v.flatten(-2)

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from .fp4 import (
     NVFP4_BLOCK,
     _as_bytes,
-    e2m1_decode,
     e2m1_encode,
+    mxfp4_dequantize,
     nvfp4_dequantize_blocks,
     nvfp4_quantize_blocks,
     pack_fp4,
@@ -185,9 +185,7 @@ class MXFP4Weight(QuantWeight):
         return unpack_fp4(self.packed)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        out, inn = self.shape
-        v = e2m1_decode(self.codes()).view(out, inn // MXFP4_BLOCK, MXFP4_BLOCK)
-        return (v * e8m0_to_float(self.scale).unsqueeze(-1)).view(out, inn).to(dtype)
+        return mxfp4_dequantize(self.packed, self.scale).to(dtype)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"weight": self.packed, "scale": self.scale}
