@@ -31,6 +31,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="decode batch M (<= 16)")
     ap.add_argument("--stages", type=lambda v: [int(a) for a in v.split(",")], default=[2, 3, 4, 6])
     ap.add_argument("--warps", type=lambda v: [int(a) for a in v.split(",")], default=[4, 8])
+    ap.add_argument("--bn", type=lambda v: [int(a) for a in v.split(",")], default=[64, 128, 256])
+    ap.add_argument("--mult", type=lambda v: [int(a) for a in v.split(",")], default=[1, 2, 4],
+                    help="K splits so that tiles x splits ~ mult x SMs")
+    ap.add_argument("--pdl", type=lambda v: [bool(int(a)) for a in v.split(",")], default=[False],
+                    help="programmatic dependent launch prelude -> GEMV (0,1 sweeps both)")
     args = ap.parse_args()
     import triton
     from triton.testing import do_bench
@@ -47,16 +52,20 @@ def main() -> None:
         w = rand_nvfp4(N, K)
         wbytes = w.packed.numel() + w.block_scale.numel()
         ncopy = max(2, min(32, -(-400_000_000 // wbytes)))  # >= 2 calls: a one-call graph adds the replay gap
-        copies = [w] + [rand_nvfp4(N, K, seed=1 + i) for i in range(ncopy - 1)]
         x = torch.randn(args.batch, K, device="cuda", dtype=torch.bfloat16)
         ref = torch.nn.functional.linear(x, w.dequantize(torch.bfloat16))
+        # timed copies after the reference's temporary (benchmarks/kernels.py says why)
+        del w
+        copies = [rand_nvfp4(N, K, seed=i) for i in range(ncopy)]
+        w = copies[0]
         res = []
         KG = K // 16
         space = []
-        for bn, stages, warps, mult in itertools.product((64, 128, 256), args.stages, args.warps, (1, 2, 4)):
+        for bn, stages, warps, mult, pdl in itertools.product(args.bn, args.stages, args.warps, args.mult, args.pdl):
             n_tiles = triton.cdiv(N, bn)
             split = max(1, min(triton.cdiv(mult * sms, n_tiles), max(1, KG // 16), 64))
-            space.append({"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": warps})
+            cfg = {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": warps}
+            space.append(cfg | ({"PDL": True} if pdl else {}))
         if args.pointer:
             for bn, g, warps, mult, pf, (h2, xp) in itertools.product((64, 128, 256), (8, 16), (4, 8), (1, 2, 4), (1, 2),
                                                                       ((True, True), (True, False))):

@@ -199,15 +199,15 @@ def tma_default_config(N: int, K: int, device: torch.device, M: int = 1) -> dict
         return {"TMA": True, "BN": bn, "STAGES": 3, "SPLIT": _split_for(N, K, bn, mult, sms), "num_warps": 4}
     if triton.cdiv(N, 256) >= sms:  # 4 stages (1 CTA/SM) for long rows: lm_head 145 us vs 208 us with 3
         bn, mult, stages = 256, 1, (4 if K >= 4096 else 3)
-    elif K >= 8192:
-        bn, mult, stages = 256, 2, 4
+    elif K >= 8192:  # o_b: 128-row tiles, 3 stages (3 CTAs/SM), split ~10: 24.0-24.4 us vs 25.5-25.9
+        bn, mult, stages = 128, 4, 3   # for 256 rows / 4 stages in three runs (h200_run8_sweeps.txt)
     else:
         bn, mult, stages = 64, 2, 3
     split = _split_for(N, K, bn, mult, sms)
-    # programmatic dependent launch of prelude -> GEMV pays off when the GEMV grid is about one wave
-    # (q_b 21.6 -> 20.6 us, o_b 27.1 -> 25.9, experts 9.9 -> 9.4); lm_head's multi-wave grid lost
-    # 145 -> 163 us with it, so it stays off there (benchmarks/gemv_anatomy.py)
-    pdl = triton.cdiv(N, bn) * split <= 3 * sms  # (the TMA path already implies sm_90+)
+    # programmatic dependent launch of prelude -> GEMV pays off for grids of short CTAs (about one
+    # wave or split K: q_b 21.6 -> 20.6 us, o_b 27.1 -> 25.9, experts 9.9 -> 9.4); lm_head's
+    # multi-wave grid of long CTAs lost 145 -> 163 us with it, so it stays off there
+    pdl = triton.cdiv(N, bn) * split <= 3 * sms or split > 1  # (the TMA path already implies sm_90+)
     return {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": 4, "PDL": pdl}
 
 
