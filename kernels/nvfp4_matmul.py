@@ -88,15 +88,19 @@ def _store_or_fix_up(acc, y_ptrs, ws_ptrs, mask, cnt_ptr, tile, pid_k, split_str
         tl.debug_barrier()
         old = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if old == SPLIT - 1:
-            # four partials per round trip, still summed in split order: a loop of single loads
-            # waits one L2 latency per split (H200: wkv 6.5 -> 5.4 us, q_a 7.7 -> 6.9 us)
             tot = tl.zeros_like(acc)
-            for s in range(0, SPLIT, 4):
-                p0 = tl.load(ws_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
-                p1 = tl.load(ws_ptrs + (s + 1) * split_stride, mask=mask & (s + 1 < SPLIT), other=0.0, cache_modifier=".cg")
-                p2 = tl.load(ws_ptrs + (s + 2) * split_stride, mask=mask & (s + 2 < SPLIT), other=0.0, cache_modifier=".cg")
-                p3 = tl.load(ws_ptrs + (s + 3) * split_stride, mask=mask & (s + 3 < SPLIT), other=0.0, cache_modifier=".cg")
-                tot = (((tot + p0) + p1) + p2) + p3
+            if acc.numel <= 2048:
+                # GEMV tiles: four partials per round trip, still summed in split order; a loop of
+                # single loads waits one L2 latency per split (H200: wkv 6.5 -> 5.4 us, q_a 7.7 -> 6.9)
+                for s in range(0, SPLIT, 4):
+                    p0 = tl.load(ws_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+                    p1 = tl.load(ws_ptrs + (s + 1) * split_stride, mask=mask & (s + 1 < SPLIT), other=0.0, cache_modifier=".cg")
+                    p2 = tl.load(ws_ptrs + (s + 2) * split_stride, mask=mask & (s + 2 < SPLIT), other=0.0, cache_modifier=".cg")
+                    p3 = tl.load(ws_ptrs + (s + 3) * split_stride, mask=mask & (s + 3 < SPLIT), other=0.0, cache_modifier=".cg")
+                    tot = (((tot + p0) + p1) + p2) + p3
+            else:  # GEMM tiles (64-128 x 128): four in flight would spill registers (o_b M=128 178 -> 239 us)
+                for s in range(SPLIT):
+                    tot += tl.load(ws_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptrs, (tot * scale).to(y_ptrs.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # next use is a later launch: no fence
 
