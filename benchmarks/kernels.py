@@ -101,21 +101,20 @@ def main():
 
     from kernels.moe_decode import StackedNVFP4, moe_decode_ref, moe_decode_triton
     from kernels.nvfp4_act_quant import nvfp4_act_quant
-    from kernels.nvfp4_matmul import _TUNED, gemm_config, nvfp4_matmul
+    from kernels.nvfp4_matmul import _TUNED, gemm_config, nvfp4_matmul, tune_key
 
     def cfg_of(M, N, K, x):
-        key = (1 if M == 1 else 16, N, K, x.dtype, "cuda", torch.cuda.current_device())
-        return next((v for k, v in _TUNED.items() if k[:6] == key), None)
+        return next((_TUNED[k] for tma in (True, False) if (k := tune_key(M, N, K, x.dtype, x.device, tma)) in _TUNED), None)
 
     def pointer_gemv_cfg(x, w):
-        """The tuned config of the pointer-load GEMV (what M=1 used before the TMA kernel)."""
-        os.environ["DSV4LAB_KERNEL_TMA"] = "0"
+        """The do_bench-tuned config of the pointer-load GEMV (what M=1 used before the TMA kernel)."""
+        os.environ["DSV4LAB_KERNEL_TMA"], os.environ["DSV4LAB_KERNEL_TUNE"] = "0", "1"
         try:
             nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale)
-            key = (1, w.packed.shape[0], x.shape[-1], x.dtype, "cuda", torch.cuda.current_device(), False)
-            return _TUNED[key]
+            return _TUNED[tune_key(1, w.packed.shape[0], x.shape[-1], x.dtype, x.device, False)]
         finally:
             os.environ.pop("DSV4LAB_KERNEL_TMA")
+            os.environ.pop("DSV4LAB_KERNEL_TUNE")
 
     dev = torch.cuda.get_device_name()
     ceil = copy_ceiling(do_bench)

@@ -55,6 +55,8 @@ from typing import Any
 
 import torch
 
+from ._device import on_input_device
+
 __all__ = [
     "compressor_pool_ref", "compressor_pool_cute", "compressor_pool", "have_cute",
     "supported", "PoolConfig", "make_config", "export_aot", "compressor_pool_aot",
@@ -344,6 +346,7 @@ def _pick(kv: torch.Tensor, config: PoolConfig | None) -> PoolConfig:
     return cfg
 
 
+@on_input_device
 def compressor_pool_cute(kv: torch.Tensor, gate: torch.Tensor, config: PoolConfig | None = None) -> torch.Tensor:
     """The CuTeDSL kernel (CUDA tensors, nvidia-cutlass-dsl installed) -> [B, nW, d] in kv's dtype."""
     _check(kv, gate)
@@ -498,6 +501,7 @@ def aot_has(aot_dir: str | Path, dtype: torch.dtype, L: int, d: int) -> bool:
     return p.exists() and (_DTYPE_NAME.get(dtype), L, d) in _aot_manifest(str(aot_dir))
 
 
+@on_input_device
 def compressor_pool_aot(kv: torch.Tensor, gate: torch.Tensor, aot_dir: str | Path) -> torch.Tensor:
     """The same kernel from a precompiled cubin (see export_aot); CUDA tensors only."""
     _check(kv, gate)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._device import on_input_device
+
 try:  # the stack and the reference work without triton (kernels.dispatch uses them on CPU)
     import triton
     import triton.language as tl
@@ -144,6 +146,7 @@ if triton is not None:
         return (16, 2, 1) if _INTERPRET else (32, 16, 4)
 
 
+    @on_input_device
     def moe_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: StackedNVFP4,
                           w3: StackedNVFP4, w2: StackedNVFP4, limit: float | None,
                           tma: bool | None = None) -> torch.Tensor:

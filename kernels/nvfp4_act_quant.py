@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import on_input_device
 from . import patch_interpreter_for_numpy2
 
 patch_interpreter_for_numpy2()
@@ -58,6 +59,7 @@ def _act_quant_kernel(x_ptr, gs_ptr, y_ptr, p_ptr, s_ptr, NB, BB: tl.constexpr):
     tl.store(s_ptr + blk, s8.to(tl.uint8, bitcast=True), mask=b_ok)
 
 
+@on_input_device
 def nvfp4_act_quant(x: torch.Tensor, global_scale: torch.Tensor | float | None = None):
     """-> (x_dq [x.shape, x.dtype], packed uint8 [..., K/2], block_scale float8_e4m3fn [..., K/16], gs).
 
@@ -86,6 +88,7 @@ def nvfp4_act_quant(x: torch.Tensor, global_scale: torch.Tensor | float | None =
     return y, packed, scale.view(torch.float8_e4m3fn), gs.reshape(())
 
 
+@on_input_device
 def fake_quant_nvfp4_kernel(x: torch.Tensor, global_scale: torch.Tensor | float) -> torch.Tensor:
     """Drop-in for ``dsv4lab.quant.activations.fake_quant_nvfp4`` (dequantised output only)."""
     return nvfp4_act_quant(x, global_scale)[0]

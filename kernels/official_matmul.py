@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ._device import on_input_device
 from .nvfp4_gemv_tma import launch_gemv_tma, tma_default_config, tma_supported
 from .nvfp4_matmul import (_INTERPRET, _counters, _dot_dtype, _e8m0_to_f32, _nibble_plane_dots, _num_sms,
                            _store_or_fix_up)
@@ -149,6 +150,7 @@ def _mx_decode_tma(x2: torch.Tensor, w, y: torch.Tensor, cfg: dict) -> None:
     launch_gemv_tma(x2, w.packed, s8, s8, y, tc)  # MX: no global scale (the gs argument is not read)
 
 
+@on_input_device
 def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Tensor:
     """y[..., N] = x[..., K] @ W^T for an ``MXFP4Weight`` or ``FP8BlockWeight`` (``supported``)."""
     N, K = w.shape
@@ -209,6 +211,7 @@ def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Ten
 _VERIFIED: dict = {}
 
 
+@on_input_device
 def verified_official_matmul(x: torch.Tensor, w) -> torch.Tensor:
     """``official_matmul`` behind a first-use parity check per (format, N, K, batch bucket, dtype,
     device): the first call (outside CUDA-graph capture) also runs the reference and keeps the

@@ -597,3 +597,47 @@ def test_gpu_dispatch_picks_kernel():
     w = _rand_nvfp4_cuda(256, 512)
     x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
     _close(dispatch.nvfp4_linear(x, w), torch.nn.functional.linear(x, w.dequantize(torch.bfloat16)))
+
+
+def test_on_input_device_switches_to_the_input_device(monkeypatch):
+    """Triton launches on the current device: the kernel entry points switch to their input's
+    device first (a 2-GPU split raced without it), and leave CPU inputs and the current device alone."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from kernels._device import on_input_device
+
+    seen = []
+
+    @on_input_device
+    def entry(x, y=0):
+        seen.append((torch.cuda.current_device(), y))
+        return "ran"
+
+    cur = {"dev": 0}
+    switched = []
+
+    @contextlib.contextmanager
+    def fake_device(d):
+        prev, cur["dev"] = cur["dev"], d.index
+        switched.append(d.index)
+        try:
+            yield
+        finally:
+            cur["dev"] = prev
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: cur["dev"])
+    monkeypatch.setattr(torch.cuda, "device", fake_device)
+    on1 = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=1))
+    on0 = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+    assert entry(on1, y=5) == "ran" and seen[-1] == (1, 5) and cur["dev"] == 0  # switched, then restored
+    assert entry(on0) == "ran" and seen[-1] == (0, 0) and switched == [1]       # already current: no switch
+    assert entry(torch.zeros(2)) == "ran" and switched == [1]                  # CPU: untouched
+    import importlib
+
+    for mod, names in (("nvfp4_matmul", ["nvfp4_matmul"]), ("official_matmul", ["official_matmul", "verified_official_matmul"]),
+                       ("moe_decode", ["moe_decode_triton"]), ("nvfp4_act_quant", ["nvfp4_act_quant", "fake_quant_nvfp4_kernel"]),
+                       ("cute_compressor_pool", ["compressor_pool_cute", "compressor_pool_aot"])):
+        m = importlib.import_module(f"kernels.{mod}")
+        for n in names:  # every public launcher carries the guard
+            assert getattr(m, n).__code__ is on_input_device(lambda x: x).__code__, (mod, n)

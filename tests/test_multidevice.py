@@ -291,3 +291,30 @@ def test_multi_gpu_benchmark_split_map_and_cpu_smoke(tmp_path):
     for name in ("single", "split"):
         assert rep[name]["eager"]["bitwise_equal_steps"] == 4 and rep[name]["load_s"] > 0
     assert "graph" not in rep["split"]  # no CUDA graphs on a CPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA GPUs (device kind nvidia-h200-x2)")
+@pytest.mark.parametrize("model", [None, "data/tiny-dsv4/nvfp4"])
+def test_gpu_two_devices_match_one(tmp_path, model):
+    """The embedded model (BF16, and NVFP4 with the kernels installed by ``load``) split over two
+    GPUs, eager and per-device CUDA graphs, against the one-GPU eager run: identical tokens and
+    bitwise-equal logits for 64 greedy steps (the same kernels on the same data)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("multi_gpu", root / "benchmarks" / "multi_gpu.py")
+    mg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mg)
+    out = tmp_path / "mg.json"
+    args = ["--devices", "cuda:0,cuda:1", "--steps", "64", "--json", str(out)]
+    assert mg.main(args + (["--model", str(root / model)] if model else [])) == 0
+    rep = json.loads(out.read_text())
+    assert rep["split"]["device_map"][0] == "cuda:0" and rep["split"]["device_map"][-1] == "cuda:1"
+    for name in ("single", "split"):
+        for mode in ("eager", "graph"):
+            r = rep[name][mode]
+            assert r["tokens_identical"] and r["bitwise_equal_steps"] == r["steps"] == 64, (name, mode, r)
+    assert rep["split"]["graph"]["graphs"] == 2  # one graph per device
