@@ -96,9 +96,9 @@ def _store_or_fix_up(acc, y_ptrs, ws_ptrs, mask, cnt_ptr, tile, pid_k, split_str
                 # single loads waits one L2 latency per split (H200: wkv 6.5 -> 5.4 us, q_a 7.7 -> 6.9)
                 for s in range(0, SPLIT, 4):
                     p0 = tl.load(ws_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
-                    p1 = tl.load(ws_ptrs + (s + 1) * split_stride, mask=mask & (s + 1 < SPLIT), other=0.0, cache_modifier=".cg")
-                    p2 = tl.load(ws_ptrs + (s + 2) * split_stride, mask=mask & (s + 2 < SPLIT), other=0.0, cache_modifier=".cg")
-                    p3 = tl.load(ws_ptrs + (s + 3) * split_stride, mask=mask & (s + 3 < SPLIT), other=0.0, cache_modifier=".cg")
+                    p1 = tl.load(ws_ptrs + (s + 1) * split_stride, mask=tl.where(s + 1 < SPLIT, mask, False), other=0.0, cache_modifier=".cg")
+                    p2 = tl.load(ws_ptrs + (s + 2) * split_stride, mask=tl.where(s + 2 < SPLIT, mask, False), other=0.0, cache_modifier=".cg")
+                    p3 = tl.load(ws_ptrs + (s + 3) * split_stride, mask=tl.where(s + 3 < SPLIT, mask, False), other=0.0, cache_modifier=".cg")
                     tot = (((tot + p0) + p1) + p2) + p3
             else:  # GEMM tiles (64-128 x 128): four in flight would spill registers (o_b M=128 178 -> 239 us)
                 for s in range(SPLIT):
