@@ -88,7 +88,6 @@ def nvfp4_act_quant(x: torch.Tensor, global_scale: torch.Tensor | float | None =
     return y, packed, scale.view(torch.float8_e4m3fn), gs.reshape(())
 
 
-@on_input_device
 def fake_quant_nvfp4_kernel(x: torch.Tensor, global_scale: torch.Tensor | float) -> torch.Tensor:
     """Drop-in for ``dsv4lab.quant.activations.fake_quant_nvfp4`` (dequantised output only)."""
     return nvfp4_act_quant(x, global_scale)[0]

@@ -636,7 +636,7 @@ def test_on_input_device_switches_to_the_input_device(monkeypatch):
     import importlib
 
     for mod, names in (("nvfp4_matmul", ["nvfp4_matmul"]), ("official_matmul", ["official_matmul", "verified_official_matmul"]),
-                       ("moe_decode", ["moe_decode_triton"]), ("nvfp4_act_quant", ["nvfp4_act_quant", "fake_quant_nvfp4_kernel"]),
+                       ("moe_decode", ["moe_decode_triton"]), ("nvfp4_act_quant", ["nvfp4_act_quant"]),
                        ("cute_compressor_pool", ["compressor_pool_cute", "compressor_pool_aot"])):
         m = importlib.import_module(f"kernels.{mod}")
         for n in names:  # every public launcher carries the guard

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,19 +267,23 @@ def test_streaming_load_peak_host_memory(tmp_path):
     assert over <= bound, r
 
 
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _multi_gpu_benchmark():
+    """benchmarks/multi_gpu.py as a module (benchmarks/ is not a package on the test path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("multi_gpu", _ROOT / "benchmarks" / "multi_gpu.py")
+    mg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mg)
+    return mg
+
+
 def test_multi_gpu_benchmark_split_map_and_cpu_smoke(tmp_path):
     """benchmarks/multi_gpu.py (issue #9's run): contiguous split maps, and its CPU smoke run
     (eager only) reports identical tokens and bitwise-equal logits for the split placement."""
-    import importlib.util
-
-    from dsv4lab.multidevice import normalize_device_map
-
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("multi_gpu", root / "benchmarks" / "multi_gpu.py")
-    mg = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mg)
+    mg = _multi_gpu_benchmark()
     for n_dev in (1, 2, 3, 4, 8):
         devs = [f"cuda:{i}" for i in range(n_dev)]
         m = mg.split_map(6, devs)
@@ -301,16 +306,10 @@ def test_gpu_two_devices_match_one(tmp_path, model):
     """The embedded model (BF16, and NVFP4 with the kernels installed by ``load``) split over two
     GPUs, eager and per-device CUDA graphs, against the one-GPU eager run: identical tokens and
     bitwise-equal logits for 64 greedy steps (the same kernels on the same data)."""
-    import importlib.util
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("multi_gpu", root / "benchmarks" / "multi_gpu.py")
-    mg = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mg)
+    mg = _multi_gpu_benchmark()
     out = tmp_path / "mg.json"
     args = ["--devices", "cuda:0,cuda:1", "--steps", "64", "--json", str(out)]
-    assert mg.main(args + (["--model", str(root / model)] if model else [])) == 0
+    assert mg.main(args + (["--model", str(_ROOT / model)] if model else [])) == 0
     rep = json.loads(out.read_text())
     assert rep["split"]["device_map"][0] == "cuda:0" and rep["split"]["device_map"][-1] == "cuda:1"
     for name in ("single", "split"):
