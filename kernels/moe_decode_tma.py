@@ -45,7 +45,7 @@ def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, x_desc, xinv_ptr, ids_ptr
     acc1 = tl.zeros((BN, G), dtype=tl.float32)
     acc3 = tl.zeros((BN, G), dtype=tl.float32)
     for g0 in tl.range(0, KG, G, num_stages=STAGES):
-        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(x_desc, xinv_ptr, t * KG, g0, KG, G)
+        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(x_desc, xinv_ptr, t * KG, g0, G)
         acc1 += _group_dot(w1_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
             (_block_scales(s1_desc, r0, g0, BN, G, MX) * inv)
         acc3 += _group_dot(w3_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
@@ -72,7 +72,7 @@ def _moe_down_kernel(w2_desc, s2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_pt
     row_ok = rows < H
     acc = tl.zeros((BN, G), dtype=tl.float32)
     for g0 in tl.range(0, KG, G, num_stages=STAGES):
-        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(h_desc, hinv_ptr, pair * KG, g0, KG, G)
+        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(h_desc, hinv_ptr, pair * KG, g0, G)
         acc += _group_dot(w2_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
             (_block_scales(s2_desc, r0, g0, BN, G, MX) * inv)
     part = tl.sum(acc, axis=1) * (16384.0 * _global_scale(g2_ptr, e, MX) * tl.load(wts_ptr + pair).to(tl.float32))

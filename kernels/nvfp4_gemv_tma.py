@@ -10,7 +10,8 @@ Two launches per call:
 
 * ``_x_pairs_kernel`` (grid over 16-groups of K): per 16-group g a power of two xs_g with
   max|x_g| * xs_g in [2^14, 2^15); x' = x * xs_g rounded to f16 (exact for bf16 x) and packed as
-  the f16x2 pairs the inner loop multiplies (pair 4h + j = elements 8h + j and 8h + j + 4), plus
+  the f16x2 pairs the inner loop multiplies (pair 4h + j = elements 8h + a_j and 8h + a_j + 2,
+  a = 0, 4, 1, 5: the order in which ``_H2_WORD`` decodes the even and odd nibbles), plus
   1/xs_g. Per-group (not per-row) scaling: no global reduction, so this prelude is one short wave,
   and a group of tiny values next to a large outlier keeps its precision.
 * ``_gemv_tma_kernel`` (M == 1; grid = row tiles x K splits): the f16x2 inner loop of ``nvfp4_matmul``
@@ -45,11 +46,13 @@ from .nvfp4_matmul import (_INTERPRET, _counters, _dot_dtype, _e4m3_to_f32, _e8m
                            _nibble_plane_dots, _num_sms, _store_or_fix_up)
 
 G = 16  # 16-groups per TMA box along K: 128 bytes of weight words, 16 bytes of scales per row
+INV_PAD = 64  # x_pairs' 1/xs is zero-padded to a multiple of this many groups (the widest box)
 
 
 @triton.jit
-def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, KG, BG: tl.constexpr, PDL: tl.constexpr):
-    """x [K] -> f16x2 pairs [KG, 8] and 1/xs [KG] (per 16-group power-of-two scaling)."""
+def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, KG, KGP, BG: tl.constexpr, PDL: tl.constexpr):
+    """x [K] -> f16x2 pairs [KG, 8] and 1/xs [KGP] (per 16-group power-of-two scaling; zeros from
+    KG to KGP, so boxes of up to 64 groups read it unmasked)."""
     if PDL:  # launched early (programmatic dependent launch): wait for the previous grid's writes
         gdc_wait()
         gdc_launch_dependents()
@@ -61,11 +64,12 @@ def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, KG, BG: tl.constexpr, PDL: tl.conste
     xs = (b << 23).to(tl.float32, bitcast=True)
     inv = ((254 - b) << 23).to(tl.float32, bitcast=True)
     h = (x * xs[:, None]).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    h = tl.permute(tl.reshape(h, (BG, 2, 2, 4)), (0, 1, 3, 2))   # [g, h, j, +0/+4]
+    # element 8h + 4q + 2t + r -> pair 4h + (2r + q), half t (H2_PAIR_LO = 0, 4, 1, 5; high half +2)
+    h = tl.reshape(tl.permute(tl.reshape(h, (BG, 2, 2, 2, 2)), (0, 1, 4, 2, 3)), (BG, 8, 2))
     lo, hi = tl.split(h)
     tl.store(xp_ptr + g[:, None] * 8 + tl.arange(0, 8)[None, :], tl.reshape(lo | (hi << 16), (BG, 8)),
              mask=ok[:, None])
-    tl.store(inv_ptr + g, inv, mask=ok)
+    tl.store(inv_ptr + g, tl.where(ok, inv, 0.0), mask=g < KGP)
 
 
 @triton.jit
@@ -83,11 +87,13 @@ def _pairs_at(x_desc, row0, G: tl.constexpr):
 
 
 @triton.jit
-def _pairs_and_inv(x_desc, inv_ptr, row0, g0, KG, G: tl.constexpr):
+def _pairs_and_inv(x_desc, inv_ptr, row0, g0, G: tl.constexpr):
     """Pair columns (``_pairs_at``) and 1/xs [1, G] of the G groups g0.. of the activation row whose
-    groups start at pair row ``row0`` (0 for the GEMV; token / (token, expert) rows in the MoE)."""
-    gg = g0 + tl.arange(0, G)
-    inv = tl.load(inv_ptr + row0 + gg, mask=gg < KG, other=0.0)[None, :]
+    groups start at pair row ``row0`` (0 for the GEMV; token / (token, expert) rows in the MoE).
+    1/xs is read unmasked (``x_pairs`` zero-pads it to whole boxes): masked, it compiled to 16
+    scalar cp.async per box with their address and predicate set-up, ~10 % of the loop's
+    instructions (a TMA load of it needed 128 shuffles to broadcast, 1-D descriptors faulted)."""
+    inv = tl.load(inv_ptr + row0 + g0 + tl.arange(0, G))[None, :]
     x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(x_desc, row0 + g0, G)
     return inv, x0, x1, x2, x3, x4, x5, x6, x7
 
@@ -133,7 +139,7 @@ def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt
     for g0 in tl.range(g_lo, g_hi, G, num_stages=STAGES):
         w64 = w_desc.load([n0, g0])                     # [BN, G] int64: 16 nibbles = one scale block
         sc = _block_scales(s_desc, n0, g0, BN, G, MX)  # loads issued in the order w, s, 1/xs, x pairs
-        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(x_desc, inv_ptr, 0, g0, KG, G)
+        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(x_desc, inv_ptr, 0, g0, G)
         part = _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM)
         acc += part * (sc * inv)
     if PDL:  # the next launch (e.g. the next call's prelude) may start while this grid finishes
@@ -216,11 +222,12 @@ def x_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Ten
     K = x.shape[-1]
     KG = K // 16
     xp = torch.empty((KG, 8), dtype=torch.int32, device=x.device)
-    inv = torch.empty(KG, dtype=torch.float32, device=x.device)
+    kgp = triton.cdiv(KG, INV_PAD) * INV_PAD
+    inv = torch.empty(kgp, dtype=torch.float32, device=x.device)
     bg = 16 if _INTERPRET else 32
-    _x_pairs_kernel[(triton.cdiv(KG, bg),)](x, xp, inv, KG, BG=bg, PDL=pdl, num_warps=1 if _INTERPRET else 4,
-                                            **({"launch_pdl": True} if pdl else {}))
-    return xp, inv
+    _x_pairs_kernel[(triton.cdiv(kgp, bg),)](x, xp, inv, KG, kgp, BG=bg, PDL=pdl, num_warps=1 if _INTERPRET else 4,
+                                             **({"launch_pdl": True} if pdl else {}))
+    return xp, inv[:KG]
 
 
 def launch_gemv_tma(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor,

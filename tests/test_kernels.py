@@ -171,8 +171,8 @@ e = (xf.abs().amax(1).view(torch.int32) >> 23) & 0xFF
 b = (268 - e).clamp(1, 253)
 xs = (b << 23).view(torch.float32)
 h = (xf * xs[:, None]).half().view(torch.int16).to(torch.int32) & 0xFFFF
-idx = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11])
-ref_pairs = h[:, idx] | (h[:, idx + 4] << 16)
+idx = torch.tensor([0, 4, 1, 5, 8, 12, 9, 13])   # pair 4h + j: elements 8h + (0, 4, 1, 5)[j] and +2
+ref_pairs = h[:, idx] | (h[:, idx + 2] << 16)
 res["tma_pairs"] = {"pairs_exact": bool(torch.equal(xp, ref_pairs)), "inv_exact": bool(torch.equal(inv, ((254 - b) << 23).view(torch.float32)))}
 for M in (2, 5, 16):  # the tl.dot loop on the same weight ring
     x = rnd(M, 512).to(torch.bfloat16)
