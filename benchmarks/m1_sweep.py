@@ -34,6 +34,10 @@ def main() -> None:
     ap.add_argument("--bn", type=lambda v: [int(a) for a in v.split(",")], default=[64, 128, 256])
     ap.add_argument("--mult", type=lambda v: [int(a) for a in v.split(",")], default=[1, 2, 4],
                     help="K splits so that tiles x splits ~ mult x SMs")
+    ap.add_argument("--g", type=lambda v: [int(a) for a in v.split(",")], default=[16],
+                    help="16-groups per TMA box along K (16: 128-byte rows of weight words)")
+    ap.add_argument("--splits", type=lambda v: [int(a) for a in v.split(",")], default=None,
+                    help="explicit K split counts (instead of --mult)")
     ap.add_argument("--pdl", type=lambda v: [bool(int(a)) for a in v.split(",")], default=[False],
                     help="programmatic dependent launch prelude -> GEMV (0,1 sweeps both)")
     args = ap.parse_args()
@@ -61,10 +65,11 @@ def main() -> None:
         res = []
         KG = K // 16
         space = []
-        for bn, stages, warps, mult, pdl in itertools.product(args.bn, args.stages, args.warps, args.mult, args.pdl):
+        for bn, g, stages, warps, mult, pdl in itertools.product(args.bn, args.g, args.stages, args.warps,
+                                                                 args.splits or args.mult, args.pdl):
             n_tiles = triton.cdiv(N, bn)
-            split = max(1, min(triton.cdiv(mult * sms, n_tiles), max(1, KG // 16), 64))
-            cfg = {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": warps}
+            split = mult if args.splits else max(1, min(triton.cdiv(mult * sms, n_tiles), max(1, KG // g), 64))
+            cfg = {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": warps} | ({"G": g} if g != 16 else {})
             space.append(cfg | ({"PDL": True} if pdl else {}))
         if args.pointer:
             for bn, g, warps, mult, pf, (h2, xp) in itertools.product((64, 128, 256), (8, 16), (4, 8), (1, 2, 4), (1, 2),

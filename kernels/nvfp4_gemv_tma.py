@@ -15,7 +15,8 @@ Two launches per call:
   1/xs_g. Per-group (not per-row) scaling: no global reduction, so this prelude is one short wave,
   and a group of tiny values next to a large outlier keeps its precision.
 * ``_gemv_tma_kernel`` (M == 1; grid = row tiles x K splits): the f16x2 inner loop of ``nvfp4_matmul``
-  (``_H2_GROUP_ASM``: two E2M1 nibbles -> one f16x2 register, ``fma.rn.f16x2`` against x', the
+  (``_H2_GROUP_ASM``: four E2M1 nibbles -> E5M2-like bytes per shift and mask, two bytes -> one
+  f16x2 register by ``prmt``, ``fma.rn.f16x2`` against x', the
   16-product group sum widened to fp32 once) times (block scale * 1/xs_g). Split K finishes like
   the other kernels: fp32 partials, a per-tile counter, the last split sums in split order
   (deterministic, one launch, graph-safe).

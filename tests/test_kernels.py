@@ -271,6 +271,8 @@ try:  # MXFP4 has no pointer-load variant
     res["moetma_mx_rejects_pointer"] = False
 except ValueError:
     res["moetma_mx_rejects_pointer"] = True
+from kernels.nvfp4_matmul import decode_probe_selfcheck
+res["decode_probe"] = decode_probe_selfcheck("cpu")
 print("RESULT" + json.dumps(res))
 """
 
@@ -283,6 +285,12 @@ def interp_results():
     assert r.returncode == 0, r.stderr[-4000:]
     line = [l for l in r.stdout.splitlines() if l.startswith("RESULT")][-1]
     return json.loads(line[len("RESULT"):])
+
+
+def test_interp_decode_probe(interp_results):
+    """The M == 1 loop's byte-code decode (its plain-Triton emulation) gives exactly the reference
+    E2M1 value for every code at every element position of a word."""
+    assert interp_results["decode_probe"] == {"exact": True, "pairs_covered": 256, "nonzero": 3584}
 
 
 def test_interp_tma_gemv(interp_results):
@@ -400,6 +408,16 @@ def test_gpu_nvfp4_matmul(name, M):
     _close(y, nvfp4_matmul_ref(x, w))
     y2 = nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale)  # counters were reset
     _close(y2, nvfp4_matmul_ref(x, w))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_decode_probe():
+    """The inline PTX of the M == 1 loop (shifts, masks, prmt, fma.rn.f16x2) decodes every code
+    at every element position exactly like the reference."""
+    from kernels.nvfp4_matmul import decode_probe_selfcheck
+
+    assert decode_probe_selfcheck("cuda") == {"exact": True, "pairs_covered": 256, "nonzero": 3584}
 
 
 @pytest.mark.gpu
