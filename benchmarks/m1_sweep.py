@@ -36,6 +36,8 @@ def main() -> None:
                     help="K splits so that tiles x splits ~ mult x SMs")
     ap.add_argument("--g", type=lambda v: [int(a) for a in v.split(",")], default=[16],
                     help="16-groups per TMA box along K (16: 128-byte rows of weight words)")
+    ap.add_argument("--xinv", type=lambda v: [bool(int(a)) for a in v.split(",")], default=[None],
+                    help="1/xs in the x-pair rows (1, the default) or by its own pointer (0)")
     ap.add_argument("--splits", type=lambda v: [int(a) for a in v.split(",")], default=None,
                     help="explicit K split counts (instead of --mult)")
     ap.add_argument("--pdl", type=lambda v: [bool(int(a)) for a in v.split(",")], default=[False],
@@ -65,11 +67,12 @@ def main() -> None:
         res = []
         KG = K // 16
         space = []
-        for bn, g, stages, warps, mult, pdl in itertools.product(args.bn, args.g, args.stages, args.warps,
-                                                                 args.splits or args.mult, args.pdl):
+        for bn, g, stages, warps, mult, pdl, xinv in itertools.product(args.bn, args.g, args.stages, args.warps,
+                                                                       args.splits or args.mult, args.pdl, args.xinv):
             n_tiles = triton.cdiv(N, bn)
             split = mult if args.splits else max(1, min(triton.cdiv(mult * sms, n_tiles), max(1, KG // g), 64))
-            cfg = {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": warps} | ({"G": g} if g != 16 else {})
+            cfg = ({"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": warps}
+                   | ({"G": g} if g != 16 else {}) | ({"XINV": xinv} if xinv is not None else {}))
             space.append(cfg | ({"PDL": True} if pdl else {}))
         if args.pointer:
             for bn, g, warps, mult, pf, (h2, xp) in itertools.product((64, 128, 256), (8, 16), (4, 8), (1, 2, 4), (1, 2),

@@ -45,7 +45,7 @@ def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, x_desc, xinv_ptr, ids_ptr
     acc1 = tl.zeros((BN, G), dtype=tl.float32)
     acc3 = tl.zeros((BN, G), dtype=tl.float32)
     for g0 in tl.range(0, KG, G, num_stages=STAGES):
-        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(x_desc, xinv_ptr, t * KG, g0, G)
+        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(x_desc, xinv_ptr, t * KG, g0, G, True)
         acc1 += _group_dot(w1_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
             (_block_scales(s1_desc, r0, g0, BN, G, MX) * inv)
         acc3 += _group_dot(w3_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
@@ -72,7 +72,7 @@ def _moe_down_kernel(w2_desc, s2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_pt
     row_ok = rows < H
     acc = tl.zeros((BN, G), dtype=tl.float32)
     for g0 in tl.range(0, KG, G, num_stages=STAGES):
-        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(h_desc, hinv_ptr, pair * KG, g0, G)
+        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(h_desc, hinv_ptr, pair * KG, g0, G, True)
         acc += _group_dot(w2_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
             (_block_scales(s2_desc, r0, g0, BN, G, MX) * inv)
     part = tl.sum(acc, axis=1) * (16384.0 * _global_scale(g2_ptr, e, MX) * tl.load(wts_ptr + pair).to(tl.float32))
@@ -131,7 +131,7 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     w1d, s1d = _descs(w1, bn, g)
     w3d, s3d = _descs(w3, bn, g)
     _moe_up_kernel[(triton.cdiv(I, bn), T * k)](
-        w1d, s1d, w3d, s3d, TensorDescriptor.from_tensor(xp, [g, 8]), xinv, ids_c,
+        w1d, s1d, w3d, s3d, TensorDescriptor.from_tensor(xp, [g, 16]), xinv, ids_c,
         _global_scales(w1), _global_scales(w3), h,
         I, H // 16, k, h.stride(0), lim, BN=bn, G=g, STAGES=stages, USE_ASM=not _INTERPRET, MX=mx, num_warps=warps)
     hp, hinv = x_pairs(h.reshape(-1))
@@ -139,7 +139,7 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     n_tiles = triton.cdiv(H, bn)
     ws = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
     _moe_down_kernel[(n_tiles, T * k)](
-        w2d, s2d, TensorDescriptor.from_tensor(hp, [g, 8]), hinv, ids_c, wts,
+        w2d, s2d, TensorDescriptor.from_tensor(hp, [g, 16]), hinv, ids_c, wts,
         _global_scales(w2), y, ws, _counters(x.device, T * n_tiles),
         H, I // 16, k, y.stride(0), BN=bn, G=g, STAGES=stages, USE_ASM=not _INTERPRET, MX=mx, num_warps=warps)
     return y

@@ -11,8 +11,9 @@ Two launches per call:
 * ``_x_pairs_kernel`` (grid over 16-groups of K): per 16-group g a power of two xs_g with
   max|x_g| * xs_g in [2^14, 2^15); x' = x * xs_g rounded to f16 (exact for bf16 x) and packed as
   the f16x2 pairs the inner loop multiplies (pair 4h + j = elements 8h + a_j and 8h + a_j + 2,
-  a = 0, 4, 1, 5: the order in which ``_H2_WORD`` decodes the even and odd nibbles), plus
-  1/xs_g. Per-group (not per-row) scaling: no global reduction, so this prelude is one short wave,
+  a = 0, 4, 1, 5: the order in which ``_H2_WORD`` decodes the even and odd nibbles), written
+  with the bits of 1/xs_g as one 16-word row per group (so one TMA box brings both; ``XINV``),
+  and 1/xs_g once more on its own, zero-padded (the o_b rule reads that). Per-group (not per-row) scaling: no global reduction, so this prelude is one short wave,
   and a group of tiny values next to a large outlier keeps its precision.
 * ``_gemv_tma_kernel`` (M == 1; grid = row tiles x K splits): the f16x2 inner loop of ``nvfp4_matmul``
   (``_H2_GROUP_ASM``: four E2M1 nibbles -> E5M2-like bytes per shift and mask, two bytes -> one
@@ -52,8 +53,8 @@ INV_PAD = 64  # x_pairs' 1/xs is zero-padded to a multiple of this many groups (
 
 @triton.jit
 def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, KG, KGP, BG: tl.constexpr, PDL: tl.constexpr):
-    """x [K] -> f16x2 pairs [KG, 8] and 1/xs [KGP] (per 16-group power-of-two scaling; zeros from
-    KG to KGP, so boxes of up to 64 groups read it unmasked)."""
+    """x [K] -> rows [KG, 16] of f16x2 pairs (columns 0-7) and 1/xs bits (column 8) per 16-group
+    (power-of-two scaling), and 1/xs [KGP] on its own (zeros from KG to KGP)."""
     if PDL:  # launched early (programmatic dependent launch): wait for the previous grid's writes
         gdc_wait()
         gdc_launch_dependents()
@@ -68,15 +69,22 @@ def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, KG, KGP, BG: tl.constexpr, PDL: tl.c
     # element 8h + 4q + 2t + r -> pair 4h + (2r + q), half t (H2_PAIR_LO = 0, 4, 1, 5; high half +2)
     h = tl.reshape(tl.permute(tl.reshape(h, (BG, 2, 2, 2, 2)), (0, 1, 4, 2, 3)), (BG, 8, 2))
     lo, hi = tl.split(h)
-    tl.store(xp_ptr + g[:, None] * 8 + tl.arange(0, 8)[None, :], tl.reshape(lo | (hi << 16), (BG, 8)),
-             mask=ok[:, None])
+    pairs = tl.reshape(lo | (hi << 16), (BG, 8))
+    c8 = tl.arange(0, 8)[None, :]
+    extra = tl.where(c8 == 0, inv.to(tl.int32, bitcast=True)[:, None], 0)   # column 8: 1/xs bits
+    row = tl.reshape(tl.permute(tl.join(pairs, extra), (0, 2, 1)), (BG, 16))
+    tl.store(xp_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], row, mask=ok[:, None])
     tl.store(inv_ptr + g, tl.where(ok, inv, 0.0), mask=g < KGP)
 
 
 @triton.jit
-def _pairs_at(x_desc, row0, G: tl.constexpr):
-    """The 8 f16x2 pair columns of G groups starting at pair row ``row0``, each [1, G]."""
-    xt = tl.reshape(x_desc.load([row0, 0]), (G, 2, 2, 2))
+def _pairs_at(x_desc, row0, G: tl.constexpr, XINV: tl.constexpr):
+    """The 8 f16x2 pair columns of G groups starting at pair row ``row0``, each [1, G] (``XINV``:
+    the descriptor's box holds whole 16-word rows, pairs and 1/xs; else only the 8 pair words)."""
+    xt = x_desc.load([row0, 0])
+    if XINV:
+        xt, _ = tl.split(tl.permute(tl.reshape(xt, (G, 2, 8)), (0, 2, 1)))   # columns 0-7
+    xt = tl.reshape(xt, (G, 2, 2, 2))
     e0, e1 = tl.split(xt)
     e00, e01 = tl.split(e0)
     e10, e11 = tl.split(e1)
@@ -88,14 +96,26 @@ def _pairs_at(x_desc, row0, G: tl.constexpr):
 
 
 @triton.jit
-def _pairs_and_inv(x_desc, inv_ptr, row0, g0, G: tl.constexpr):
+def _pairs_and_inv(x_desc, inv_ptr, row0, g0, G: tl.constexpr, XINV: tl.constexpr):
     """Pair columns (``_pairs_at``) and 1/xs [1, G] of the G groups g0.. of the activation row whose
     groups start at pair row ``row0`` (0 for the GEMV; token / (token, expert) rows in the MoE).
-    1/xs is read unmasked (``x_pairs`` zero-pads it to whole boxes): masked, it compiled to 16
-    scalar cp.async per box with their address and predicate set-up, ~10 % of the loop's
-    instructions (a TMA load of it needed 128 shuffles to broadcast, 1-D descriptors faulted)."""
-    inv = tl.load(inv_ptr + row0 + g0 + tl.arange(0, G))[None, :]
-    x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(x_desc, row0 + g0, G)
+
+    ``XINV``: 1/xs comes in column 8 of the same TMA rows as the pairs (q_b 19.5 -> 18.8-19.0 us,
+    experts 8.6 -> 8.3 us; but o_b 23.5 -> 25.1 us, 23.9 at its best re-swept tile, so its rule
+    keeps the other way). Else it is read unmasked from ``inv_ptr`` (``x_pairs`` zero-pads it to
+    whole boxes); masked, that load compiled to 16 scalar cp.async per box with their address and
+    predicate set-up, ~10 % of the loop's instructions. A TMA load of 1/xs on its own needed 128
+    shuffles to broadcast, and 1-D descriptors faulted."""
+    if XINV:
+        t = tl.reshape(x_desc.load([row0 + g0, 0]), (G, 2, 8))
+        _, rest = tl.split(tl.permute(t, (0, 2, 1)))                   # columns 8..15
+        rest, _ = tl.split(tl.reshape(rest, (G, 4, 2)))                # 8, 10, 12, 14
+        rest, _ = tl.split(tl.reshape(rest, (G, 2, 2)))                # 8, 12
+        c8, _ = tl.split(rest)                                         # 8: the bits of 1/xs
+        inv = c8.to(tl.float32, bitcast=True)[None, :]
+    else:
+        inv = tl.load(inv_ptr + row0 + g0 + tl.arange(0, G))[None, :]
+    x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(x_desc, row0 + g0, G, XINV)
     return inv, x0, x1, x2, x3, x4, x5, x6, x7
 
 
@@ -132,7 +152,7 @@ def _global_scale(gs_ptr, idx, MX: tl.constexpr):
 @triton.jit
 def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, N, KG, gps, SPLIT,
                      USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr,
-                     USE_ASM: tl.constexpr, PDL: tl.constexpr, MX: tl.constexpr):
+                     USE_ASM: tl.constexpr, PDL: tl.constexpr, MX: tl.constexpr, XINV: tl.constexpr):
     if PDL:  # launched while the x-pair prelude runs; its pairs are visible after the wait
         gdc_wait()
     n0, rows, row_ok, g_lo, g_hi = _tile_and_split(N, KG, gps, BN)
@@ -140,7 +160,7 @@ def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt
     for g0 in tl.range(g_lo, g_hi, G, num_stages=STAGES):
         w64 = w_desc.load([n0, g0])                     # [BN, G] int64: 16 nibbles = one scale block
         sc = _block_scales(s_desc, n0, g0, BN, G, MX)  # loads issued in the order w, s, 1/xs, x pairs
-        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(x_desc, inv_ptr, 0, g0, G)
+        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(x_desc, inv_ptr, 0, g0, G, XINV)
         part = _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM)
         acc += part * (sc * inv)
     if PDL:  # the next launch (e.g. the next call's prelude) may start while this grid finishes
@@ -204,10 +224,12 @@ def tma_default_config(N: int, K: int, device: torch.device, M: int = 1) -> dict
         else:
             bn, mult = (128 if N >= 4096 else 64), 4
         return {"TMA": True, "BN": bn, "STAGES": 3, "SPLIT": _split_for(N, K, bn, mult, sms), "num_warps": 4}
+    xinv = True  # 1/xs in the pair rows (``_pairs_and_inv``)
     if triton.cdiv(N, 256) >= sms:  # 4 stages (1 CTA/SM) for long rows: lm_head 145 us vs 208 us with 3
         bn, mult, stages = 256, 1, (4 if K >= 4096 else 3)
     elif K >= 8192:  # o_b: 128-row tiles, 3 stages (3 CTAs/SM), split ~10: 24.0-24.4 us vs 25.5-25.9
-        bn, mult, stages = 128, 4, 3   # for 256 rows / 4 stages in three runs (h200_run8_sweeps.txt)
+        bn, mult, stages = 128, 4, 3   # for 256 rows / 4 stages in three runs (h200_run8_sweeps.txt);
+        xinv = False                   # 1/xs by pointer: 23.5 us vs 25.1 with it in the pair rows
     else:
         bn, mult, stages = 64, 2, 3
     split = _split_for(N, K, bn, mult, sms)
@@ -215,20 +237,29 @@ def tma_default_config(N: int, K: int, device: torch.device, M: int = 1) -> dict
     # wave or split K: q_b 21.6 -> 20.6 us, o_b 27.1 -> 25.9, experts 9.9 -> 9.4); lm_head's
     # multi-wave grid of long CTAs lost 145 -> 163 us with it, so it stays off there
     pdl = triton.cdiv(N, bn) * split <= 3 * sms or split > 1  # (the TMA path already implies sm_90+)
-    return {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": 4, "PDL": pdl}
+    return {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": 4, "PDL": pdl, "XINV": xinv}
 
 
 def x_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [K] (any float dtype) -> (f16x2 pairs int32 [K/16, 8], 1/xs fp32 [K/16])."""
+    """x [K] (any float dtype) -> (int32 [K/16, 16]: per 16-group the 8 f16x2 pairs, the bits of
+    1/xs and 7 unused words; 1/xs fp32 [K/16] again on its own, zero-padded after the end)."""
     K = x.shape[-1]
     KG = K // 16
-    xp = torch.empty((KG, 8), dtype=torch.int32, device=x.device)
+    xp = torch.empty((KG, 16), dtype=torch.int32, device=x.device)
     kgp = triton.cdiv(KG, INV_PAD) * INV_PAD
     inv = torch.empty(kgp, dtype=torch.float32, device=x.device)
     bg = 16 if _INTERPRET else 32
     _x_pairs_kernel[(triton.cdiv(kgp, bg),)](x, xp, inv, KG, kgp, BG=bg, PDL=pdl, num_warps=1 if _INTERPRET else 4,
                                              **({"launch_pdl": True} if pdl else {}))
     return xp, inv[:KG]
+
+
+def pairs_descriptor(xp: torch.Tensor, g: int, xinv: bool) -> TensorDescriptor:
+    """TMA descriptor over ``x_pairs`` rows [KG, 16] with boxes of ``g`` groups: whole rows (pairs
+    and 1/xs, ``xinv``) or only their 8 pair words (row stride 64 bytes)."""
+    if xinv:
+        return TensorDescriptor.from_tensor(xp, [g, 16])
+    return TensorDescriptor(xp, [xp.shape[0], 8], [xp.stride(0), 1], [g, 8])
 
 
 def launch_gemv_tma(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor,
@@ -255,10 +286,11 @@ def launch_gemv_tma(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     sd = TensorDescriptor.from_tensor(s8, [bn, g // 2 if mx else g])
     if M == 1:
         pdl = bool(cfg.get("PDL", False)) and not _INTERPRET
+        xinv = bool(cfg.get("XINV", True))
         xp, inv = x_pairs(x2[0], pdl) if pairs is None else pairs
         _gemv_tma_kernel[(n_tiles, split)](
-            wd, sd, TensorDescriptor.from_tensor(xp, [g, 8]), inv, gs, y, ws, cnt, N, KG, gps, split,
-            USE_SPLIT=split > 1, BN=bn, G=g, STAGES=cfg["STAGES"], USE_ASM=not _INTERPRET, PDL=pdl, MX=mx,
+            wd, sd, pairs_descriptor(xp, g, xinv), inv, gs, y, ws, cnt, N, KG, gps, split,
+            USE_SPLIT=split > 1, BN=bn, G=g, STAGES=cfg["STAGES"], USE_ASM=not _INTERPRET, PDL=pdl, MX=mx, XINV=xinv,
             num_warps=cfg["num_warps"], **({"launch_pdl": True} if pdl else {}))
     else:
         _gemv_tma_dot_kernel[(n_tiles, split)](

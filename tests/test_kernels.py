@@ -153,13 +153,14 @@ for kind in ("bf16", "fp16", "fp32", "outliers", "tiny"):
         x = x * 1e-30
     x = x.to({"fp16": torch.float16, "fp32": torch.float32}.get(kind, torch.bfloat16))
     for split in (1, 2):
-        cfg = {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": split, "num_warps": 1}
+        # 1/xs in the pair rows (XINV) without split, through its own pointer with split
+        cfg = {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": split, "num_warps": 1, "XINV": split == 1}
         y = nvfp4_matmul(x, wt.packed, wt.block_scale, wt.global_scale, out_dtype=torch.float32, config=cfg)
         res[f"tma_{kind}_split{split}"] = err(y, nvfp4_matmul_ref(x.float(), wt))
 wt2 = random_nvfp4(40, 1024)  # 32-group boxes (cfg G): 64 groups = 2 boxes, split across them
 x = rnd(1, 1024).to(torch.bfloat16)
 for split in (1, 2):
-    cfg = {"TMA": True, "BN": 16, "G": 32, "STAGES": 2, "SPLIT": split, "num_warps": 1}
+    cfg = {"TMA": True, "BN": 16, "G": 32, "STAGES": 2, "SPLIT": split, "num_warps": 1, "XINV": split == 1}
     y = nvfp4_matmul(x, wt2.packed, wt2.block_scale, wt2.global_scale, out_dtype=torch.float32, config=cfg)
     res[f"tma_G32_split{split}"] = err(y, nvfp4_matmul_ref(x.float(), wt2))
 x = rnd(512).to(torch.bfloat16)
@@ -173,11 +174,14 @@ xs = (b << 23).view(torch.float32)
 h = (xf * xs[:, None]).half().view(torch.int16).to(torch.int32) & 0xFFFF
 idx = torch.tensor([0, 4, 1, 5, 8, 12, 9, 13])   # pair 4h + j: elements 8h + (0, 4, 1, 5)[j] and +2
 ref_pairs = h[:, idx] | (h[:, idx + 2] << 16)
-res["tma_pairs"] = {"pairs_exact": bool(torch.equal(xp, ref_pairs)), "inv_exact": bool(torch.equal(inv, ((254 - b) << 23).view(torch.float32)))}
+res["tma_pairs"] = {"pairs_exact": bool(torch.equal(xp[:, :8], ref_pairs)),
+                    "inv_exact": bool(torch.equal(inv, ((254 - b) << 23).view(torch.float32)))
+                    and bool(torch.equal(xp[:, 8].view(torch.float32), inv))}
 for M in (2, 5, 16):  # the tl.dot loop on the same weight ring
     x = rnd(M, 512).to(torch.bfloat16)
     for split in (1, 2):
-        cfg = {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": split, "num_warps": 1}
+        # 1/xs in the pair rows (XINV) without split, through its own pointer with split
+        cfg = {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": split, "num_warps": 1, "XINV": split == 1}
         y = nvfp4_matmul(x, wt.packed, wt.block_scale, wt.global_scale, out_dtype=torch.float32, config=cfg)
         res[f"tmadot_M{M}_split{split}"] = err(y, nvfp4_matmul_ref(x.float(), wt))
 try:
@@ -440,7 +444,9 @@ def test_gpu_m1_inner_loops(h2, xp, pf, xkind):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("bn,stages,split,extra", [(64, 3, 1, {}), (256, 3, 1, {"PDL": True}), (128, 4, 7, {}),
-                                                   (256, 4, 10, {"PDL": True}), (64, 4, 3, {"G": 32, "PDL": True})])
+                                                   (256, 4, 10, {"PDL": True}), (64, 4, 3, {"G": 32, "PDL": True}),
+                                                   (128, 3, 10, {"PDL": True, "XINV": False}),
+                                                   (256, 3, 1, {"XINV": False})])
 @pytest.mark.parametrize("xkind", ["bf16", "fp16", "fp32", "outliers", "tiny"])
 def test_gpu_tma_gemv(bn, stages, split, extra, xkind):
     """The TMA GEMV's tiles/stages/splits/box widths, with and without programmatic dependent
