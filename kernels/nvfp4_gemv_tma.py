@@ -13,8 +13,9 @@ Two launches per call:
   the f16x2 pairs the inner loop multiplies (pair 4h + j = elements 8h + a_j and 8h + a_j + 2,
   a = 0, 4, 1, 5: the order in which ``_H2_WORD`` decodes the even and odd nibbles), written
   with the bits of 1/xs_g as one 16-word row per group (so one TMA box brings both; ``XINV``),
-  and 1/xs_g once more on its own, zero-padded (the o_b rule reads that). Per-group (not per-row) scaling: no global reduction, so this prelude is one short wave,
-  and a group of tiny values next to a large outlier keeps its precision.
+  and 1/xs_g once more on its own, zero-padded (the o_b rule reads that). Per-group (not
+  per-row) scaling: no global reduction, so this prelude is one short wave, and a group of tiny
+  values next to a large outlier keeps its precision.
 * ``_gemv_tma_kernel`` (M == 1; grid = row tiles x K splits): the f16x2 inner loop of ``nvfp4_matmul``
   (``_H2_GROUP_ASM``: four E2M1 nibbles -> E5M2-like bytes per shift and mask, two bytes -> one
   f16x2 register by ``prmt``, ``fma.rn.f16x2`` against x', the
