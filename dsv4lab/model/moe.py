@@ -14,6 +14,7 @@ from torch import nn
 from ..config import DSV4Config, HASH_MOE
 from .hooks import HookPoint
 from .linear import QLinear
+from .swiglu import clamped_swiglu
 
 
 def score_fn(name: str, logits: torch.Tensor) -> torch.Tensor:
@@ -70,9 +71,7 @@ class Expert(nn.Module):
         self.w2 = QLinear(config.moe_intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.w1(x).clamp(max=self.limit)
-        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
 
 
 class SharedExpert(Expert):
@@ -169,9 +168,9 @@ class Experts(nn.Module):
         flat = ids.reshape(-1)
         xr = self[0].w1.quantize_input(x).repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, D, 1]
         dt = x.dtype
-        gate = torch.bmm(stack.gather("w1", flat, dt), xr).squeeze(-1).clamp(max=self.limit)
-        up = torch.bmm(stack.gather("w3", flat, dt), xr).squeeze(-1).clamp(min=-self.limit, max=self.limit)
-        h = self[0].w2.quantize_input(F.silu(gate) * up).unsqueeze(-1)
+        gate = torch.bmm(stack.gather("w1", flat, dt), xr).squeeze(-1)
+        up = torch.bmm(stack.gather("w3", flat, dt), xr).squeeze(-1)
+        h = self[0].w2.quantize_input(clamped_swiglu(gate, up, self.limit)).unsqueeze(-1)
         y = torch.bmm(stack.gather("w2", flat, dt), h).squeeze(-1).view(T, k, D)
         return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1), y
 
