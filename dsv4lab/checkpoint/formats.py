@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from . import CheckpointError
+from .errors import CheckpointError
 from .safetensors_index import FLOAT_DTYPES
 
 FORMATS = ("plain", "nvfp4", "mxfp4", "fp8_block")

@@ -10,10 +10,11 @@ import os
 from collections import Counter
 from typing import Any
 
-from . import CheckpointError
+from .errors import CheckpointError
 from .names import component_kind, is_linear, layer_of
 from .names import KIND_GROUPS
-from .reader import CheckpointReader, _natural
+from .names import natural_key
+from .reader import CheckpointReader
 
 # per-layer byte columns of the text table
 _GROUPS = {**KIND_GROUPS, "other": ("norm", "mhc", "embed", "head")}
@@ -131,7 +132,7 @@ def inspect_checkpoint(path: str | os.PathLike, config: Any = None, limit: int =
         "counts": counts,
         "quant_mismatch": quant_mismatch,
         "n_quant_mismatch": n_quant_mismatch,
-        "ignored_keys": sorted(r.ignored_keys, key=_natural)[:limit],
+        "ignored_keys": sorted(r.ignored_keys, key=natural_key)[:limit],
         "n_ignored_keys": len(r.ignored_keys),
         "bad_format": bad_format[:limit],
         "problems": r.problems[:limit],

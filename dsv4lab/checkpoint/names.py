@@ -26,7 +26,7 @@ from typing import Sequence
 # aux tensors stored next to a quantised linear's ``X.weight``
 AUX_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "scale", "weight_scale_inv")
 WEIGHT_SUFFIXES = ("weight",) + AUX_SUFFIXES
-_WEIGHT_SUFFIX_SET = frozenset(WEIGHT_SUFFIXES)
+WEIGHT_SUFFIX_SET = frozenset(WEIGHT_SUFFIXES)
 
 LAYOUTS = ("official", "transformers", "modules", "canonical")
 
@@ -180,7 +180,7 @@ _EXPERT_PROJ = {"w1": "w1", "w2": "w2", "w3": "w3", "gate_proj": "w1", "down_pro
 _FUSED = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
 
 
-_FAST_EXPERT_RE = re.compile(r"^(model\.)?layers\.(\d+)\.(ffn|mlp)\.experts\.(\d+)\.(w[123])\.(\w+)$")
+FAST_EXPERT_RE = re.compile(r"^(model\.)?layers\.(\d+)\.(ffn|mlp)\.experts\.(\d+)\.(w[123])\.(\w+)$")
 
 
 def is_ignored(key: str) -> bool:
@@ -196,8 +196,8 @@ def normalize_key(key: str, shape: Sequence[int] | None = None) -> list[NormKey]
     ``mlp.experts.down_proj`` [E, D, I]) one :class:`NormKey` per expert (and per w1/w3 half),
     which needs ``shape``.
     """
-    fm = _FAST_EXPERT_RE.match(key)  # the bulk of a checkpoint: per-expert w1/w2/w3 (+ aux)
-    if fm is not None and fm.group(6) in _WEIGHT_SUFFIX_SET:
+    fm = FAST_EXPERT_RE.match(key)  # the bulk of a checkpoint: per-expert w1/w2/w3 (+ aux)
+    if fm is not None and fm.group(6) in WEIGHT_SUFFIX_SET:
         base = f"layers.{fm.group(2)}.mlp.experts.{fm.group(4)}.{fm.group(5)}"
         if fm.group(3) == "ffn":
             layout = "transformers" if fm.group(1) else "official"
@@ -406,3 +406,8 @@ KIND_GROUPS: dict[str, tuple[str, ...]] = {
     "shared": ("shared_expert",),
     "router": ("router",),
 }
+
+
+def natural_key(name: str) -> list:
+    """Sort key that orders ``layers.10`` after ``layers.9`` (digit runs compare as numbers)."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]

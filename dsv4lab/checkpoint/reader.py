@@ -20,10 +20,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from . import CheckpointError
+from .errors import CheckpointError
 from .expected import expected_tensors
 from .formats import FormatInfo, detect_format, shape_matches, stored_shapes
-from .names import _FAST_EXPERT_RE, _WEIGHT_SUFFIX_SET, NormKey, SliceSpec, layer_of, normalize_key, split_name, to_raw_key
+from .names import FAST_EXPERT_RE, WEIGHT_SUFFIX_SET, NormKey, natural_key, SliceSpec, layer_of, normalize_key, split_name, to_raw_key
 from .safetensors_index import DTYPE_BITS, SafetensorsIndex, scan_checkpoint, torch_dtype
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -182,14 +182,14 @@ class CheckpointReader:
         self.ignored_keys: list[str] = []
         self.unknown_keys: list[str] = []
         self.layouts: dict[str, int] = {}
-        fast = _FAST_EXPERT_RE.match
+        fast = FAST_EXPERT_RE.match
         entries, groups = self.entries, self.groups
         fast_layouts: dict[str, int] = {}
         for key, info in self.index.tensors.items():
             m = fast(key)  # fast path for the bulk (per-expert linears); same result as normalize_key
             if m is not None:
                 pre, layer, ffn, ex, w, suffix = m.groups()
-                if suffix in _WEIGHT_SUFFIX_SET:
+                if suffix in WEIGHT_SUFFIX_SET:
                     base = "layers." + layer + ".mlp.experts." + ex + "." + w
                     name = base + "." + suffix
                     if name not in entries:
@@ -468,7 +468,7 @@ class CheckpointReader:
             except CheckpointError as e:
                 cmp.bad_format.append(str(e))
         cmp.missing = [n for n in exp if n not in present]
-        cmp.unexpected.sort(key=_natural)
+        cmp.unexpected.sort(key=natural_key)
         return cmp
 
     def check(self, limit: int = 10) -> Comparison:
@@ -514,11 +514,5 @@ def _stored_shapes(fmt: str, logical: tuple[int, ...]) -> dict[str, tuple[int, .
     return stored_shapes(fmt, logical)
 
 
-def _natural(s: str):
-    import re
-
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
-
-
 def iter_sorted(names: Iterable[str]) -> list[str]:
-    return sorted(names, key=_natural)
+    return sorted(names, key=natural_key)

@@ -16,7 +16,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 
-from . import CheckpointError
+from .errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
 

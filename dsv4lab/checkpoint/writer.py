@@ -14,7 +14,7 @@ import os
 from typing import Any, Mapping, Sequence
 
 from .formats import detect_format
-from .names import AUX_SUFFIXES, component_kind, fused_key, is_linear, layer_of, split_name, to_raw_key
+from .names import AUX_SUFFIXES, component_kind, fused_key, is_linear, layer_of, natural_key, split_name, to_raw_key
 from .safetensors_index import INDEX_NAME, st_dtype_of
 
 QUANT_ALGO = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "fp8_block": "FP8_BLOCK"}
@@ -212,7 +212,7 @@ def save_checkpoint(
         algos = {v["quant_algo"] for v in quantized_layers.values()}
         algo = algos.pop() if len(algos) == 1 else "MIXED_PRECISION"
         quant = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16,
-                 "exclude_modules": sorted(excluded, key=_natural), "quantized_layers": quantized_layers}
+                 "exclude_modules": sorted(excluded, key=natural_key), "quantized_layers": quantized_layers}
         with open(qpath, "w") as f:
             json.dump({"producer": _PRODUCER, "quantization": quant}, f, indent=2)
         cdict["quantization_config"] = {"quant_method": "modelopt", **quant}
@@ -221,14 +221,8 @@ def save_checkpoint(
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cdict, f, indent=2)
     return {"path": os.path.abspath(path), "layout": layout, "files": names, "n_tensors": len(tensors),
-            "total_bytes": total, "quantized": sorted(quantized_layers, key=_natural),
+            "total_bytes": total, "quantized": sorted(quantized_layers, key=natural_key),
             "quantized_now": quantised_now}
-
-
-def _natural(s: str):
-    import re
-
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
 def _kind(name: str, key: str) -> str:

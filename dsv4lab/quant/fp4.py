@@ -28,7 +28,7 @@ _THRESHOLDS: tuple[tuple[float, bool], ...] = (
 )
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """View int8 / float4_e2m1fn_x2 / uint8 storage as uint8 (same bytes, no copy)."""
     if t.dtype == torch.uint8:
         return t
@@ -39,7 +39,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes (low 4 bits used) -> float32 values; exact: value = n/4 with small integer n."""
-    c = _as_bytes(codes) & 0xF  # uint8 arithmetic throughout: 1 byte/element temporaries
+    c = as_bytes(codes) & 0xF  # uint8 arithmetic throughout: 1 byte/element temporaries
     mag = c & 7
     e = mag >> 1
     m = mag & 1
@@ -65,13 +65,13 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     """codes [..., K] -> uint8 [..., K/2]; low nibble = element 2j, high nibble = element 2j+1."""
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_fp4 needs an even last dim, got {tuple(codes.shape)}")
-    c = _as_bytes(codes) & 0xF
+    c = as_bytes(codes) & 0xF
     return c[..., 0::2] | (c[..., 1::2] << 4)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 (or int8 / float4_e2m1fn_x2 view) [..., K/2] -> uint8 codes [..., K]."""
-    p = _as_bytes(packed)
+    p = as_bytes(packed)
     return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .fp4 import (
     NVFP4_BLOCK,
-    _as_bytes,
+    as_bytes,
     e2m1_encode,
     mxfp4_dequantize,
     nvfp4_dequantize_blocks,
@@ -126,7 +126,7 @@ class NVFP4Weight(QuantWeight):
         global_scale: torch.Tensor | float,
         input_scale: torch.Tensor | float | None = None,
     ) -> None:
-        packed = _as_bytes(packed)
+        packed = as_bytes(packed)
         if packed.dim() != 2:
             raise ValueError(f"NVFP4 packed weight must be [out, in/2], got {tuple(packed.shape)}")
         out, inn = int(packed.shape[0]), int(packed.shape[1]) * 2
@@ -168,7 +168,7 @@ class MXFP4Weight(QuantWeight):
     format = "mxfp4"
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor) -> None:
-        packed = _as_bytes(packed)
+        packed = as_bytes(packed)
         if packed.dim() != 2:
             raise ValueError(f"MXFP4 packed weight must be [out, in/2], got {tuple(packed.shape)}")
         out, inn = int(packed.shape[0]), int(packed.shape[1]) * 2
