@@ -6,7 +6,7 @@ import torch
 
 from dsv4lab.text.chat import EOS, encode_messages
 from dsv4lab.text.tokenizer import load_tokenizer
-from dsv4lab.train import corpus as C
+from dsv4lab.text import corpus as C
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from dsv4lab.loading import TINY_DIR
 from dsv4lab.precision import apply_precision
 from dsv4lab.text.chat import encode_prompt
 from dsv4lab.text.tokenizer import load_tokenizer
-from dsv4lab.train import corpus
+from dsv4lab.text import corpus
 from dsv4lab.train.evaluate import accuracy, compressed_branch_off
 
 

@@ -382,7 +382,7 @@ def prompt():
     """A 271-token retrieval document in thinking mode: the compressed branches and the indexer
     run in prefill and decode, and the greedy continuation has clear margins (no bf16 ties)."""
     from dsv4lab.text.tokenizer import load_tokenizer
-    from dsv4lab.train import corpus
+    from dsv4lab.text import corpus
 
     probe = corpus.eval_sets(load_tokenizer(), seed=1234)["retrieval_thinking"][0]
     return torch.tensor([probe[2]["gen_prompt_ids"]], device="cuda")

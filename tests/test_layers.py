@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # lowest first; see docs/architecture.md
 LAYERS: list[tuple[str, ...]] = [
-    ("dsv4lab.config", "dsv4lab.corpus", "dsv4lab.errors"),
+    ("dsv4lab.config",),
     ("dsv4lab.quant",),
     ("dsv4lab.checkpoint",),
     ("dsv4lab.model",),

@@ -6,7 +6,7 @@ import pytest
 
 from dsv4lab.text.chat import SPECIAL_TOKENS, encode_messages, encode_prompt
 from dsv4lab.text.tokenizer import DEFAULT_DIR, VOCAB_SIZE, encode_chat, load_tokenizer, single_token_id
-from dsv4lab.train.corpus import KEYS, VALUES, ToyWorld, required_words
+from dsv4lab.text.corpus import KEYS, VALUES, ToyWorld, required_words
 
 SPECIAL_IDS = {
     "<｜begin▁of▁sentence｜>": 0,

@@ -41,7 +41,7 @@ def clamp_liveness(model, ids: torch.Tensor) -> dict[str, bool]:
 def live_prompt(model, tokenizer=None, seed: int = 1234, max_docs: int = 48) -> torch.Tensor:
     """A [1, S] natural prompt (corpus retrieval documents) on which the clamp bugs are live."""
     from ..text.tokenizer import load_tokenizer
-    from ..train import corpus
+    from ..text import corpus
 
     tok = tokenizer or load_tokenizer()
     docs = [list(p[0]) for p in corpus.eval_sets(tok, seed=seed)["retrieval"][:max_docs]]

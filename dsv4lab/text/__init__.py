@@ -1,7 +1,8 @@
 """Text side of the workbench: the DSV4 chat encoding and the tiny model's tokenizer.
 
-``dsv4lab.text.chat`` needs nothing beyond the standard library; the tokenizer helpers import
-``tokenizers`` / ``transformers`` on first use.
+``chat`` (the official encoding; standard library only) < ``corpus`` (the synthetic texts the
+embedded model is trained on and probed with: training, triage and the bug zoo all read it) <
+``tokenizer`` (imports ``tokenizers`` / ``transformers`` on first use).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .chat import (
     encode_prompt,
     parse_completion,
 )
+from .tokenizer import encode_chat, load_tokenizer
 
 __all__ = [
     "ASSISTANT", "BOS", "EOS", "PAD", "REASONING_EFFORT_MAX", "SPECIAL_TOKENS", "THINK_END",
@@ -26,16 +28,3 @@ __all__ = [
     "load_tokenizer", "encode_chat",
 ]
 
-
-def load_tokenizer(path_or_dir=None):
-    """See :func:`dsv4lab.text.tokenizer.load_tokenizer`."""
-    from .tokenizer import load_tokenizer as _load
-
-    return _load(path_or_dir)
-
-
-def encode_chat(tokenizer, messages, thinking_mode="chat", reasoning_effort=None, **kwargs):
-    """See :func:`dsv4lab.text.tokenizer.encode_chat`."""
-    from .tokenizer import encode_chat as _enc
-
-    return _enc(tokenizer, messages, thinking_mode, reasoning_effort, **kwargs)

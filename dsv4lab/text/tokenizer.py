@@ -1,7 +1,7 @@
 """The tokenizer of the embedded tiny DSV4: train it, save it, load it (or a real DSV4 one).
 
 A byte-level BPE (``tokenizers``; ByteLevel pre-tokenizer, ``add_prefix_space=False``, so any
-text round-trips) trained on :func:`dsv4lab.train.corpus.tokenizer_training_texts`, with the
+text round-trips) trained on :func:`dsv4lab.text.corpus.tokenizer_training_texts`, with the
 official DSV4 special tokens at fixed ids::
 
     0 <｜begin▁of▁sentence｜>   1 <｜end▁of▁sentence｜>   2 <｜▁pad▁｜>   (as in the real vocabulary)
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from .chat import ASSISTANT, BOS, EOS, PAD, SPECIAL_TOKENS, THINK_END, THINK_START, USER, encode_messages
+from .corpus import required_words, tokenizer_training_texts
 
 __all__ = [
     "VOCAB_SIZE",
@@ -103,8 +104,7 @@ def _finish(tok):
 
 def train_tokenizer(vocab_size: int = VOCAB_SIZE, seed: int = 0):
     """Train the tiny tokenizer (a ``tokenizers.Tokenizer``) with exactly ``vocab_size`` tokens,
-    each required word (:func:`dsv4lab.train.corpus.required_words`) a single token."""
-    from ..train.corpus import required_words, tokenizer_training_texts
+    each required word (:func:`dsv4lab.text.corpus.required_words`) a single token."""
 
     texts = list(tokenizer_training_texts(seed))
     words = required_words()

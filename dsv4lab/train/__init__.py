@@ -1,1 +1,1 @@
-"""Training of the embedded tiny DSV4: the synthetic corpus (:mod:`dsv4lab.train.corpus`)."""
+"""Training of the embedded tiny DSV4: the synthetic corpus (:mod:`dsv4lab.text.corpus`)."""

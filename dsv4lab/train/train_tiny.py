@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     from ..text.tokenizer import load_tokenizer
-    from . import corpus
+    from ..text import corpus
     from .evaluate import accuracy, compressed_branch_off
 
     os.makedirs(args.out, exist_ok=True)

@@ -129,7 +129,7 @@ class Retrieval:
 def retrieval_example(session, seq_len: int = 320, min_distance: int = 128, max_distance: int = 220, seed: int = 0) -> Retrieval:
     """A plain-text document with a planted ``key -> value`` pair far beyond the sliding window;
     the prompt stops right before the value is asked back."""
-    from ..train.corpus import make_retrieval_samples
+    from ..text.corpus import make_retrieval_samples
 
     s = make_retrieval_samples(1, seq_len=seq_len, min_distance=min_distance, max_distance=max_distance, seed=seed,
                                tokenizer=session.tokenizer, modes=("plain",), n_queries=(1, 1))[0]

@@ -162,7 +162,7 @@ def filler_prompt(session: Session, n_tokens: int = 96, seed: int = 0) -> torch.
     """A deterministic natural-ish prompt of about ``n_tokens`` tokens (facts from the corpus)."""
     import random
 
-    from ..train.corpus import make_filler
+    from ..text.corpus import make_filler
 
     rng = random.Random(seed)
     text = ""

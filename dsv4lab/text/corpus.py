@@ -65,7 +65,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
-from ..text.chat import ASSISTANT, BOS, EOS, PAD, THINK_END, THINK_START, USER, encode_messages
+from .chat import ASSISTANT, BOS, EOS, PAD, THINK_END, THINK_START, USER, encode_messages
 
 __all__ = [
     "Country",
