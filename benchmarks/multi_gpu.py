@@ -44,7 +44,7 @@ def _sync(devs) -> None:
 @torch.no_grad()
 def run_placement(model_path: Path, device_map: list[str], prompt_ids: torch.Tensor, steps: int, dtype) -> dict:
     """Load with ``device_map``, prefill, ``steps`` eager steps and (CUDA) ``steps`` graph steps."""
-    from dsv4lab.decode.check import _run_steps
+    from dsv4lab.decode.check import run_steps
     from dsv4lab.loading import load
 
     _sync(device_map)
@@ -59,7 +59,7 @@ def run_placement(model_path: Path, device_map: list[str], prompt_ids: torch.Ten
     base = state.clone()
     out = {"device_map": device_map, "load_s": load_s,
            "load_MBps": checkpoint_bytes(model_path) / load_s / 1e6, "first_token": int(first[0, 0])}
-    toks, logits, lat = _run_steps(model, state, first, steps, model.decode_step)
+    toks, logits, lat = run_steps(model, state, first, steps, model.decode_step)
     out["eager"] = {"tokens": toks, "logits": logits, "step_ms": lat}
     if all(torch.device(d).type == "cuda" for d in device_map):
         from dsv4lab.decode.graphs import GraphDecoder
@@ -68,7 +68,7 @@ def run_placement(model_path: Path, device_map: list[str], prompt_ids: torch.Ten
         t0 = time.perf_counter()
         gd.capture()
         capture_s = time.perf_counter() - t0
-        toks, logits, lat = _run_steps(model, base, first, steps, gd.step)
+        toks, logits, lat = run_steps(model, base, first, steps, gd.step)
         out["graph"] = {"tokens": toks, "logits": logits, "step_ms": lat, "capture_s": capture_s,
                         "graphs": len(gd.segments)}
     del model
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from dsv4lab.cli.decode_check_cmd import _prompt_ids
     from dsv4lab.config import load_config
-    from dsv4lab.loading import resolve_path
+    from dsv4lab.checkpoint.locate import resolve_path
 
     path = Path(resolve_path(args.model))
     devices = args.devices.split(",") if args.devices else [f"cuda:{i}" for i in range(torch.cuda.device_count())]

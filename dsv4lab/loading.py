@@ -1,4 +1,4 @@
-"""Build a DSV4Model from a checkpoint, tensor by tensor, straight to each layer's device.
+"""Build a WorkbenchModel from a checkpoint, tensor by tensor, straight to each layer's device.
 
 The model is first built on the meta device (no memory), then every parameter is read lazily
 from its shard and placed where the device map says. Quantised linears stay quantised.
@@ -7,31 +7,26 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
+from .checkpoint.locate import TINY_DIR, resolve_path
+from .checkpoint.reader import CheckpointReader
 from .config import DSV4Config
-from .model import DSV4Model
-from .model.linear import QLinear
 from .model.rope import Rotary, inverse_frequencies
+from .multidevice import normalize_device_map
+from .precision import apply_precision
+from .quant.weights import QuantWeight
+from .workbench import WorkbenchModel
+
+__all__ = ["load", "materialize", "resolve_path", "TINY_DIR", "FP32_SUFFIXES"]
 
 # parameters DSV4 keeps in fp32 whatever the compute dtype (their math runs in fp32)
 FP32_SUFFIXES = ("_hc.fn", "_hc.base", "_hc.scale", "hc_head.fn", "hc_head.base", "hc_head.scale",
                  "attn.sink", ".ape", "router.bias")
-
-TINY_DIR = Path(__file__).resolve().parent.parent / "data" / "tiny-dsv4"
-
-
-def resolve_path(path: str | os.PathLike | None) -> Path:
-    """``None`` or ``"tiny"`` -> the embedded default model; ``"tiny-nvfp4"`` -> its NVFP4 export."""
-    if path is None or str(path) == "tiny":
-        return TINY_DIR
-    if str(path) == "tiny-nvfp4":
-        return TINY_DIR / "nvfp4"
-    return Path(path)
 
 
 def _device_for(name: str, layer_devices: list[torch.device], first: torch.device, last: torch.device) -> torch.device:
@@ -54,13 +49,11 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def materialize(config: DSV4Config, get_weight: Callable, get_tensor: Callable, *, dtype: torch.dtype,
-                layer_devices: list[torch.device], progress: bool = True, dequantize: bool = False) -> DSV4Model:
+                layer_devices: list[torch.device], progress: bool = True, dequantize: bool = False) -> WorkbenchModel:
     """Fill a meta-built model. ``get_weight(base, device)`` -> Tensor|QuantWeight for a linear,
     ``get_tensor(name, device)`` -> Tensor for any other parameter/buffer."""
-    from tqdm.auto import tqdm
-
     with torch.device("meta"):
-        model = DSV4Model(config)
+        model = WorkbenchModel(config)
     first, last = layer_devices[0], layer_devices[-1]
     qnames = {n for n, _ in model.qlinears()}
     names = [n for n, _ in model.named_parameters() if n.rpartition(".")[0] not in qnames or not n.endswith(".weight")]
@@ -72,8 +65,6 @@ def materialize(config: DSV4Config, get_weight: Callable, get_tensor: Callable, 
     for qname, ql in model.qlinears():
         dev = _device_for(qname, layer_devices, first, last)
         w = get_weight(qname, dev)
-        from .quant.weights import QuantWeight
-
         if isinstance(w, QuantWeight) and w.format == "plain":
             w = w.data
         if isinstance(w, torch.Tensor):
@@ -107,7 +98,7 @@ def materialize(config: DSV4Config, get_weight: Callable, get_tensor: Callable, 
 
 def load(path: str | os.PathLike | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
          device_map: Mapping[int, str] | list | None = None, precision=None, dequantize: bool = False,
-         progress: bool = True, kernels: bool | str = "auto") -> DSV4Model:
+         progress: bool = True, kernels: bool | str = "auto") -> WorkbenchModel:
     """Load a DSV4 checkpoint (any supported layout/format) lazily, shard by shard.
 
     ``device_map``: layer index -> device (list or dict); embedding goes with layer 0, the head
@@ -122,25 +113,10 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
     if kernels not in ("auto", True, False):
         raise ValueError(f"kernels must be 'auto', True or False, not {kernels!r}")
     kernels = "auto" if isinstance(kernels, str) else bool(kernels)
-    from .checkpoint.reader import CheckpointReader
-
     reader = CheckpointReader(resolve_path(path))
     config = reader.config
-    n = config.num_hidden_layers
-    if device_map is None:
-        layer_devices = [torch.device(device)] * n
-    elif isinstance(device_map, Mapping):
-        layer_devices = [torch.device(device_map[i]) for i in range(n)]
-    else:
-        layer_devices = [torch.device(d) for d in device_map]
-        if len(layer_devices) != n:
-            raise ValueError(f"device_map has {len(layer_devices)} entries for {n} layers")
-    seen: list[torch.device] = []
-    for d in layer_devices:  # one CUDA graph / position counter per contiguous run of layers
-        if seen and d != seen[-1] and d in seen:
-            raise ValueError(f"device_map must place each device's layers contiguously; {d} comes back after {seen[-1]}")
-        if not seen or d != seen[-1]:
-            seen.append(d)
+    # one CUDA graph / position counter per contiguous run of layers: the normaliser refuses others
+    layer_devices = normalize_device_map(device if device_map is None else device_map, config.num_hidden_layers)
     reader.check()
     if kernels is True and (why := kernels_unavailable(layer_devices)) is not None:  # fail before reading weights
         raise RuntimeError(f"load(kernels=True) needs the model on CUDA with triton: {why}")
@@ -148,8 +124,6 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
                         dtype=dtype, layer_devices=layer_devices, progress=progress, dequantize=dequantize)
     model.source = str(reader.path)
     if precision is not None:
-        from .precision import apply_precision
-
         apply_precision(model, precision)
     model.load_stats["kernels"] = install_kernels_for_load(model, kernels, layer_devices)
     return model
@@ -174,7 +148,7 @@ def kernels_unavailable(devices: list[torch.device]) -> str | None:
     return "; ".join(why) or "unavailable"
 
 
-def install_kernels_for_load(model: DSV4Model, kernels: bool | str, devices: list[torch.device]) -> int:
+def install_kernels_for_load(model: WorkbenchModel, kernels: bool | str, devices: list[torch.device]) -> int:
     """``load``'s ``kernels=`` switch (see :func:`load`); returns how many components got one."""
     if kernels is False:
         return 0

@@ -135,7 +135,7 @@ def _resolve(config_or_path: Any):
     if s.lower() in NAMED_CONFIGS:
         return named_config(s), None, s.lower()
     if s in ("tiny", "tiny-nvfp4"):
-        from .loading import resolve_path
+        from .checkpoint.locate import resolve_path
 
         s = str(resolve_path(s))
     if _is_checkpoint(s):
@@ -612,11 +612,11 @@ def plan(config_or_path: Any = "v4-pro", gpus: int | None = 8, gpu_memory: Any =
     caps = _capacities(gpus, gpu_memory)
     p = _build(config, wb, label, caps, reserve, context, batch, kv_dtype, dense)
     if check and not p.fits:
-        raise PlanError(_refusal(p, fmt_given=fmt, has_checkpoint=reader is not None, reserve=reserve, dense=dense), p)
+        raise PlanError(refusal_message(p, fmt_given=fmt, has_checkpoint=reader is not None, reserve=reserve, dense=dense), p)
     return p
 
 
-def _refusal(p: MemoryPlan, fmt_given, has_checkpoint: bool, reserve, dense) -> str:
+def refusal_message(p: MemoryPlan, fmt_given, has_checkpoint: bool, reserve, dense) -> str:
     hr = p.headroom()
     worst = hr.index(min(hr))
     usable = sum(c - r for c, r in zip(p.capacity, p.reserve))

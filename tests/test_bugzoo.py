@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv4lab.bugzoo import BUGS, inject, triage
-from dsv4lab.model.init import random_model
+from dsv4lab.workbench import random_model
 from oracle_util import tiny_config
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dsv4lab.analysis.compare import compare_runs, tensor_diff
-from dsv4lab.model.init import random_model
+from dsv4lab.workbench import random_model
 from oracle_util import tiny_config
 
 

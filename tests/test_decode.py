@@ -6,7 +6,7 @@ import torch
 
 from dsv4lab.decode.check import decode_check
 from dsv4lab.decode.graphs import model_signature
-from dsv4lab.model.init import random_model
+from dsv4lab.workbench import random_model
 from oracle_util import tiny_config
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device machine)")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dsv4lab
-from dsv4lab.loading import TINY_DIR
+from dsv4lab.checkpoint.locate import TINY_DIR
 from dsv4lab.precision import apply_precision
 from dsv4lab.text.chat import encode_prompt
 from dsv4lab.text.tokenizer import load_tokenizer

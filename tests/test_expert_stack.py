@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4lab.model.init import random_model
+from dsv4lab.workbench import random_model
 from dsv4lab.quant.weights import quantize_mxfp4, quantize_nvfp4
 from oracle_util import tiny_config
 

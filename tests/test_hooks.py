@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dsv4lab.analysis.cache import histogram, norm, stats, topk
-from dsv4lab.model.init import random_model
+from dsv4lab.workbench import random_model
 from oracle_util import tiny_config
 
 
@@ -50,8 +50,8 @@ def test_cache_is_bitwise_neutral(model, ids):
     assert cache["layers.3.hook_resid_post"].shape == (2, 64, 4, 32)
     assert cache.order[0] == "hook_embed" and len(cache.order) == len(model.hook_names())
     # reductions / filters / offload / budget
-    logits2, c2 = model.run_with_cache(ids, names=["*hook_probs", "layers.*.hook_resid_post", "hook_logits"],
-                                       reduce={"*hook_probs": topk(3), "*resid_post": norm(), "hook_logits": stats()},
+    logits2, c2 = model.run_with_cache(ids, names=["**.hook_probs", "layers.*.hook_resid_post", "hook_logits"],
+                                       reduce={"**.hook_probs": topk(3), "**.hook_resid_post": norm(), "hook_logits": stats()},
                                        device=None)
     assert torch.equal(ref, logits2)
     assert set(c2) == {f"layers.{i}.attn.hook_probs" for i in range(4)} | {f"layers.{i}.hook_resid_post" for i in range(4)} | {"hook_logits"}

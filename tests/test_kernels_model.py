@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import dsv4lab
 from dsv4lab.analysis.components import components, kernel_state, replace, restore_kernels, use_kernels
 from dsv4lab.decode.graphs import model_signature
-from dsv4lab.model.init import random_model
+from dsv4lab.workbench import random_model
 from dsv4lab.model.linear import QLinear
 from dsv4lab.model.moe import Experts
 from dsv4lab.quant.weights import quantize_nvfp4
@@ -388,7 +388,7 @@ def prompt():
     return torch.tensor([probe[2]["gen_prompt_ids"]], device="cuda")
 
 
-_CHOICES = ("*router.hook_ids", "*indexer.hook_indices")
+_CHOICES = ("**.router.hook_ids", "**.indexer.hook_indices")
 
 
 @contextlib.contextmanager

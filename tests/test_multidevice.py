@@ -22,7 +22,7 @@ import dsv4lab
 from dsv4lab.checkpoint import save_checkpoint
 from dsv4lab.checkpoint.fake import random_state
 from dsv4lab.model import DSV4Model
-from dsv4lab.model.init import random_model
+from dsv4lab.workbench import random_model
 from dsv4lab.multidevice import devices_of, dispatch, gather_to, model_devices, normalize_device_map, segments
 from oracle_util import tiny_config
 
@@ -173,7 +173,7 @@ def test_gather_state_and_cache():
     assert g.nbytes() <= st.nbytes()
     # a real split model: captures gathered to one device, values unchanged
     real = _fake_split(random_model(cfg, seed=1), [CPU, CPU, CPU0, CPU0])
-    logits, cache = real.run_with_cache(_ids(cfg), names="*attn.hook_*", device=None)
+    logits, cache = real.run_with_cache(_ids(cfg), names="**.attn.hook_*", device=None)
     gc = gather_to(cache, "cpu", dtype=torch.float64)
     assert set(gc) == set(cache) and len(gc) > 0
     for k in cache:

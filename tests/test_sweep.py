@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsv4lab.analysis.sweep import ablation_sweep, precision_floor
-from dsv4lab.model.init import random_model
+from dsv4lab.workbench import random_model
 from dsv4lab.precision import (dequantize_linears, linear_kinds, precision_state, quantize_linears)
 from oracle_util import tiny_config
 

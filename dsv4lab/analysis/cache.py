@@ -1,21 +1,21 @@
 """Run with cache: capture hook-point activations (filtered, reduced on device, offloaded,
 memory-bounded) without changing the computation (logits are bitwise equal with and without).
 
-    logits, cache = model.run_with_cache(ids, names=["layers.*.hook_resid_post", "*router.hook_ids"],
-                                         reduce={"*hook_probs": topk(4)}, device="cpu")
+    logits, cache = model.run_with_cache(ids, names=["layers.*.hook_resid_post", "**.router.hook_ids"],
+                                         reduce={"**.hook_probs": topk(4)}, device="cpu")
     cache["layers.2.hook_resid_post"]             # last firing
     cache.all("layers.2.mlp.router.hook_ids")     # one entry per firing (prefill + decode steps)
 """
 from __future__ import annotations
 
-import fnmatch
 import warnings
 from collections.abc import Mapping
 from typing import Callable
 
 import torch
 
-from .hooks import hooks, name_filter
+from ..patterns import matches
+from .hooks import check_hook_names, hooks, name_filter
 
 
 # ---------------------------------------------------------------- reductions (run on the device)
@@ -157,7 +157,7 @@ def _reducer_for(reduce, name):
     if callable(reduce):
         return reduce
     for pat, fn in reduce.items():
-        if name == pat or fnmatch.fnmatchcase(name, pat):
+        if matches(pat, name):
             return fn
     return None
 
@@ -187,7 +187,7 @@ def caching_hook(cache: ActivationCache, names=None, device="cpu", reduce=None, 
             cache._add(name, _move(val, device, clone), keep)
         return None
 
-    return ("*", fn)
+    return ("**", fn)
 
 
 @torch.no_grad()
@@ -195,7 +195,8 @@ def run_with_cache(model, ids: torch.Tensor, names=None, device="cpu", reduce=No
                    generate: int = 0, keep: str = "all", fwd_hooks=(), on_overflow: str = "skip", **gen_kwargs):
     """Run ``model`` on ``ids`` and capture hook activations.
 
-    names: fnmatch pattern(s) or predicate (None = every hook point). device: ``"cpu"`` offloads
+    names: pattern(s) (:mod:`dsv4lab.patterns`) or predicate (None = every hook point; a pattern
+    matching no hook point raises KeyError with did-you-mean). device: ``"cpu"`` offloads
     each capture as it is made, ``None`` keeps it where it was computed. reduce: {pattern: fn}
     (or one fn for all) applied on the device before offloading (see :func:`topk`, :func:`norm`,
     :func:`histogram`, :func:`stats`). max_bytes: captures that would exceed it are skipped
@@ -206,6 +207,9 @@ def run_with_cache(model, ids: torch.Tensor, names=None, device="cpu", reduce=No
     cache shows what each hook point saw before the intervention at that same point).
     Returns (logits, cache) or (tokens, cache).
     """
+    check_hook_names(model, names)
+    if isinstance(reduce, Mapping):
+        check_hook_names(model, list(reduce), "reduce")
     cache = ActivationCache()
     cap = caching_hook(cache, names, device, reduce, max_bytes, keep, on_overflow=on_overflow)
     with hooks(model, [cap] + list(fwd_hooks)):

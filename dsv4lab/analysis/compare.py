@@ -251,7 +251,7 @@ def _compare_against(logits_a, cache_a, mb, ib, ids, names, tol, k) -> CompareRe
         return None
 
     with applied(mb, ib):
-        with hooks(mb, [("*", on_b)]):
+        with hooks(mb, [("**", on_b)]):
             logits_b = mb(ids)
     nt = next_token_metrics(logits_a, logits_b, k)
 

@@ -23,11 +23,13 @@ The returned handle restores the originals (``handle.restore()`` or ``with`` blo
 from __future__ import annotations
 
 import copy
-import fnmatch
 from dataclasses import dataclass, field
 from typing import Callable
 
 from torch import nn
+
+from ..checkpoint.names import component_kind, layer_of
+from ..patterns import name_matcher, no_match_error, unmatched
 
 # class name -> component kind (QLinear kinds come from the canonical naming, docs/naming.md)
 _KIND_BY_CLASS = {
@@ -37,20 +39,19 @@ _KIND_BY_CLASS = {
 }
 
 
-def _segments_match(pat: list[str], name: list[str]) -> bool:
-    if not pat:
-        return not name
-    if pat[0] == "**":
-        return any(_segments_match(pat[1:], name[i:]) for i in range(len(name) + 1))
-    return bool(name) and fnmatch.fnmatchcase(name[0], pat[0]) and _segments_match(pat[1:], name[1:])
-
-
 def component_matcher(pattern) -> Callable[[str, nn.Module], bool]:
+    """``f(name, module)`` for a pattern (:mod:`dsv4lab.patterns`), a list of them or a predicate."""
     if callable(pattern) and not isinstance(pattern, str):
         return pattern
-    pats = [pattern] if isinstance(pattern, str) else list(pattern)
-    split = [p.split(".") for p in pats]
-    return lambda name, mod: any(name == p or _segments_match(s, name.split(".")) for p, s in zip(pats, split))
+    keep = name_matcher(pattern)
+    return lambda name, mod: keep(name)
+
+
+def no_component_error(model, pattern) -> KeyError:
+    """The error for a component pattern that matches nothing, with did-you-mean."""
+    names = [n for n, _ in iter_components(model)]
+    pats = unmatched(pattern, names) or [str(pattern)]
+    return no_match_error("component", "pattern", pats[0], names, "see model.components()")
 
 
 def _base_class(mod: nn.Module) -> type:
@@ -69,17 +70,10 @@ def kind_of(name: str, mod: nn.Module) -> str:
             return _KIND_BY_CLASS[klass.__name__]
         if klass is QLinear:
             try:
-                from ..precision import linear_kind
-
-                return linear_kind(name)
-            except Exception:
+                return component_kind(name + ".weight")
+            except KeyError:
                 return "linear"
     return cls.__name__.lower()
-
-
-def layer_of(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[1]) if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() else None
 
 
 def impl_label(mod: nn.Module) -> str:
@@ -232,7 +226,7 @@ def replace(model, pattern, impl, *, method: str | None = None, label: str | Non
         if match(name, mod) and (kind is None or kind_of(name, mod) == kind):
             targets.append((name, mod))
     if not targets and strict:
-        raise KeyError(f"no component matches {pattern!r}; see model.components()")
+        raise no_component_error(model, pattern)
     handle = ReplaceHandle(model, label=label or _label(impl, method))
     try:
         for name, orig in targets:
@@ -305,7 +299,7 @@ def use_kernels(model, pattern="**", enable: bool = True, *, linear: Callable | 
 
     targets, any_match = _kernel_targets(model, pattern)
     if not any_match and strict:
-        raise KeyError(f"no component matches {pattern!r}; see model.components()")
+        raise no_component_error(model, pattern)
     n = 0
     if not enable:
         for _, mod in targets:

@@ -1,30 +1,34 @@
 """Hook plumbing: name filters, temporary forward hooks (interventions), execution order, schema.
 
 Hook points are :class:`dsv4lab.model.hooks.HookPoint` identity modules; a hook's name is the
-module's dotted path (``layers.1.attn.hook_probs``). Name filters here use ``fnmatch`` semantics
-(``*`` also crosses dots): ``"layers.*.attn.hook_probs"``, ``"*router.hook_ids"``.
+module's dotted path (``layers.1.attn.hook_probs``). Name filters are the one pattern dialect of
+:mod:`dsv4lab.patterns` (``*`` within a segment, ``**`` across segments):
+``"layers.*.attn.hook_probs"``, ``"**.router.hook_ids"``.
 """
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
+
+from ..checkpoint.names import layer_of
+from ..patterns import name_matcher, no_match_error, unmatched
 
 NameFilter = "str | Sequence[str] | Callable[[str], bool] | None"
 
 
 def name_filter(names) -> Callable[[str], bool]:
-    """None -> everything; a pattern or list of patterns (fnmatch, exact names work too); a predicate."""
-    if names is None:
-        return lambda n: True
-    if callable(names):
-        return names
-    if isinstance(names, str):
-        names = [names]
-    pats = list(names)
-    return lambda n: any(n == p or fnmatch.fnmatchcase(n, p) for p in pats)
+    """None -> everything; a pattern or list of patterns (exact names work too); a predicate."""
+    return name_matcher(names)
+
+
+def check_hook_names(model, names, argument: str = "names") -> None:
+    """Raise one KeyError, with did-you-mean, for the first pattern in ``names`` that matches no
+    hook point of ``model`` (a typo would otherwise give an empty cache and no word)."""
+    all_names = [n for n, _ in hook_points(model)]
+    for pat in unmatched(names, all_names):
+        raise no_match_error("hook point", argument, pat, all_names, "see model.hook_names()")
 
 
 def hook_points(model) -> list[tuple[str, object]]:
@@ -58,6 +62,7 @@ def hooks(model, fwd_hooks: Iterable[tuple] = (), strict: bool = True) -> Iterat
         for pattern, fn in fwd_hooks:
             matched = resolve(model, pattern)
             if not matched and strict:
+                check_hook_names(model, pattern, "fwd_hooks pattern")
                 raise KeyError(f"no hook point matches {pattern!r}; see model.hook_names()")
             for name, hp in matched:
                 handles.append(hp.register_forward_hook(_wrap(fn, name)))
@@ -75,7 +80,7 @@ def record_order(model, names=None) -> Iterator[list[str]]:
     def rec(t, name):
         order.append(name)
 
-    with hooks(model, [(names if names is not None else "*", rec)], strict=False):
+    with hooks(model, [(names if names is not None else "**", rec)], strict=False):
         yield order
 
 
@@ -88,11 +93,6 @@ def default_prompt(config, batch: int = 1, seed: int = 0, length: int | None = N
         length = max(2 * config.sliding_window, 4 * m) + 1
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, config.vocab_size, (batch, length), generator=g)
-
-
-def _layer_of(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[1]) if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() else None
 
 
 @torch.no_grad()
@@ -117,18 +117,18 @@ def hook_schema(model, ids: torch.Tensor | None = None, decode: bool = False):
             if store is seen:
                 order.append(name)
 
-    with hooks(model, [("*", rec)]):
+    with hooks(model, [("**", rec)]):
         state = model.new_state(ids.shape[0], ids.shape[1] + 1)
         logits = model.prefill(ids, state)
     if decode:
-        with hooks(model, [("*", lambda t, n: rec(t, n, seen_dec))]):
+        with hooks(model, [("**", lambda t, n: rec(t, n, seen_dec))]):
             model.decode_step(logits[:, -1:].argmax(-1), state)
     rows = []
     pos = {n: i for i, n in enumerate(order)}
     for name, hp in hook_points(model):
         shape, dtype = seen.get(name, (None, None))
         row = {"name": name, "component": name.rsplit(".", 1)[0] if "." in name else "",
-               "layer": _layer_of(name), "order": pos.get(name), "shape": shape, "dtype": dtype,
+               "layer": layer_of(name), "order": pos.get(name), "shape": shape, "dtype": dtype,
                "meaning": getattr(hp, "meaning", "")}
         if decode:
             row["decode_shape"] = seen_dec.get(name, (None,))[0]

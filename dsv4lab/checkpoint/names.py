@@ -390,10 +390,15 @@ def is_linear(name: str) -> bool:
         return False
 
 
+_LAYER_INDEX_RE = re.compile(r"^(?:model\.)?layers\.(\d+)(?:\.|$)")
+
+
 def layer_of(name: str) -> int | None:
-    """Layer index of a canonical (or raw) name, ``None`` for global tensors."""
-    m = _LAYER_RE.match(name)
-    return int(m.group(2)) if m else None
+    """Layer index of any dotted name -- tensor, module or hook point, canonical or raw
+    (``layers.3``, ``layers.3.attn.hook_probs``, ``model.layers.3.mlp``) -- ``None`` for global ones.
+    The one place that answers "which layer is this" for checkpoints, plans, policies and hooks."""
+    m = _LAYER_INDEX_RE.match(name)
+    return int(m.group(1)) if m else None
 
 
 # component kinds grouped into the per-layer byte columns of inspect / plan tables

@@ -47,7 +47,7 @@ def _model(path):
         if path is not None:
             raise
         from ..config import config_from_dict
-        from ..model.init import random_model
+        from ..workbench import random_model
 
         return random_model(config_from_dict(_TINY), seed=0), (
             f"embedded model unavailable ({type(e).__name__}: {e}); using a random tiny model (seed 0)")

@@ -22,10 +22,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _prompt_ids(model_path, prompt: str):
+def prompt_ids(model_path, prompt: str):
     import torch
 
-    from ..loading import resolve_path
+    from ..checkpoint.locate import resolve_path
     from ..text.tokenizer import load_tokenizer
 
     try:
@@ -44,7 +44,7 @@ def run(args) -> int:
 
     model = load(args.model, device=args.device, dtype=torch.float32 if args.device == "cpu" else torch.bfloat16,
                  progress=not args.json)
-    res = decode_check(model, _prompt_ids(args.model, args.prompt), steps=args.steps)
+    res = decode_check(model, prompt_ids(args.model, args.prompt), steps=args.steps)
     out = res.summary()
     out["max_abs_logit_diff_per_step"] = res.max_abs_diff
     out["latency_ms"] = {res.mode_a: res.latency_a_ms, res.mode_b: res.latency_b_ms}

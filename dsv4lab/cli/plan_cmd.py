@@ -66,9 +66,9 @@ def run(args) -> int:
         runs = ", ".join(f"{_r(p.layers_on(g))} -> cuda:{g}" for g in range(p.gpus) if p.layers_on(g))
         print(f"device_map (dsv4lab.load(..., device_map=plan.device_map())): layers {runs}")
     if not p.fits:
-        from ..plan import _refusal
+        from ..plan import refusal_message
 
-        print("dsv4lab plan: " + str(PlanError(_refusal(p, args.fmt, p.weight_source == "checkpoint", args.reserve, dense))),
+        print("dsv4lab plan: " + str(PlanError(refusal_message(p, args.fmt, p.weight_source == "checkpoint", args.reserve, dense))),
               file=sys.stderr)
         return 2
     return 0

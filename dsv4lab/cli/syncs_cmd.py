@@ -26,13 +26,13 @@ def run(args) -> int:
 
     from ..decode.check import sync_inventory
     from ..loading import load
-    from .decode_check_cmd import _prompt_ids
+    from .decode_check_cmd import prompt_ids
 
     if not torch.cuda.is_available() or not args.device.startswith("cuda"):
         print("dsv4lab syncs: needs a CUDA device (CPU ops never sync with a host)", file=sys.stderr)
         return 1
     model = load(args.model, device=args.device, dtype=torch.bfloat16, progress=not args.json)
-    found = sync_inventory(model, _prompt_ids(args.model, "The capital of France is"), steps=args.steps)
+    found = sync_inventory(model, prompt_ids(args.model, "The capital of France is"), steps=args.steps)
     if args.json:
         json.dump({"syncs": found, "count": len(found)}, sys.stdout, indent=1)
         sys.stdout.write("\n")

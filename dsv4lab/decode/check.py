@@ -57,7 +57,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run_steps(model, state, first_tok: torch.Tensor, steps: int, step_fn) -> tuple[list[int], list[torch.Tensor], list[float]]:
+def run_steps(model, state, first_tok: torch.Tensor, steps: int, step_fn) -> tuple[list[int], list[torch.Tensor], list[float]]:
     dev = first_tok.device
     toks, logits, lat = [], [], []
     nxt = first_tok
@@ -88,19 +88,19 @@ def decode_check(model, prompt_ids: torch.Tensor, steps: int = 64) -> DecodeChec
 
         base = state.clone()
         mem0 = torch.cuda.memory_allocated(dev)
-        toks_a, lg_a, lat_a = _run_steps(model, state, first, steps, model.decode_step)
+        toks_a, lg_a, lat_a = run_steps(model, state, first, steps, model.decode_step)
         gstate = base
         gd = GraphDecoder(model, gstate)
         gd.capture()
         mem1 = torch.cuda.memory_allocated(dev)
-        toks_b, lg_b, lat_b = _run_steps(model, gstate, first, steps, gd.step)
+        toks_b, lg_b, lat_b = run_steps(model, gstate, first, steps, gd.step)
         mem2 = torch.cuda.memory_allocated(dev)
         diffs = [float((a - b).abs().max()) for a, b in zip(lg_a, lg_b)]
         return DecodeCheck("eager", "graph", steps, toks_a, toks_b, diffs, lat_a, lat_b,
                            {"memory_growth_during_replay_bytes": mem2 - mem1, "graph_pool_bytes": mem1 - mem0,
                             "device": torch.cuda.get_device_name(dev)})
     # CPU: fixed-buffer decode path against full forwards over the same tokens
-    toks_a, lg_a, lat_a = _run_steps(model, state, first, steps, model.decode_step)
+    toks_a, lg_a, lat_a = run_steps(model, state, first, steps, model.decode_step)
     seq = torch.cat([prompt_ids, first, torch.tensor([toks_a[:-1]], device=dev).expand(B, -1)], dim=1)
     lat_b, lg_b = [], []
     for i in range(steps):

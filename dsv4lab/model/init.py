@@ -38,8 +38,3 @@ def randomize_(model, seed: int = 0, std: float | None = None) -> "torch.nn.Modu
         ql._dense_cache = None
     return model
 
-
-def random_model(config: DSV4Config, seed: int = 0, dtype=torch.float32, device="cpu"):
-    from .model import DSV4Model
-
-    return randomize_(DSV4Model(config), seed).to(device, dtype).eval()

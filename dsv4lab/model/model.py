@@ -11,7 +11,6 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..analysis.mixin import WorkbenchMixin
 from ..config import DSV4Config
 from .decoder import DecoderLayer
 from .hooks import HookPoint
@@ -21,7 +20,7 @@ from .norms import RMSNorm
 from .state import DecodeState
 
 
-class DSV4Model(WorkbenchMixin, nn.Module):
+class DSV4Model(nn.Module):
     def __init__(self, config: DSV4Config) -> None:
         super().__init__()
         self.config = config

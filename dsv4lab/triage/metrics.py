@@ -99,17 +99,17 @@ class MetricsRecorder:
     def table(self):
         import pandas as pd
 
-        rows = [{"metric": k, "value": _short(m["value"]), "tolerance": _tol_text(m["tolerance"]), "note": m.get("note", "")}
+        rows = [{"metric": k, "value": short_value(m["value"]), "tolerance": tolerance_text(m["tolerance"]), "note": m.get("note", "")}
                 for k, m in self.metrics.items()]
         return pd.DataFrame(rows, columns=["metric", "value", "tolerance", "note"])
 
 
-def _short(v, n: int = 80):
+def short_value(v, n: int = 80):
     s = v if isinstance(v, (int, float, bool)) or v is None else json.dumps(v)
     return s if not isinstance(s, str) or len(s) <= n else s[: n - 3] + "..."
 
 
-def _tol_text(t: dict | None) -> str:
+def tolerance_text(t: dict | None) -> str:
     if not t:
         return "-"
     if t.get("ignore"):

@@ -65,7 +65,7 @@ def fingerprint(model, ids: torch.Tensor) -> list[tuple[str, object]]:
             out[name] = int((s * w).sum() % 1_000_000_007)
         return None
 
-    with model.hooks([("*", rec)]):
+    with model.hooks([("**", rec)]):
         model(ids)
     return list(out.items())
 
@@ -192,7 +192,7 @@ class RegressionResult:
         return s
 
     def text(self, max_rows: int = 40) -> str:
-        from .metrics import _short, _tol_text
+        from .metrics import short_value, tolerance_text
 
         reg = self.regressed
         is_fp = reg["metric"].str.contains("/fp.", regex=False)
@@ -202,8 +202,8 @@ class RegressionResult:
             w = max(len(m) for m in rows["metric"])
             lines.append(f"{'metric':{w}s}  {'baseline':>22s}  {'current':>22s}  tolerance")
             for _, r in rows.iterrows():
-                lines.append(f"{r['metric']:{w}s}  {str(_short(r['baseline'], 22)):>22s}  {str(_short(r['current'], 22)):>22s}  "
-                             f"{_tol_text(r['tol'])}")
+                lines.append(f"{r['metric']:{w}s}  {str(short_value(r['baseline'], 22)):>22s}  {str(short_value(r['current'], 22)):>22s}  "
+                             f"{tolerance_text(r['tol'])}")
             if len(self.regressed) > max_rows:
                 lines.append(f"... and {len(self.regressed) - max_rows} more")
         return "\n".join(lines)

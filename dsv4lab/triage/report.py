@@ -11,7 +11,6 @@ import html
 import json
 import os
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -146,19 +145,3 @@ All pages work offline (plotly.js is embedded in each).</p>
     p.write_text(page, encoding="utf-8")
     return p
 
-
-def main(argv=None) -> int:
-    from ..cli.report_cmd import build
-
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m dsv4lab.triage.report")
-    build(ap)
-    a = ap.parse_args(argv)
-    from ..cli.report_cmd import run
-
-    return run(a)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

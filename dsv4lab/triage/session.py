@@ -8,11 +8,21 @@ checkpoint path for :func:`dsv4lab.load`.
 from __future__ import annotations
 
 import copy
+import random
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from ..checkpoint.locate import TINY_DIR, resolve_path
+from ..loading import load
+from ..precision import dequantize_linears, quantize_linears
+from ..text import load_tokenizer
+from ..text.chat import encode_prompt
+from ..text.corpus import make_filler
+from ..train.tiny_config import tiny_dsv4_config
+from ..workbench import random_model
 
 MODES = ("plain", "chat", "thinking")
 
@@ -36,8 +46,6 @@ class Session:
 
     # ------------------------------------------------------------------ text
     def prompt_text(self, prompt, mode: str = "plain", **kw) -> str:
-        from ..text.chat import encode_prompt
-
         return encode_prompt(prompt, mode, **kw)
 
     def encode(self, prompt, mode: str = "plain", **kw) -> torch.Tensor:
@@ -65,8 +73,6 @@ class Session:
 
 
 def embedded_dir() -> Path:
-    from ..loading import TINY_DIR
-
     return TINY_DIR
 
 
@@ -76,9 +82,6 @@ def embedded_available() -> bool:
 
 
 def random_tiny(tokenizer=None, seed: int = 0, device="cpu", dtype=torch.float32):
-    from ..model.init import random_model
-    from ..train.tiny_config import tiny_dsv4_config
-
     vocab = len(tokenizer) if tokenizer is not None else 2048
     return random_model(tiny_dsv4_config(vocab), seed=seed, dtype=dtype, device=device)
 
@@ -96,8 +99,6 @@ def set_threads(device: str = "cpu", threads: int | None = None) -> int:
 
 def open_session(model=None, device: str = "cpu", dtype=torch.float32, progress: bool = False,
                  threads: int | None = None) -> Session:
-    from ..text import load_tokenizer
-
     set_threads(device, threads)
 
     if model is not None and not isinstance(model, (str, Path)):  # an already built model
@@ -112,11 +113,8 @@ def open_session(model=None, device: str = "cpu", dtype=torch.float32, progress:
         m = random_tiny(tok, device=device, dtype=dtype)
         return Session(m, tok, "random:tiny-dsv4-architecture(seed 0)", False,
                        notes=["embedded trained model absent: random weights"])
-    import dsv4lab
-    from ..loading import resolve_path
-
     path = resolve_path(name)
-    m = dsv4lab.load(name, device=device, dtype=dtype, progress=progress)
+    m = load(name, device=device, dtype=dtype, progress=progress)
     tok_dir = path if (path / "tokenizer.json").is_file() else (path.parent if (path.parent / "tokenizer.json").is_file() else None)
     tok = load_tokenizer(tok_dir)
     trained = path.resolve() in (embedded_dir().resolve(), (embedded_dir() / "nvfp4").resolve())
@@ -136,11 +134,7 @@ def quantized_twin(session: Session):
     nv = embedded_dir() / "nvfp4"
     if session.trained and session.path is not None and session.path.resolve() == embedded_dir().resolve() \
             and (nv / "config.json").is_file():
-        import dsv4lab
-
-        return dsv4lab.load("tiny-nvfp4", device=m.device, dtype=m.dtype, progress=False)
-    from ..precision import quantize_linears
-
+        return load("tiny-nvfp4", device=m.device, dtype=m.dtype, progress=False)
     q = copy.deepcopy(m)
     quantize_linears(q, fmt="nvfp4")
     return q
@@ -151,8 +145,6 @@ def reference_of(session: Session, model_q):
     a dequantised copy."""
     if not any(ql.quantized for _, ql in session.model.qlinears()):
         return session.model
-    from ..precision import dequantize_linears
-
     ref = copy.deepcopy(model_q)
     dequantize_linears(ref)
     return ref
@@ -160,10 +152,6 @@ def reference_of(session: Session, model_q):
 
 def filler_prompt(session: Session, n_tokens: int = 96, seed: int = 0) -> torch.Tensor:
     """A deterministic natural-ish prompt of about ``n_tokens`` tokens (facts from the corpus)."""
-    import random
-
-    from ..text.corpus import make_filler
-
     rng = random.Random(seed)
     text = ""
     while len(session.tokenizer.encode(text, add_special_tokens=False)) < n_tokens:
