@@ -11,7 +11,7 @@ launch included), the achieved bandwidth (kv + gate read + output written, once,
 its fraction of a device-to-device copy measured in the same run, and the kernel's max error
 against the reference relative to max|ref|.
 
-    python3 benchmarks/cute_pool.py --json out.json [--dtypes bf16,fp32] [--sweep]
+    python3 benchmarks/cute_pool.py --json [--dtypes bf16,fp32] [--sweep]
 
 ``--sweep`` also times other launch configs (max threads per row, chunk) of the jit backend.
 """
@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.kernels import copy_ceiling, graph_time_us  # noqa: E402
 from kernels import cute_compressor_pool as cp  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"  # default --json location
 
 ROWS = (1, 64, 4096)
 SLOTS = (8, 128)
@@ -116,7 +118,8 @@ def fmt(r: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--json", type=Path, nargs="?", default=None, const=RESULTS / "cute_pool.json",
+                    help="write the results here (bare --json: benchmarks/results/cute_pool.json)")
     ap.add_argument("--dtypes", default="bf16", help="comma list of kv dtypes (bf16, fp32, fp16)")
     ap.add_argument("--sweep", action="store_true", help="also time other jit launch configs")
     args = ap.parse_args()

@@ -8,7 +8,7 @@
     ``--format official`` builds the layer as the official checkpoint stores it instead: MXFP4
     routed experts, FP8-block (block 128) for the other quantised linears.
 
-    python3 benchmarks/decode.py --json out.json [--steps 512] [--layer-modes reference,kernels] [--format official]
+    python3 benchmarks/decode.py --json [--steps 512] [--layer-modes reference,kernels] [--format official]
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ from dsv4lab.model.linear import QLinear  # noqa: E402
 from dsv4lab.model.rope import Rotary, inverse_frequencies  # noqa: E402
 from dsv4lab.model.state import DecodeState  # noqa: E402
 from dsv4lab.quant.weights import FP8BlockWeight, MXFP4Weight, NVFP4Weight  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"  # default --json location
 
 
 def copy_ceiling(dev, nbytes=4 * 2**30, iters=10) -> float:
@@ -170,7 +172,8 @@ def bench_tiny(steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=Path, nargs="?", default=None, const=RESULTS / "decode.json",
+                    help="write the results here (bare --json: benchmarks/results/decode.json)")
     ap.add_argument("--steps", type=int, default=512)
     ap.add_argument("--skip-tiny", action="store_true")
     ap.add_argument("--layer-modes", default="reference,kernels",
@@ -204,7 +207,8 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             torch.cuda.empty_cache()
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ the rows (time = fixed cost + bytes / asymptotic bandwidth, fitted). ``--splits`
 explicit (BN, STAGES, SPLIT) sweep for the named shapes. All as fractions of a copy ceiling
 measured in the same run.
 
-    python3 benchmarks/gemv_anatomy.py --json out.json --splits o_b,q_b
+    python3 benchmarks/gemv_anatomy.py --json --splits o_b,q_b
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.kernels import SHAPES, copy_ceiling, graph_time_us, rand_nvfp4, rel_err  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"  # default --json location
 
 
 def copies_for(N: int, K: int) -> list:
@@ -59,7 +61,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="q_b,o_b,lm_head,expert_w1/w3")
     ap.add_argument("--splits", default="", help="shapes to sweep (BN, STAGES, SPLIT) explicitly")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=Path, nargs="?", default=None, const=RESULTS / "gemv_anatomy.json",
+                    help="write the results here (bare --json: benchmarks/results/gemv_anatomy.json)")
     args = ap.parse_args()
     from triton.testing import do_bench
 
@@ -171,7 +174,8 @@ def main() -> None:
         del ws
         torch.cuda.empty_cache()
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ same N holding the same bytes (what a vendor kernel reaches at that size: the ca
 fraction-of-ceiling figures). Also times the MoE decode path (6 experts, 7168->3072->7168), the
 official-format matmuls (MXFP4 expert shapes, FP8-block projections) and the activation quantiser.
 
-    python3 benchmarks/kernels.py --json out.json
+    python3 benchmarks/kernels.py --json
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+RESULTS = Path(__file__).resolve().parent / "results"  # default --json location
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -91,7 +93,8 @@ def rel_err(y, r):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=Path, nargs="?", default=None, const=RESULTS / "kernels.json",
+                    help="write the results here (bare --json: benchmarks/results/kernels.json)")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--shapes", default=None, help="comma-separated subset of shape names")
@@ -188,7 +191,8 @@ def main():
     if args.skip_moe:
         print(json.dumps(dict(matmul=rows)), flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps(dict(device=dev, torch=torch.__version__, copy_GBps=ceil, matmul=rows), indent=1))
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(dict(device=dev, torch=torch.__version__, copy_GBps=ceil, matmul=rows), indent=1))
         return
     # MoE decode: 6 of 16 stacked experts, V4-Pro expert shapes
     H, I, E, k = 7168, 3072, 16, 6
@@ -292,7 +296,8 @@ def main():
     )
     print(json.dumps(summary), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(device=dev, torch=torch.__version__, copy_GBps=ceil,
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(dict(device=dev, torch=torch.__version__, copy_GBps=ceil,
                                                    matmul=rows, moe=moe, moe_mxfp4=moe_mx, official=official, act_quant=act,
                                                    summary=summary), indent=1))
 

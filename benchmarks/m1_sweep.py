@@ -6,7 +6,7 @@ GEMV's) as CUDA-graph replays over enough weight copies to defeat the L2
 (the decode condition) and prints the best configs per shape with their fraction of a copy
 ceiling measured in the same run. Use it to choose the candidate list.
 
-    python3 benchmarks/m1_sweep.py --shapes lm_head,o_b --json out.json
+    python3 benchmarks/m1_sweep.py --shapes lm_head,o_b --json
 """
 from __future__ import annotations
 
@@ -21,11 +21,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.kernels import SHAPES, copy_ceiling, graph_time_us, rand_nvfp4, rel_err  # noqa: E402
 
+RESULTS = Path(__file__).resolve().parent / "results"  # default --json location
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="lm_head,o_b,q_b")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=Path, nargs="?", default=None, const=RESULTS / "m1_sweep.json",
+                    help="write the results here (bare --json: benchmarks/results/m1_sweep.json)")
     ap.add_argument("--top", type=int, default=5)
     ap.add_argument("--pointer", action="store_true", help="also sweep the pointer-load GEMV (pre-Hopper path)")
     ap.add_argument("--batch", type=int, default=1, help="decode batch M (<= 16)")
@@ -107,7 +110,8 @@ def main() -> None:
         del copies, w
         torch.cuda.empty_cache()
     if args.json:
-        Path(args.json).write_text(json.dumps({"copy_GBps": ceil, "sweep": out}, indent=1))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"copy_GBps": ceil, "sweep": out}, indent=1))
 
 
 if __name__ == "__main__":

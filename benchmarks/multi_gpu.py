@@ -7,8 +7,8 @@ one graph per device, captured on explicit streams) from the same prefilled stat
 compared with the single-device eager run: identical tokens, max |logit difference| per step
 (bitwise equality expected: the same kernels run on the same data, only the device changes).
 
-    python3 benchmarks/multi_gpu.py --json $OUT/multi_gpu.json                 # all visible GPUs
-    python3 benchmarks/multi_gpu.py --model data/tiny-dsv4/nvfp4 --json out.json
+    python3 benchmarks/multi_gpu.py --json   # all visible GPUs, writes benchmarks/results/multi_gpu.json
+    python3 benchmarks/multi_gpu.py --model data/tiny-dsv4/nvfp4 --json
     python3 benchmarks/multi_gpu.py --devices cpu,cpu --steps 8                 # CPU smoke (eager only)
 
 Exit status 2 when a placement's tokens differ from the single-device run.
@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"  # default --json location
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -100,7 +102,8 @@ def main(argv=None) -> int:
     ap.add_argument("--devices", default=None, help="comma-separated devices to split over (default: all CUDA GPUs)")
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--prompt", default="The capital of France is")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=Path, nargs="?", default=None, const=RESULTS / "multi_gpu.json",
+                    help="write the results here (bare --json: benchmarks/results/multi_gpu.json)")
     args = ap.parse_args(argv)
     from dsv4lab.cli.decode_check_cmd import _prompt_ids
     from dsv4lab.config import load_config
@@ -129,7 +132,8 @@ def main(argv=None) -> int:
     report["all_tokens_identical"] = ok
     print(json.dumps({k: v for k, v in report.items()}, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
     return 0 if ok else 2
 
 
