@@ -20,6 +20,12 @@ def tiny_config(**over) -> DSV4Config:
     return config_from_dict(d)
 
 
+def random_ids(cfg: DSV4Config, n: int = 96, b: int = 2, seed: int = 7) -> torch.Tensor:
+    """Token ids [b, n] in 2..vocab-1 (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, cfg.vocab_size, (b, n), generator=g)
+
+
 def oracle(cfg: DSV4Config, seed: int = 0):
     """A transformers DeepseekV4ForCausalLM with random (non-trivial) weights."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
