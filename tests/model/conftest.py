@@ -1,7 +1,8 @@
 """Fixtures of the per-component tests: the transformers oracle and our model on the same weights.
 
 ``pair`` (three random tiny configs) is the whole-model parity pair; ``mixed`` is one pair for the
-component tests (sliding, CSA and HCA layers, hash and top-k MoE). Session scope: building and
+component tests (sliding, CSA and HCA layers, hash and top-k MoE); ``mixed_calls`` holds what the
+oracle's own forward fed its attention blocks and decoder layers (and what they returned). Session scope: building and
 saving an oracle is the slow part, and every component file reuses the same ones.
 """
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import dsv4lab
-from oracle_util import oracle, tiny_config
+from oracle_util import capture, oracle, random_ids, tiny_config
 
 CONFIGS = {
     "mixed": {},
@@ -41,3 +42,20 @@ def pair(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def mixed(tmp_path_factory):
     return build_pair("mixed", tmp_path_factory)
+
+
+# 42 tokens: > the sliding window (8), CSA (ratio 4) gets 10 entries > index_topk (3), HCA (8) 5,
+# and an open window left over in both
+MIXED_IDS = dict(n=42, b=2, seed=3)
+
+
+@pytest.fixture(scope="session")
+def mixed_calls(mixed):
+    """(ids, {"layers.i": [Call], "layers.i.self_attn": [Call]}) from one oracle prefill."""
+    cfg, hf, _ = mixed
+    ids = random_ids(cfg, **MIXED_IDS)
+    mods = {}
+    for i, layer in enumerate(hf.model.layers):
+        mods[f"layers.{i}"] = layer
+        mods[f"layers.{i}.self_attn"] = layer.self_attn
+    return ids, capture(mods, lambda: hf(ids, use_cache=False))
