@@ -1,8 +1,18 @@
-"""Gathered (graph-safe, reads only the chosen experts) MoE decode equals the reference loop."""
+"""MoE (dsv4lab/model/moe.py, expert_stack.py): hash and top-k routers, Expert / SharedExpert and
+the MoE block against the oracle's DeepseekV4HashRouter / TopKRouter / MLP / Experts /
+SparseMoeBlock on the same weights; gathered (graph-safe, reads only the chosen experts) MoE
+decode equals the reference loop.
+
+Tolerances: oracle comparisons in float32 atol=1e-5, rtol=1e-5 (routing ids exact); decode vs
+full forward < 1e-4 absolute (as before); a wrong variant must miss by more than 1e-3.
+"""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from dsv4lab.analysis.components import shallow_clone
+from dsv4lab.bugzoo.variants import ExpertW1W3Swapped, RouterBiasInWeights, SharedExpertClampAfterSilu
 from dsv4lab.model.init import random_model
 from dsv4lab.quant.weights import quantize_mxfp4, quantize_nvfp4
 from oracle_util import tiny_config
@@ -71,3 +81,80 @@ def test_gathered_decode_mxfp4():
         got = stack.gather(p, ids, torch.float32)
         want = torch.stack([getattr(ex[i], p).qweight.dequantize(torch.float32) for i in ids.tolist()])
         assert torch.equal(got, want), p
+
+
+# ----------------------------------------------------------------------------- against the oracle
+ATOL, RTOL = 1e-5, 1e-5
+WRONG = 1e-3
+
+
+def _hidden(cfg, seed=0, shape=(2, 9), scale=2.0):
+    """Block inputs loud enough that the SwiGLU clamp (limit 1.0) bites."""
+    return torch.randn(*shape, cfg.hidden_size, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _by_expert(ids, w):
+    order = ids.argsort(-1)
+    return ids.gather(-1, order), w.gather(-1, order)
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["hash", "topk"])
+def test_router_matches_oracle(mixed, layer):
+    cfg, hf, ours = mixed
+    x = _hidden(cfg, seed=layer)
+    ids_in = torch.randint(0, cfg.vocab_size, x.shape[:2], generator=torch.Generator().manual_seed(9))
+    router, gate = ours.layers[layer].mlp.router, hf.model.layers[layer].mlp.gate
+    assert router.is_hash == (layer == 0)
+    with torch.no_grad():
+        ids, w = router(x, ids_in)
+        ref = gate(x, ids_in) if router.is_hash else gate(x)
+    ref_logits, ref_w, ref_ids = ref
+    got_ids, got_w = _by_expert(ids, w)
+    want_ids, want_w = _by_expert(ref_ids, ref_w)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, atol=ATOL, rtol=RTOL)
+    if router.is_hash:
+        assert torch.equal(ids, router.tid2eid[ids_in.reshape(-1)])
+        with pytest.raises(ValueError):
+            router(x, None)
+    else:  # the correction bias only chooses; in the weights it is a known bug
+        assert router.bias.abs().max() > 0
+        with torch.no_grad():
+            bad_ids, bad_w = _by_expert(*shallow_clone(router, RouterBiasInWeights)(x, None))
+        assert (bad_w - want_w).abs().max().item() > WRONG
+
+
+def test_shared_expert_matches_oracle_mlp_and_wrong_swiglus_miss(mixed):
+    cfg, hf, ours = mixed
+    x = _hidden(cfg, seed=2)
+    shared, ref_mlp = ours.layers[1].mlp.shared_expert, hf.model.layers[1].mlp.shared_experts
+    with torch.no_grad():
+        want = ref_mlp(x)
+        torch.testing.assert_close(shared(x), want, atol=ATOL, rtol=RTOL)
+        for cls in (SharedExpertClampAfterSilu, ExpertW1W3Swapped):
+            assert (shallow_clone(shared, cls)(x) - want).abs().max().item() > WRONG, cls.__name__
+
+
+@pytest.mark.parametrize("graph_safe", [False, True], ids=["sparse", "masked"])
+def test_experts_match_oracle(mixed, graph_safe):
+    cfg, hf, ours = mixed
+    x = _hidden(cfg, seed=3).reshape(-1, cfg.hidden_size)
+    T, k = x.shape[0], cfg.num_experts_per_tok
+    g = torch.Generator().manual_seed(4)
+    ids = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    with torch.no_grad():
+        got = ours.layers[2].mlp.experts(x, ids, w, graph_safe)
+        want = hf.model.layers[2].mlp.experts(x, ids, w)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["hash", "topk"])
+def test_moe_block_matches_oracle(mixed, layer):
+    cfg, hf, ours = mixed
+    x = _hidden(cfg, seed=5 + layer)
+    ids_in = torch.randint(0, cfg.vocab_size, x.shape[:2], generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = hf.model.layers[layer].mlp(x, input_ids=ids_in)
+        torch.testing.assert_close(ours.layers[layer].mlp(x, ids_in), want, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(ours.layers[layer].mlp(x, ids_in, graph_safe=True), want, atol=ATOL, rtol=RTOL)
