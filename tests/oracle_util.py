@@ -1,7 +1,11 @@
 """Helpers to build random tiny configs and the transformers oracle for parity tests."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
+from torch import nn
 
 from dsv4lab.config import DSV4Config, config_from_dict
 
@@ -18,6 +22,12 @@ def tiny_config(**over) -> DSV4Config:
              routed_scaling_factor=1.5)
     d.update(over)
     return config_from_dict(d)
+
+
+def random_ids(cfg: DSV4Config, n: int = 96, b: int = 2, seed: int = 7) -> torch.Tensor:
+    """Token ids [b, n] in 2..vocab-1 (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, cfg.vocab_size, (b, n), generator=g)
 
 
 def oracle(cfg: DSV4Config, seed: int = 0):
@@ -44,3 +54,27 @@ def oracle(cfg: DSV4Config, seed: int = 0):
             elif name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
     return m
+
+
+@dataclass
+class Call:
+    """One forward call of a hooked module: its positional and keyword inputs and its output."""
+
+    args: tuple
+    kwargs: dict
+    output: object
+
+
+def capture(modules: dict[str, nn.Module], run: Callable[[], object]) -> dict[str, list[Call]]:
+    """Run ``run()`` with forward hooks on ``modules``; returns each module's calls in order
+    (how a component test gets the inputs the oracle's own forward fed a module)."""
+    calls: dict[str, list[Call]] = {name: [] for name in modules}
+    handles = [m.register_forward_hook(lambda mod, a, kw, out, name=name: calls[name].append(Call(a, kw, out)),
+                                       with_kwargs=True) for name, m in modules.items()]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return calls

@@ -8,6 +8,7 @@ stated on the trained embedded model instead (tests/test_embedded_model.py: KL <
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 import dsv4lab
@@ -16,6 +17,7 @@ from dsv4lab.precision import apply_precision
 from oracle_util import oracle, tiny_config
 
 
+@pytest.mark.slow  # > 10 s on the shared 2-core CPU (--durations)
 def test_nvfp4_roundtrip_and_oracle_on_dequantised(tmp_path):
     from transformers import DeepseekV4ForCausalLM
 

@@ -62,6 +62,7 @@ def test_packaged_configs():
     assert flash == v4_flash_config().replace(source=flash.source)
 
 
+@pytest.mark.slow  # > 10 s on the shared 2-core CPU (--durations)
 def test_pro_nvfp4_checkpoint_plan_fits_8x141_and_total_matches_index(pro_nvfp4):
     path, info = pro_nvfp4
     loaded, mtp = _independent_index_sum(path)

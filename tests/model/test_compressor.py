@@ -1,0 +1,70 @@
+"""KV compressor (dsv4lab/model/compressor.py), HCA and CSA, against the oracle's
+DeepseekV4HCACompressor / DeepseekV4CSACompressor (stateless) on the same weights; decode token
+by token and chunked prefill build the same entries; ``ape`` on C is the known wrong variant.
+
+Tolerances: float32 atol=1e-5, rtol=1e-5; a wrong variant must miss by more than 1e-3.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4lab.analysis.components import shallow_clone
+from dsv4lab.bugzoo.variants import CompressorApeOnKV
+
+ATOL, RTOL = 1e-5, 1e-5
+WRONG = 1e-3
+LAYERS = {"csa": 1, "hca": 2}
+S = 42  # not a multiple of either ratio: an open window is left over
+
+
+def _inputs(cfg, seed=0, B=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, S, cfg.hidden_size, generator=g), torch.randn(B, S, cfg.q_lora_rank, generator=g)
+
+
+def _oracle_entries(hf, layer, x, q_res):
+    comp = hf.model.layers[layer].self_attn.compressor
+    with torch.no_grad():
+        kv, _ = comp(x, q_res, torch.arange(S)[None].expand(x.shape[0], -1), None, layer)
+    return kv[:, 0]  # [B, T, d]
+
+
+def _prefill(ours, layer, x, comp=None):
+    comp = comp or ours.layers[layer].attn.compressor
+    st = ours.new_state(x.shape[0], S).layers[layer].compressor
+    with torch.no_grad():
+        n = comp.prefill(x, 0, st)
+    return st.entries[:, :n]
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_prefill_entries_match_oracle(mixed, kind):
+    cfg, hf, ours = mixed
+    layer = LAYERS[kind]
+    comp = ours.layers[layer].attn.compressor
+    assert comp.overlap == (kind == "csa") and comp.ape.abs().max() > 0
+    x, q_res = _inputs(cfg, seed=layer)
+    want = _oracle_entries(hf, layer, x, q_res)
+    got = _prefill(ours, layer, x)
+    assert got.shape == want.shape == (2, S // comp.ratio, cfg.head_dim)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    bad = _prefill(ours, layer, x, shallow_clone(comp, CompressorApeOnKV))
+    assert (bad - want).abs().max().item() > WRONG
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_chunked_prefill_and_decode_build_the_same_entries(mixed, kind):
+    cfg, hf, ours = mixed
+    layer = LAYERS[kind]
+    comp = ours.layers[layer].attn.compressor
+    x, q_res = _inputs(cfg, seed=10 + layer)
+    want = _oracle_entries(hf, layer, x, q_res)
+    st = ours.new_state(2, S).layers[layer].compressor
+    with torch.no_grad():
+        comp.prefill(x[:, :7], 0, st)      # ends inside a window
+        comp.prefill(x[:, 7:19], 7, st)
+        for t in range(19, S):
+            n = comp.decode(x[:, t : t + 1], torch.tensor(t), st)
+    assert int(n) == S // comp.ratio
+    torch.testing.assert_close(st.entries[:, : int(n)], want, atol=ATOL, rtol=RTOL)
