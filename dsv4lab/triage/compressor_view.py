@@ -201,3 +201,27 @@ def retrieval_check(session, ex: Retrieval, block_planted: bool = False, ablate_
                        "n_valid_entries": int(torch.isfinite(scores).sum())}
     return {"p_answer": float(p[ex.answer_id]), "answer_rank": int((p > p[ex.answer_id]).sum()) + 1,
             "top1_id": int(p.argmax()), "layers": rows, "cache": cache}
+
+
+# ------------------------------------------------------------------------------ metrics
+# Notebook 4 and the nightly both record through these, so each metric has one key and one tolerance.
+def record_compressor(rec, model, cache, seq_len: int) -> None:
+    """Per compressed layer: entries emitted, most entries one token sees, mean softmax entropy."""
+    for layer in compressed_layers(model):
+        st = overlap_stats(model, layer, cache, seq_len)
+        rec.record(f"compressor.L{layer}.entries", st["entries"])
+        rec.record(f"compressor.L{layer}.max_entries_per_token", st["max_entries_per_token"])
+        rec.record(f"compressor.L{layer}.entropy", st["mean_entropy"], {"abs": 1e-4, "rel": 1e-3})
+
+
+def record_retrieval(rec, ex: Retrieval, result: dict, blocked: dict | None = None) -> None:
+    """Per CSA layer: planted entry chosen, its best rank; p(answer) (also with the planted
+    entries blocked); whether the answer is top-1."""
+    for layer, r in result["layers"].items():
+        rec.record(f"retrieval.L{layer}.planted_chosen", r["planted_chosen"])
+        rec.record(f"retrieval.L{layer}.best_planted_rank", r["best_planted_rank"], {"abs": 2})
+    rec.record("retrieval.p_answer", result["p_answer"], {"abs": 2e-3, "rel": 0.02})
+    if blocked is not None:
+        rec.record("retrieval.p_answer_planted_blocked", blocked["p_answer"], {"abs": 2e-3, "rel": 0.02})
+    rec.record("retrieval.answer_correct", result["top1_id"] == ex.answer_id)
+

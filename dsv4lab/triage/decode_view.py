@@ -54,3 +54,16 @@ def sync_inventory(session, ids: torch.Tensor):
 
     found = inv(session.model, ids)
     return found, f"{len(found)} host sync(s) inside one decode step" + ("" if found else " -- graph-capturable")
+
+
+def record_decode(rec, dc) -> dict:
+    """Decode path vs its reference (notebook 5 and the nightly record through this); returns the summary."""
+    sm = dc.summary()
+    rec.record("modes", sm["modes"], "ignore")  # device-dependent (CPU: buffers vs full forward; CUDA: eager vs graph)
+    rec.record("token_agreement", sm["token_agreement"], {"abs": 0.0, "direction": "down"})
+    rec.record("max_abs_logit_diff", sm["max_abs_logit_diff"], {"abs": 1e-3, "direction": "up"})
+    rec.record("first_token_mismatch", sm["first_token_mismatch"])
+    rec.record(f"median_step_ms_{dc.mode_a}", sm[f"median_step_ms_{dc.mode_a}"], "ignore")
+    rec.record(f"median_step_ms_{dc.mode_b}", sm[f"median_step_ms_{dc.mode_b}"], "ignore")
+    return sm
+

@@ -176,3 +176,26 @@ def thinking_figure(df, answer: str | None = None):
                 "generated token index (greedy)", "probability", legend="series")
     fig.update_xaxes(tickmode="array", tickvals=list(df["step"]), ticktext=[t.strip("'") for t in df["token"]], tickangle=-60)
     return fig
+
+
+# ------------------------------------------------------------------------------ metrics
+# Notebook 2 and the nightly both record through these, so each metric has one key and one tolerance.
+def record_first_token(rec, session, probes: dict[str, FirstToken], answer_id: int | None) -> None:
+    """Top-1 token, its probability and the answer's, per encoding; finite logits."""
+    for mode, ft in probes.items():
+        rec.record(f"{mode}.top1", session.tok(ft.top1_id))
+        rec.record(f"{mode}.p_top1", float(ft.probs.max()), {"abs": 1e-3, "rel": 0.01})
+        if answer_id is not None:
+            rec.record(f"{mode}.p_answer", float(ft.probs[answer_id]), {"abs": 1e-3, "rel": 0.02})
+    rec.record("plain.top1_is_answer", probes["plain"].top1_id == answer_id)
+    rec.record("logits_finite", all(bool(ft.logits.isfinite().all()) for ft in probes.values()))
+
+
+def record_lens(rec, lens_df, lens: torch.Tensor, real: torch.Tensor, answer_id: int | None, answer: str | None) -> None:
+    """The logit lens: its last row equals the logits; p(answer) per layer; first layer with it top-1."""
+    rec.record("lens.final_row_max_abs_diff", float((lens[-1] - real).abs().max()), {"abs": 1e-4, "direction": "up"})
+    if answer_id is not None:
+        rec.record("lens.p_answer_by_layer", [round(x, 4) for x in lens_df["p_answer"]], {"abs": 2e-3})
+        first = next((r.layer for r in lens_df.itertuples() if r.top1 == repr(answer)), None)
+        rec.record("lens.first_layer_answer_top1", first)
+

@@ -81,6 +81,11 @@ class MetricsRecorder:
         self.save()
         return value
 
+    def scoped(self, prefix: str) -> "ScopedRecorder":
+        """A view that records into this recorder under ``prefix + name``: the nightly records a
+        notebook's metrics with that notebook's own ``record_*`` function, in its own namespace."""
+        return ScopedRecorder(self, prefix)
+
     def get(self, name: str, default=None):
         m = self.metrics.get(name)
         return default if m is None else m["value"]
@@ -102,6 +107,16 @@ class MetricsRecorder:
         rows = [{"metric": k, "value": short_value(m["value"]), "tolerance": tolerance_text(m["tolerance"]), "note": m.get("note", "")}
                 for k, m in self.metrics.items()]
         return pd.DataFrame(rows, columns=["metric", "value", "tolerance", "note"])
+
+
+class ScopedRecorder:
+    """``record(name, ...)`` -> ``parent.record(prefix + name, ...)`` (see MetricsRecorder.scoped)."""
+
+    def __init__(self, parent: MetricsRecorder, prefix: str) -> None:
+        self.parent, self.prefix = parent, prefix
+
+    def record(self, name: str, value, tolerance=None, note: str = ""):
+        return self.parent.record(self.prefix + name, value, tolerance, note)
 
 
 def short_value(v, n: int = 80):

@@ -76,7 +76,7 @@ def nightly_metrics(session, rec, prompt: str, chat_prompt: str, answer: str | N
                     bug: str | None = None, bug_layers=None) -> dict:
     """Record, on ``rec``, the metrics the notebooks record (compact versions) plus the
     fingerprint, with ``bug`` injected when given. Returns {"injected": [...components]}."""
-    from . import ablation, compressor_view, logits
+    from . import ablation, compressor_view, decode_view, logits
     from .bugs import inject, injected_components
 
     model = session.model
@@ -92,13 +92,10 @@ def nightly_metrics(session, rec, prompt: str, chat_prompt: str, answer: str | N
         rec.record("inputs.probe_ids", ids[0].tolist(), "exact")
         rec.record("inputs.chat_ids", session.encode(chat_prompt, "chat")[0].tolist(), "exact")
         # notebook 2: first-token logits in three encodings, logit lens
-        for mode, ft in logits.probe_all_modes(session, prompt, chat_prompt, k=5).items():
-            rec.record(f"logits.{mode}.top1", session.tok(ft.top1_id), "exact")
-            rec.record(f"logits.{mode}.p_top1", float(ft.probs.max()), {"abs": 1e-3, "rel": 1e-2})
+        probes = logits.probe_all_modes(session, prompt, chat_prompt, k=5)
+        logits.record_first_token(rec.scoped("logits."), session, probes, ans)
         df, lens, real = logits.logit_lens(session, ids, ans)
-        rec.record("lens.final_equals_logits", float((lens[-1] - real).abs().max()), {"abs": 1e-4, "direction": "up"})
-        if ans is not None:
-            rec.record("lens.p_answer_by_layer", [round(x, 4) for x in df["p_answer"]], {"abs": 2e-3})
+        logits.record_lens(rec, df, lens, real, ans, answer)
         # notebook 3: precision (weights FP4 vs original, activations W4A4)
         st = ablation.make_setup(session, ids)
         for mode in ("w4a16", "w4a4"):
@@ -110,19 +107,10 @@ def nightly_metrics(session, rec, prompt: str, chat_prompt: str, answer: str | N
         # notebook 4: compressor and indexer on the retrieval example
         ex = compressor_view.retrieval_example(session)
         rr = compressor_view.retrieval_check(session, ex)
-        rec.record("retrieval.p_answer", rr["p_answer"], {"abs": 2e-3, "rel": 0.02, "direction": "down"})
-        for layer, row in rr["layers"].items():
-            rec.record(f"retrieval.L{layer}.planted_chosen", row["planted_chosen"], "exact")
-        for layer in compressor_view.compressed_layers(model):
-            s = compressor_view.overlap_stats(model, layer, rr["cache"], ex.ids.shape[1])
-            rec.record(f"compressor.L{layer}.entropy", s["mean_entropy"], {"abs": 1e-4, "rel": 1e-3})
+        compressor_view.record_retrieval(rec, ex, rr)
+        compressor_view.record_compressor(rec, model, rr["cache"], ex.ids.shape[1])
         # notebook 5: decode path vs full forward
-        from .decode_view import run as decode_run
-
-        dc = decode_run(session, ids, steps=decode_steps)
-        sm = dc.summary()
-        rec.record("decode.token_agreement", sm["token_agreement"], {"abs": 0.0, "direction": "down"})
-        rec.record("decode.max_abs_logit_diff", sm["max_abs_logit_diff"], {"abs": 1e-3, "direction": "up"})
+        decode_view.record_decode(rec.scoped("decode."), decode_view.run(session, ids, steps=decode_steps))
         # the component fingerprint (names the component)
         fp = fingerprint(model, session.encode(chat_prompt, "chat"))
         rec.record("fp.order", [n for n, _ in fp], "ignore")

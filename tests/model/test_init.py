@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4lab.model.init import random_model
+from dsv4lab.workbench import random_model
 from oracle_util import tiny_config
 
 

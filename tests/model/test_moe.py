@@ -13,7 +13,7 @@ import torch
 
 from dsv4lab.analysis.components import shallow_clone
 from dsv4lab.bugzoo.variants import ExpertW1W3Swapped, RouterBiasInWeights, SharedExpertClampAfterSilu
-from dsv4lab.model.init import random_model
+from dsv4lab.workbench import random_model
 from dsv4lab.quant.weights import quantize_mxfp4, quantize_nvfp4
 from oracle_util import tiny_config
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from dsv4lab.config import CSA, SLIDING
-from dsv4lab.model.init import random_model
+from dsv4lab.workbench import random_model
 from dsv4lab.model.state import DecodeState
 from oracle_util import random_ids, tiny_config
 
