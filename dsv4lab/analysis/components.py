@@ -30,6 +30,7 @@ from torch import nn
 
 from ..checkpoint.names import component_kind, layer_of
 from ..patterns import name_matcher, no_match_error, unmatched
+from ..handles import Restorable
 
 # class name -> component kind (QLinear kinds come from the canonical naming, docs/naming.md)
 _KIND_BY_CLASS = {
@@ -168,7 +169,7 @@ def _label(impl, method) -> str:
 
 # ------------------------------------------------------------------------------ handles
 @dataclass
-class ReplaceHandle:
+class ReplaceHandle(Restorable):
     """Replacements made by one :func:`replace` call; ``restore()`` puts the originals back."""
 
     model: object
@@ -193,13 +194,6 @@ class ReplaceHandle:
         stack = getattr(self.model, "_replace_stack", None)
         if stack is not None and self in stack:
             stack.remove(self)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.restore()
-        return False
 
     def __repr__(self) -> str:
         return f"ReplaceHandle({self.label!r}, {len(self.entries)} modules, active={self.active})"

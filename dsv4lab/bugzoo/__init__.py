@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from . import variants as V
+from ..handles import Restorable
 
 SEEDS = {
     "000": "seeds/000_132ad209e9be1d42 (fix: compressor pos bias on KV + SwiGLU clamp ordering)",
@@ -100,7 +101,7 @@ def list_bugs():
 
 # ------------------------------------------------------------------------------ inject
 @dataclass
-class BugHandle:
+class BugHandle(Restorable):
     bug: Bug
     handles: list = field(default_factory=list)
     applicable: bool = True
@@ -113,13 +114,6 @@ class BugHandle:
     def restore(self) -> None:
         for h in reversed(self.handles):
             h.restore()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.restore()
-        return False
 
     def __repr__(self) -> str:
         state = f"{len(self.names)} modules" if self.applicable else f"not applicable: {self.reason}"
