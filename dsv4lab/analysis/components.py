@@ -69,9 +69,9 @@ def kind_of(name: str, mod: nn.Module) -> str:
             return _KIND_BY_CLASS[klass.__name__]
         if klass is QLinear:
             try:
-                from ..precision import linear_kind
+                from ..checkpoint.names import module_kind
 
-                return linear_kind(name)
+                return module_kind(name)
             except Exception:
                 return "linear"
     return cls.__name__.lower()
