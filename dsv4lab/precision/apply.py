@@ -84,35 +84,45 @@ def displaced(model) -> dict:
 
 def apply_precision(model, policy, originals: Originals | None = None) -> dict:
     """Set every linear's mode (and, for ``orig``, its weight); dense caches build lazily on the
-    next forward. Returns a report with the linears whose mode changed and the weight memory
-    before/after (after = once each ``bf16``/``orig`` linear holds its dense copy)."""
+    next forward. All or nothing: on an error the model is left as it was. Returns a report with
+    the linears whose mode changed and the weight memory before/after (after = once each
+    ``bf16``/``orig`` linear holds its dense copy)."""
     policy = PrecisionPolicy.parse(policy)
     check_targets(model, policy)
-    originals = originals or NoOriginals()
+    plan = [(name, ql, *policy.mode_for(name)) for name, ql in model.qlinears()]
     aside = displaced(model)
+    if originals is None:
+        originals = NoOriginals()
+        for name, ql, mode, _ in plan:
+            if mode == Mode.ORIG and ql.quantized and name not in aside:
+                originals.weight(name)  # raises: say so before anything changed
+    saved = precision_state(model)
     before = model_memory(model)
     changed = []
     after = 0
-    for name, ql in model.qlinears():
-        mode, act = policy.mode_for(name)
-        was = (Mode.ORIG if name in aside else ql.mode, ql.act_scale)
-        if mode == Mode.ORIG:
-            if name not in aside and ql.quantized:
-                w = originals.weight(name).to(device=ql.qweight.device, dtype=model.dtype)
-                aside[name] = ql.qweight
-                ql.set_weight(w)
-            ql.set_mode(Mode.BF16, act)
-        else:
-            if name in aside:
-                ql.set_weight(aside.pop(name))
-            ql.set_mode(mode, act)
-        if was != (mode, act):
-            changed.append((name, was[0], mode))
-        held = aside.get(name, ql.qweight)
-        if held is not None and ql.mode == Mode.BF16:
-            after += held.nbytes + ql.out_features * ql.in_features * model.dtype.itemsize
-        else:
-            after += ql.memory_bytes()
+    try:
+        for name, ql, mode, act in plan:
+            was = (Mode.ORIG if name in aside else ql.mode, ql.act_scale)
+            if mode == Mode.ORIG:
+                if name not in aside and ql.quantized:
+                    w = originals.weight(name).to(device=ql.qweight.device, dtype=model.dtype)
+                    aside[name] = ql.qweight
+                    ql.set_weight(w)
+                ql.set_mode(Mode.BF16, act)
+            else:
+                if name in aside:
+                    ql.set_weight(aside.pop(name))
+                ql.set_mode(mode, act)
+            if was != (mode, act):
+                changed.append((name, was[0], mode))
+            held = aside.get(name, ql.qweight)
+            if held is not None and ql.mode == Mode.BF16:
+                after += held.nbytes + ql.out_features * ql.in_features * model.dtype.itemsize
+            else:
+                after += ql.memory_bytes()
+    except BaseException:
+        restore_precision(model, saved)
+        raise
     model.precision_policy = policy
     return {"changed": changed, "bytes_before": before, "bytes_after": after, "delta_bytes": after - before}
 

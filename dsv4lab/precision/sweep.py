@@ -40,7 +40,7 @@ class ReferenceRun:
 
 
 @torch.no_grad()
-def reference_run(model, ids: torch.Tensor, policy="bf16", originals: Originals | None = None) -> ReferenceRun:
+def reference_run(model, ids: torch.Tensor, policy=Mode.BF16, originals: Originals | None = None) -> ReferenceRun:
     """Run ``model`` under ``policy`` (restored afterwards), capturing what a sweep compares."""
     with using_precision(model, policy, originals):
         logits, cache = run_with_cache(model, ids, names=SWEEP_HOOKS, device="cpu")
@@ -100,7 +100,7 @@ def _row(trial: Trial, **extra) -> dict:
 
 
 @torch.no_grad()
-def precision_sweep(model, ids: torch.Tensor, kinds=None, reference="bf16", base=None, flip: str = Mode.W4A16,
+def precision_sweep(model, ids: torch.Tensor, kinds=None, reference=Mode.BF16, base=None, flip: str = Mode.W4A16,
                     per_layer: bool = False, layers=None, reference_model=None, originals: Originals | None = None,
                     k: int = 5, progress: bool = True, include_base: bool = True):
     """DataFrame with one row per (kind[, layer]) flipped to ``flip`` on top of ``base``
@@ -164,7 +164,7 @@ def _step(step: int, added: str, trial: Trial, base_bytes: int) -> dict:
 
 
 @torch.no_grad()
-def precision_floor(model, ids: torch.Tensor, threshold: float, base=Mode.W4A16, fix: str = Mode.BF16, reference="bf16",
+def precision_floor(model, ids: torch.Tensor, threshold: float, base=Mode.W4A16, fix: str = Mode.BF16, reference=Mode.BF16,
                     kinds=None, reference_model=None, originals: Originals | None = None, max_steps: int | None = None,
                     progress: bool = True) -> FloorResult:
     """Greedy: starting from ``base``, repeatedly switch to ``fix`` the kind that lowers KL (vs the

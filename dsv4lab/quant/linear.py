@@ -16,7 +16,7 @@ from .weights import QuantWeight, as_quant_weight
 ACTS = ("none", "nvfp4", "fp8")
 
 
-def quantize_activation(x: torch.Tensor, w: QuantWeight, act: str = "none", act_scale: str = "amax") -> torch.Tensor:
+def quantize_activation(x: torch.Tensor, w: QuantWeight, act: str = "none", act_scale: str = ActScale.AMAX) -> torch.Tensor:
     """x as the GEMM would see it under ``act`` ("none" | "nvfp4" | "fp8")."""
     if act == "none":
         return x
@@ -41,7 +41,7 @@ def qlinear(
     x: torch.Tensor,
     w: QuantWeight | torch.Tensor,
     act: str = "none",
-    act_scale: str = "amax",
+    act_scale: str = ActScale.AMAX,
     weight_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x' W^T. W = ``weight_cache`` if given (a pre-dequantised copy) else w.dequantize(x.dtype)."""
