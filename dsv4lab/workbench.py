@@ -16,7 +16,7 @@ from .analysis import cache, compare, components, hooks
 from .config import DSV4Config
 from .model import DSV4Model
 from .model.init import randomize_
-from .analysis import sweep  # moves to dsv4lab.precision.sweep with the one sweep engine
+from .precision import sweep
 
 
 class WorkbenchModel(DSV4Model):
@@ -69,7 +69,7 @@ class WorkbenchModel(DSV4Model):
 
     def precision_sweep(self, ids, **kw):
         """One component kind at a time to another mode; see dsv4lab.precision.sweep."""
-        return sweep.ablation_sweep(self, ids, **kw)
+        return sweep.precision_sweep(self, ids, **kw)
 
     def precision_floor(self, ids, threshold: float, **kw):
         """Greedy: fix the worst kind until the metric meets ``threshold``; see dsv4lab.precision.sweep."""

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dsv4lab.analysis.compare import compare_runs, tensor_diff
+from dsv4lab.precision import using_precision
 from dsv4lab.workbench import random_model
 from oracle_util import tiny_config
 
@@ -72,7 +73,7 @@ def test_replacement_and_precision_interventions(model, ids):
     assert res.first_divergence.startswith("layers.3.mlp.experts.")
     assert (model.components()["impl"] == "reference").all()
     modes = {n: q.mode for n, q in model.qlinears()}
-    r = compare_runs(model, (model, "w4a4"), ids)
+    r = compare_runs(model, (model, lambda m: using_precision(m, "w4a4")), ids)
     assert r.first_divergence == "layers.0.attn.hook_q" and r.kl_mean > 0
     assert {n: q.mode for n, q in model.qlinears()} == modes  # restored
     r = compare_runs(model, (model, lambda m: m.replace("layers.0.attn_hc", type(m.layers[0].attn_hc))), ids)

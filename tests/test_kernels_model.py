@@ -126,7 +126,7 @@ def tiny_nvfp4():
 
 # ----------------------------------------------------------------------------- CPU: QLinear path
 @pytest.mark.parametrize("mode,act_scale", [("w4a16", "amax"), ("w4a4", "amax"), ("w4a4", "input_scale"),
-                                            ("w4a8", "amax"), ("dense", "amax")])
+                                            ("w4a8", "amax"), ("bf16", "amax")])
 def test_qlinear_kernel_gets_the_reference_input_in_every_mode(mode, act_scale):
     g = torch.Generator().manual_seed(0)
     ql = QLinear(64, 48)
@@ -145,8 +145,8 @@ def test_qlinear_kernel_gets_the_reference_input_in_every_mode(mode, act_scale):
     ql.kernel = fake
     out = ql(x)
     assert torch.equal(out, ref)
-    if mode == "dense":
-        assert seen == []  # bf16 policy: cached dense weight, the kernel is not used
+    if mode == "bf16":
+        assert seen == []  # bf16: cached dense weight, the kernel is not used
     else:
         assert len(seen) == 1 and torch.equal(seen[0], ql.quantize_input(x))
         assert mode == "w4a16" or not torch.equal(seen[0], x)  # activation quant happened first

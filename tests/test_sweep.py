@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from dsv4lab.analysis.sweep import ablation_sweep, precision_floor
+from dsv4lab.precision.sweep import precision_floor, precision_sweep
 from dsv4lab.workbench import random_model
 from dsv4lab.precision import (dequantize_linears, linear_kinds, precision_state, quantize_linears)
 from oracle_util import tiny_config
@@ -51,7 +51,7 @@ def test_bf16_on_nvfp4_equals_dequantised_plain_weights(qmodel, ids):
 def test_sweep_table(qmodel, ids):
     modes = precision_state(qmodel)
     t0 = time.perf_counter()
-    df = ablation_sweep(qmodel, ids, reference="bf16", flip="w4a4", progress=False)
+    df = precision_sweep(qmodel, ids, reference="bf16", flip="w4a4", progress=False)
     elapsed = time.perf_counter() - t0
     kinds = linear_kinds(qmodel)
     assert list(df["kind"]) == ["(base)"] + kinds
@@ -64,14 +64,14 @@ def test_sweep_table(qmodel, ids):
     assert elapsed < 60
     assert precision_state(qmodel) == modes  # restored
     # the reverse direction (rescue): base w4a4, one kind back to bf16 -> memory grows by its dense copy
-    rev = ablation_sweep(qmodel, ids, reference="bf16", base="w4a4", flip="bf16", kinds=["head", "experts"], progress=False)
+    rev = precision_sweep(qmodel, ids, reference="bf16", base="w4a4", flip="bf16", kinds=["head", "experts"], progress=False)
     assert list(rev["kind"]) == ["(base)", "head", "experts"]
     assert (rev.iloc[1:]["kl"] <= rev.iloc[0]["kl"] + 1e-12).all()
     assert rev.set_index("kind").loc["head", "mem_delta_bytes"] == 97 * 32 * 4
 
 
 def test_per_layer_sweep(qmodel, ids):
-    df = ablation_sweep(qmodel, ids, kinds=["router", "compressor.wkv"], flip="w4a8", per_layer=True, progress=False)
+    df = precision_sweep(qmodel, ids, kinds=["router", "compressor.wkv"], flip="w4a8", per_layer=True, progress=False)
     got = [(k, tuple(l) if l is not None else None) for k, l in zip(df["kind"], df["layers"])]
     assert got == [("(base)", None), ("router", (0,)), ("router", (1,)), ("router", (2,)), ("router", (3,)),
                    ("compressor.wkv", (1,)), ("compressor.wkv", (2,)), ("compressor.wkv", (3,))]
@@ -79,7 +79,7 @@ def test_per_layer_sweep(qmodel, ids):
 
 
 def test_precision_floor(qmodel, ids):
-    full = ablation_sweep(qmodel, ids, flip="w4a4", kinds=["head"], include_base=False, progress=False)
+    full = precision_sweep(qmodel, ids, flip="w4a4", kinds=["head"], include_base=False, progress=False)
     res = precision_floor(qmodel, ids, threshold=0.02, base="w4a4", fix="bf16", progress=False)
     assert res.reached and res.kl < 0.02 and 0 < len(res.kinds) < len(linear_kinds(qmodel))
     assert list(res.steps["step"]) == list(range(len(res.kinds) + 1))

@@ -7,9 +7,9 @@ router top-k overlap per layer, and the first point of divergence in execution o
     print(res.summary())
 
 Side B may be another model or ``(model, intervention)``; an intervention is a list of
-``(pattern, fn)`` forward hooks, a ``{component_pattern: impl}`` dict of replacements, a
-precision spec (mode string / mapping / PrecisionPolicy, restored afterwards) or a callable
-``f(model)`` returning a handle with ``restore()`` (or a context manager, or None).
+``(pattern, fn)`` forward hooks, a ``{component_pattern: impl}`` dict of replacements or a
+callable ``f(model)`` returning a handle with ``restore()`` (or a context manager, or None) --
+for a precision policy ``lambda m: dsv4lab.precision.using_precision(m, "w4a4")``.
 Run A is captured (offloaded to ``device``); run B is compared on the fly as each hook fires, so
 only one side's activations are held at a time.
 """
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..quant.modes import ACT_SCALES, MODES
 from .cache import run_with_cache
 from .hooks import hooks, name_filter
 
@@ -37,8 +38,6 @@ def _is_hook_list(x) -> bool:
 @contextlib.contextmanager
 def applied(model, intervention):
     """Context manager applying one intervention (see module doc) and undoing it on exit."""
-    from ..precision import PrecisionPolicy
-
     if intervention is None or (isinstance(intervention, (list, tuple)) and not intervention):
         yield None
         return
@@ -46,15 +45,9 @@ def applied(model, intervention):
         with hooks(model, intervention) as hs:
             yield hs
         return
-    if isinstance(intervention, (str, PrecisionPolicy)) or (isinstance(intervention, dict) and _looks_like_policy(intervention)):
-        from ..precision import apply_precision, precision_state, restore_precision
-
-        saved = precision_state(model)
-        try:
-            yield apply_precision(model, intervention)
-        finally:
-            restore_precision(model, saved)
-        return
+    if isinstance(intervention, str) or (isinstance(intervention, dict) and _looks_like_policy(intervention)):
+        raise TypeError(f"{intervention!r} looks like a precision policy: pass it as a callable, "
+                        "lambda m: dsv4lab.precision.using_precision(m, policy)")
     if isinstance(intervention, dict):
         from .components import replace
 
@@ -83,8 +76,8 @@ def applied(model, intervention):
 
 
 def _looks_like_policy(d: dict) -> bool:
-    modes = {"bf16", "dense", "w4a16", "w4a4", "w4a8", "amax", "input_scale"}
-    return all(isinstance(v, str) and v in modes for v in d.values())
+    words = {*MODES, *ACT_SCALES}
+    return all(isinstance(v, str) and v in words for v in d.values())
 
 
 def _side(x):
@@ -222,11 +215,14 @@ def compare_runs(model_a, model_b, ids: torch.Tensor, names=None, tol: float = 1
     mb, ib = _side(model_b)
     with applied(ma, ia):
         logits_a, cache_a = run_with_cache(ma, ids, names=names, device=device)
-    return _compare_against(logits_a.detach().to(device or logits_a.device), cache_a, mb, ib,
-                            ids if ids_b is None else ids_b, names, tol, k)
+    return compare_against(logits_a.detach().to(device or logits_a.device), cache_a, mb, ib,
+                           ids if ids_b is None else ids_b, names, tol, k)
 
 
-def _compare_against(logits_a, cache_a, mb, ib, ids, names, tol, k) -> CompareResult:
+def compare_against(logits_a, cache_a, mb, ib, ids, names=None, tol: float = 1e-4, k: int = 5) -> CompareResult:
+    """Run B (``mb`` under intervention ``ib``) on ``ids`` and compare it, hook by hook as it
+    fires, with an already captured run A (``logits_a``, ``cache_a``); what compare_runs does
+    after capturing A, for callers that reuse one A run (sweeps)."""
     keep = name_filter(names)
     fired_b: dict[str, int] = {}
     order_b: list[str] = []

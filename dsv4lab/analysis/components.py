@@ -28,7 +28,7 @@ from typing import Callable
 
 from torch import nn
 
-from ..checkpoint.names import component_kind, layer_of
+from ..checkpoint.names import layer_of, module_kind
 from ..patterns import name_matcher, no_match_error, unmatched
 from ..handles import Restorable
 
@@ -71,7 +71,7 @@ def kind_of(name: str, mod: nn.Module) -> str:
             return _KIND_BY_CLASS[klass.__name__]
         if klass is QLinear:
             try:
-                return component_kind(name + ".weight")
+                return module_kind(name)
             except KeyError:
                 return "linear"
     return cls.__name__.lower()

@@ -362,20 +362,28 @@ LINEAR_KINDS = frozenset({"head", "attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo
 
 def component_kind(name: str) -> str:
     """Component kind (docs/naming.md) of a canonical name, base name or aux tensor name."""
-    base, _ = split_name(name)
-    if base in ("embed", "head", "norm"):
-        return {"embed": "embed", "head": "head", "norm": "norm"}[base]
-    if base.startswith("hc_head."):
+    try:
+        return module_kind(split_name(name)[0])
+    except KeyError:
+        raise KeyError(f"{name!r} is not a canonical tensor name") from None
+
+
+def module_kind(module_name: str) -> str:
+    """Component kind of a module's (or bare parameter's) dotted name as the model names it
+    (``layers.3.mlp.experts.7.w1`` -> ``experts``); no tensor suffix is stripped first."""
+    if module_name in ("embed", "head", "norm"):
+        return {"embed": "embed", "head": "head", "norm": "norm"}[module_name]
+    if module_name.startswith("hc_head."):
         return "mhc"
-    m = _LAYER_RE.match(base)
+    m = _LAYER_RE.match(module_name)
     if m is None or m.group(1):
-        raise KeyError(f"{name!r} is not a canonical tensor name")
+        raise KeyError(f"{module_name!r} is not a canonical module name")
     rest = m.group(3)
     if rest.startswith("mlp.experts."):
         return "experts"
     kind = _KIND_BY_MODULE.get(rest)
     if kind is None:
-        raise KeyError(f"{name!r} is not a canonical tensor name")
+        raise KeyError(f"{module_name!r} is not a canonical module name")
     return kind
 
 

@@ -1,7 +1,7 @@
 """QLinear: one linear layer whose weight may stay quantised, run under a precision mode.
 
-Modes (DESIGN section 4):
-  ``dense``  weight dequantised once and cached in the compute dtype (the ``bf16`` policy);
+Modes (DESIGN section 4; the words are dsv4lab.quant.modes, shared with the policies):
+  ``bf16``   weight dequantised once and cached in the compute dtype;
   ``w4a16``  quantised weight kept as stored, dequantised per call (Hopper's FP4 path);
   ``w4a4``   activations also fake-quantised to NVFP4 (global scale from runtime amax or the
              checkpoint ``input_scale``: ``act_scale``);
@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODES = ("dense", "w4a16", "w4a4", "w4a8")
-ACT_FOR_MODE = {"dense": "none", "w4a16": "none", "w4a4": "nvfp4", "w4a8": "fp8"}
+from ..quant.modes import LINEAR_MODES, ActScale, Mode, as_act_scale, as_mode
+
+MODES = LINEAR_MODES
+ACT_FOR_MODE = {Mode.BF16: "none", Mode.W4A16: "none", Mode.W4A4: "nvfp4", Mode.W4A8: "fp8"}
 
 
 class QLinear(nn.Module):
@@ -30,8 +32,8 @@ class QLinear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.qweight = None  # dsv4lab.quant.weights.QuantWeight when quantised
-        self.mode = "w4a16"
-        self.act_scale = "amax"
+        self.mode = Mode.W4A16
+        self.act_scale = ActScale.AMAX
         self._dense_cache: torch.Tensor | None = None
         self.kernel: Callable | None = None  # optional fast path f(x, qweight) -> y
 
@@ -64,23 +66,19 @@ class QLinear(nn.Module):
         self._groups_cache = None
 
     def set_mode(self, mode: str, act_scale: str | None = None) -> None:
-        if mode == "bf16":
-            mode = "dense"
-        if mode not in MODES:
-            raise ValueError(f"unknown precision mode {mode!r}; choose from {MODES} (or 'bf16')")
+        """One of LINEAR_MODES (``orig`` is a policy word: dsv4lab.precision swaps the weight)."""
+        mode = as_mode(mode, LINEAR_MODES)
         if act_scale is not None:
-            if act_scale not in ("amax", "input_scale"):
-                raise ValueError("act_scale must be 'amax' or 'input_scale'")
-            self.act_scale = act_scale
+            self.act_scale = as_act_scale(act_scale)
         self.mode = mode
-        if mode != "dense":
+        if mode != Mode.BF16:
             self._dense_cache = None
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as a dense matrix in ``dtype`` (cached only in ``dense`` mode)."""
+        """The weight as a dense matrix in ``dtype`` (cached only in ``bf16`` mode)."""
         if self.qweight is None:
             return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
-        if self.mode == "dense":
+        if self.mode == Mode.BF16:
             if self._dense_cache is None or self._dense_cache.dtype != dtype or self._dense_cache.device != self.qweight.device:
                 self._dense_cache = self.qweight.dequantize(dtype)
             return self._dense_cache
@@ -103,7 +101,7 @@ class QLinear(nn.Module):
 
         if act == "fp8":
             return A.fake_quant_fp8_block(x)
-        if self.act_scale == "input_scale":
+        if self.act_scale == ActScale.INPUT_SCALE:
             scale = getattr(self.qweight, "input_scale", None) if self.qweight is not None else None
             if scale is None:
                 raise ValueError("act_scale='input_scale' needs a checkpoint input_scale on this weight")
@@ -119,10 +117,10 @@ class QLinear(nn.Module):
         return F.linear(x, self.dense_weight(x.dtype))
 
     def uses_kernel(self) -> bool:
-        """Does a call run ``self.kernel``? Installed, a quantised weight, not ``dense`` mode, and
+        """Does a call run ``self.kernel``? Installed, a quantised weight, not ``bf16`` mode, and
         ``dense_weight`` not overridden (the kernel computes the stock dequantisation; a replaced
         one, e.g. a bug-zoo variant, runs as written)."""
-        return (self.kernel is not None and self.qweight is not None and self.mode != "dense"
+        return (self.kernel is not None and self.qweight is not None and self.mode != Mode.BF16
                 and type(self).dense_weight is QLinear.dense_weight)
 
     def _group_weights(self, groups: int) -> list:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DSV4Config, HASH_MOE
+from ..quant.modes import Mode
 from .hooks import HookPoint
 from .linear import QLinear
 from .swiglu import clamped_swiglu
@@ -136,7 +137,7 @@ class Experts(nn.Module):
         checks only: no device syncs.)"""
         return (self.kernel is not None and stack is not None
                 and len({stack.formats[p] for p in stack.PROJ}) == 1 and stack.formats["w1"] in ("nvfp4", "mxfp4")
-                and self[0].w1.mode == "w4a16"  # stack() guarantees one mode for every projection
+                and self[0].w1.mode == Mode.W4A16  # stack() guarantees one mode for every projection
                 and x.device.type in self.kernel_devices
                 # a replaced linear (e.g. another quantize_input) is not what the kernel computes
                 and all(type(getattr(self[e], p)) is QLinear for e in range(self.n_experts) for p in stack.PROJ))

@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from .activations import fake_quant_fp8_block, fake_quant_nvfp4, nvfp4_global_scale
+from .modes import ACT_SCALES, ActScale, unknown_choice
 from .weights import QuantWeight, as_quant_weight
 
 ACTS = ("none", "nvfp4", "fp8")
-ACT_SCALES = ("amax", "input_scale")
 
 
-def quantize_activation(x: torch.Tensor, w: QuantWeight, act: str = "none", act_scale: str = "amax") -> torch.Tensor:
+def quantize_activation(x: torch.Tensor, w: QuantWeight, act: str = "none", act_scale: str = ActScale.AMAX) -> torch.Tensor:
     """x as the GEMM would see it under ``act`` ("none" | "nvfp4" | "fp8")."""
     if act == "none":
         return x
@@ -24,16 +24,16 @@ def quantize_activation(x: torch.Tensor, w: QuantWeight, act: str = "none", act_
         return fake_quant_fp8_block(x)
     if act != "nvfp4":
         raise ValueError(f"act must be one of {ACTS}, got {act!r}")
-    if act_scale == "amax":
+    if act_scale == ActScale.AMAX:
         gs = nvfp4_global_scale(x)
-    elif act_scale == "input_scale":
+    elif act_scale == ActScale.INPUT_SCALE:
         if getattr(w, "input_scale", None) is None:
             raise ValueError(
                 f"act_scale='input_scale' but this {w.format} weight has no input_scale; use act_scale='amax'"
             )
         gs = w.input_scale
     else:
-        raise ValueError(f"act_scale must be one of {ACT_SCALES}, got {act_scale!r}")
+        raise unknown_choice("act_scale", act_scale, ACT_SCALES)
     return fake_quant_nvfp4(x, gs)
 
 
@@ -41,7 +41,7 @@ def qlinear(
     x: torch.Tensor,
     w: QuantWeight | torch.Tensor,
     act: str = "none",
-    act_scale: str = "amax",
+    act_scale: str = ActScale.AMAX,
     weight_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x' W^T. W = ``weight_cache`` if given (a pre-dequantised copy) else w.dequantize(x.dtype)."""

@@ -102,7 +102,7 @@ def nightly_metrics(session, rec, prompt: str, chat_prompt: str, answer: str | N
             r = ablation.evaluate(st, mode)
             rec.record(f"precision.kl_{mode}", r["kl"], {"abs": 1e-4, "rel": 0.05, "direction": "up"})
             rec.record(f"precision.min_layer_cos_{mode}", r["min_layer_cos"], {"abs": 1e-4, "direction": "down"})
-        r = ablation.evaluate(st, ablation.Toggles(default="w4a16", kinds={"head": "orig", "router": "orig"}))
+        r = ablation.evaluate(st, {"default": "w4a16", "head": "orig", "router": "orig"})
         rec.record("precision.kl_w4a16_head_router_orig", r["kl"], {"abs": 1e-4, "rel": 0.05, "direction": "up"})
         # notebook 4: compressor and indexer on the retrieval example
         ex = compressor_view.retrieval_example(session)

@@ -45,7 +45,7 @@ def test_modes_are_the_docstring_equations():
         if ql.quantized:
             assert torch.equal(wd, w.dequantize(torch.float32))
         with torch.no_grad():
-            for mode, x_used in [("dense", x), ("w4a16", x),
+            for mode, x_used in [("bf16", x), ("w4a16", x),
                                  ("w4a4", fake_quant_nvfp4(x, nvfp4_global_scale(x))),
                                  ("w4a8", fake_quant_fp8_block(x))]:
                 ql.set_mode(mode)
@@ -60,7 +60,7 @@ def test_dense_mode_caches_only_there():
     ql(_x())
     assert ql.memory_bytes() == packed  # w4a16: dequantised per call, nothing kept
     ql.set_mode("bf16")  # the bf16 policy name
-    assert ql.mode == "dense"
+    assert ql.mode == "bf16"
     ql(_x())
     assert ql.memory_bytes() == packed + OUT * IN * 4
     ql.set_mode("w4a16")

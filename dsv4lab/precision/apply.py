@@ -1,0 +1,186 @@
+"""Putting a PrecisionPolicy on a model, in place, and taking it off again.
+
+``orig`` linears get their original (unquantised) weights from an :class:`Originals` source; the
+quantised weight they held is put aside on the model (``model.precision_displaced``) and comes
+back as soon as a later policy, :func:`restore_precision` or the :func:`using_precision` exit
+says so. Only quantised linears are swapped: a plain weight already is the original.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ..quant.modes import Mode, unknown_choice
+from .policy import PrecisionPolicy, linear_kind, linear_layer
+
+
+class Originals:
+    """Where ``orig`` linears take their original weights from: ``weight(name)`` -> dense
+    tensor. A source reads one linear at a time, so it may sit on another checkpoint instead of
+    a second model in memory."""
+
+    def weight(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def from_model(reference_model) -> "Originals":
+        """The linears of a model holding the original weights (e.g. the BF16 reference)."""
+        return ModelOriginals(reference_model)
+
+
+class ModelOriginals(Originals):
+    def __init__(self, model) -> None:
+        self.model = model
+        self.linears = dict(model.qlinears())
+
+    def weight(self, name: str) -> torch.Tensor:
+        if name not in self.linears:
+            raise KeyError(f"the originals model has no linear {name!r}")
+        return self.linears[name].dense_weight(self.model.dtype).detach()
+
+
+class NoOriginals(Originals):
+    def weight(self, name: str) -> torch.Tensor:
+        raise ValueError(f"policy mode 'orig' for the quantised linear {name!r} needs originals= "
+                         "(e.g. Originals.from_model(reference_model))")
+
+
+class UnknownTargetError(ValueError):
+    """A policy rule that matches no linear of the model (a typo would otherwise change nothing)."""
+
+
+def linear_kinds(model) -> list[str]:
+    """The component kinds of the model's linears, in first-seen (execution-ish) order."""
+    seen: dict[str, None] = {}
+    for name, _ in model.qlinears():
+        seen.setdefault(linear_kind(name), None)
+    return list(seen)
+
+
+def model_memory(model) -> int:
+    return sum(ql.memory_bytes() for _, ql in model.qlinears())
+
+
+def check_targets(model, policy: PrecisionPolicy) -> None:
+    """UnknownTargetError (with did-you-mean over the model's kinds) for a rule matching no linear."""
+    linears = [(name, linear_kind(name), linear_layer(name)) for name, _ in model.qlinears()]
+    for r in policy.rules:
+        if not any(r.matches(name, kind, layer) for name, kind, layer in linears):
+            err = unknown_choice("policy target", r.target, linear_kinds(model))
+            where = "" if r.layers is None else f" in layers {sorted(r.layers, key=lambda l: -1 if l is None else l)}"
+            raise UnknownTargetError(f"{err} -- the rule {r.describe()!r} matches no linear of the model{where}")
+
+
+def displaced(model) -> dict:
+    """name -> the quantised weight an ``orig`` swap put aside (held on the model)."""
+    d = model.__dict__.get("precision_displaced")
+    if d is None:
+        d = model.__dict__["precision_displaced"] = {}
+    return d
+
+
+def apply_precision(model, policy, originals: Originals | None = None) -> dict:
+    """Set every linear's mode (and, for ``orig``, its weight); dense caches build lazily on the
+    next forward. All or nothing: on an error the model is left as it was. Returns a report with
+    the linears whose mode changed and the weight memory before/after (after = once each
+    ``bf16``/``orig`` linear holds its dense copy)."""
+    policy = PrecisionPolicy.parse(policy)
+    check_targets(model, policy)
+    plan = [(name, ql, *policy.mode_for(name)) for name, ql in model.qlinears()]
+    aside = displaced(model)
+    if originals is None:
+        originals = NoOriginals()
+        for name, ql, mode, _ in plan:
+            if mode == Mode.ORIG and ql.quantized and name not in aside:
+                originals.weight(name)  # raises: say so before anything changed
+    saved = precision_state(model)
+    before = model_memory(model)
+    changed = []
+    after = 0
+    try:
+        for name, ql, mode, act in plan:
+            was = (Mode.ORIG if name in aside else ql.mode, ql.act_scale)
+            if mode == Mode.ORIG:
+                if name not in aside and ql.quantized:
+                    w = originals.weight(name).to(device=ql.qweight.device, dtype=model.dtype)
+                    aside[name] = ql.qweight
+                    ql.set_weight(w)
+                ql.set_mode(Mode.BF16, act)
+            else:
+                if name in aside:
+                    ql.set_weight(aside.pop(name))
+                ql.set_mode(mode, act)
+            if was != (mode, act):
+                changed.append((name, was[0], mode))
+            held = aside.get(name, ql.qweight)
+            if held is not None and ql.mode == Mode.BF16:
+                after += held.nbytes + ql.out_features * ql.in_features * model.dtype.itemsize
+            else:
+                after += ql.memory_bytes()
+    except BaseException:
+        restore_precision(model, saved)
+        raise
+    model.precision_policy = policy
+    return {"changed": changed, "bytes_before": before, "bytes_after": after, "delta_bytes": after - before}
+
+
+@dataclass(eq=False)
+class PrecisionState:
+    """What :func:`restore_precision` puts back: every linear's (mode, act_scale), the weights
+    ``orig`` swaps displaced (and the originals they hold) and the model's policy."""
+
+    modes: dict                                        # name -> (mode, act_scale)
+    swapped: dict = field(default_factory=dict)        # name -> (displaced qweight, original weight held)
+    policy: PrecisionPolicy | None = None
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, PrecisionState) and self.modes == other.modes and \
+            set(self.swapped) == set(other.swapped)
+
+
+def precision_state(model) -> PrecisionState:
+    """Every linear's mode and swapped weight, to put back with :func:`restore_precision`."""
+    aside = displaced(model)
+    lin = dict(model.qlinears())
+    return PrecisionState({name: (ql.mode, ql.act_scale) for name, ql in lin.items()},
+                          {name: (qw, lin[name].weight) for name, qw in aside.items()},
+                          model.__dict__.get("precision_policy"))
+
+
+def restore_precision(model, saved: PrecisionState) -> None:
+    """Put back what :func:`precision_state` saw: modes, quantised weights, ``orig`` swaps."""
+    aside = displaced(model)
+    for name, ql in model.qlinears():
+        if name in aside and name not in saved.swapped:
+            ql.set_weight(aside.pop(name))
+        elif name in saved.swapped and aside.get(name) is not saved.swapped[name][0]:
+            qw, original = saved.swapped[name]
+            if name in aside:
+                ql.set_weight(aside.pop(name))
+            aside[name] = qw
+            ql.set_weight(original.detach())
+        if name in saved.modes:
+            ql.set_mode(*saved.modes[name])
+    if saved.policy is None:
+        model.__dict__.pop("precision_policy", None)
+    else:
+        model.precision_policy = saved.policy
+
+
+@contextlib.contextmanager
+def using_precision(model, policy, originals: Originals | None = None) -> Iterator[dict]:
+    """``with using_precision(model, policy, originals=...) as report:`` -- the policy in place for
+    the body; modes and swapped weights are put back on exit, also on an exception."""
+    saved = precision_state(model)
+    try:
+        yield apply_precision(model, policy, originals)
+    finally:
+        restore_precision(model, saved)
+
+
+__all__ = ["ModelOriginals", "Originals", "PrecisionState", "UnknownTargetError",
+           "apply_precision", "check_targets", "displaced", "linear_kinds", "model_memory", "precision_state",
+           "restore_precision", "using_precision"]
