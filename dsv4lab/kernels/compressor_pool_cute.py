@@ -31,7 +31,7 @@ Entry points:
   * ``compressor_pool(kv, gate)``: the kernel when ``have_cute()`` and the inputs are CUDA and
     supported, else the reference;
   * ``compressor_pool_aot(kv, gate, aot_dir)`` / ``export_aot(...)``: cubins compiled ahead of
-    time with the same kernel (``python -m kernels.cute_compressor_pool export-aot DIR``, works
+    time with the same kernel (``python -m dsv4lab.kernels.compressor_pool_cute export-aot DIR``, works
     without a GPU) and launched through cuda-python's driver API, for machines without
     nvidia-cutlass-dsl (see .cute/run_gpu.sh).
 
@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from ._device import on_input_device
+from .device import on_input_device
 
 __all__ = [
     "compressor_pool_ref", "compressor_pool_cute", "compressor_pool", "have_cute",
@@ -548,6 +548,6 @@ def _main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":  # run the package's copy so kernel names match the JIT ones
-    from kernels.cute_compressor_pool import _main as _pkg_main
+    from dsv4lab.kernels.compressor_pool_cute import _main as _pkg_main
 
     _pkg_main()
