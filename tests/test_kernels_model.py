@@ -560,3 +560,63 @@ def test_gpu_kernel_decode_has_no_host_syncs(gpu_model, prompt):
         use_kernels(m, enable=False)
     _record("host_syncs_in_kernel_decode_step", found)
     assert found == [], found
+
+
+# ----------------------------------------------------------------------------- CPU: act quant and pool slots
+def test_qlinear_act_kernel_quantises_w4a4_inputs():
+    """``QLinear.act_kernel`` (where install puts ``act_quant_nvfp4`` on CUDA) replaces the NVFP4
+    fake quant of the inputs in w4a4, with the same global scale; other modes never call it."""
+    from dsv4lab.quant.activations import fake_quant_nvfp4
+
+    g = torch.Generator().manual_seed(0)
+    ql = QLinear(64, 48)
+    ql.set_weight(quantize_nvfp4(torch.randn(48, 64, generator=g)))
+    x = torch.randn(3, 64, generator=g)
+    seen = []
+
+    def act(x, gs):
+        seen.append(float(gs))
+        return fake_quant_nvfp4(x, gs)
+
+    for mode, calls in (("w4a16", 0), ("w4a8", 0), ("w4a4", 1)):
+        ql.set_mode(mode)
+        ql.act_kernel = None
+        ref = ql(x)
+        ql.act_kernel = act
+        seen.clear()
+        assert torch.equal(ql(x), ref) and len(seen) == calls, mode
+
+
+def test_compressor_kernel_slot_and_install(tiny_nvfp4):
+    """``Compressor.kernel`` (the CuTe pool on CUDA) runs instead of the PyTorch pool unless
+    ``hook_weights`` is hooked; install/uninstall and ``components()`` see it; on CPU install
+    leaves the reference."""
+    from dsv4lab.kernels.compressor_pool_cute import compressor_pool_ref
+    from dsv4lab.kernels.install import install_kernels
+    from dsv4lab.model.compressor import Compressor
+
+    m = tiny_nvfp4
+    comps = [c for c in m.modules() if isinstance(c, Compressor)]
+    assert comps
+    assert install_kernels(m) == 0 and all(c.kernel is None for c in comps)  # CPU: nothing installed
+    ids = torch.randint(0, m.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
+    ref = _prefill_decode(m, ids, 20)
+    calls = []
+
+    def pool(kv, gate):
+        calls.append(kv.shape)
+        return compressor_pool_ref(kv, gate)
+
+    try:
+        for c in comps:
+            c.kernel = pool
+        assert "kernel:pool" in set(components(m).impl)
+        torch.testing.assert_close(_prefill_decode(m, ids, 20), ref, rtol=0, atol=0)
+        assert calls
+        calls.clear()
+        with m.hooks([(n, lambda t, h: t) for n, _ in m.named_modules() if n.endswith("hook_weights")]):
+            _prefill_decode(m, ids, 20)
+        assert not calls  # hooked pooling weights: the reference pool materialises them
+    finally:
+        assert install_kernels(m, enable=False) == len(comps)
+    assert all(c.kernel is None for c in comps)
