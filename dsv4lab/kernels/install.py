@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 from torch import nn
 
 from ..model.compressor import Compressor

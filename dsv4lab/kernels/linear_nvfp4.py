@@ -45,8 +45,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.testing import do_bench
 
-from .common import (H2_PAIR_LO, INTERPRET, counters, dot_dtype, e4m3_to_f32, fp16_pair, gemv_rows_m1, group_dot,
+from .common import (INTERPRET, counters, dot_dtype, e4m3_to_f32, gemv_rows_m1, group_dot,
                      nibble_plane_dots, num_sms, store_or_fix_up)
 from .device import on_input_device
 from .linear_nvfp4_tma import launch_gemv_tma, tma_default_config, tma_supported
@@ -394,8 +395,6 @@ def _tuned_config(x2, packed, scale, gs, y) -> dict:
             or torch.cuda.is_current_stream_capturing():
         cfg = default_config(M, N, K, x2.device)
     else:
-        from triton.testing import do_bench
-
         best = None
         for c in _candidates(M, N, K, x2.device):
             try:
