@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.kernels import copy_ceiling, graph_time_us  # noqa: E402
-from kernels import cute_compressor_pool as cp  # noqa: E402
+from dsv4lab.kernels import compressor_pool_cute as cp  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"  # default --json location
 

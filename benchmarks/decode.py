@@ -132,7 +132,7 @@ def time_fn(fn, iters=50) -> float:
 def bench_layer(layer_type: str, dev, ceiling: float, use_kernels: bool, fmt: str = "nvfp4") -> dict:
     layer, cfg, active = build_layer(layer_type, dev, fmt=fmt)
     if use_kernels:
-        from kernels.dispatch import install_kernels
+        from dsv4lab.kernels.install import install_kernels
         install_kernels(layer)
     st = DecodeState.allocate(cfg, 1, 4096, torch.bfloat16, dev)
     h = torch.randn(1, 1, cfg.hc_mult, cfg.hidden_size, device=dev, dtype=torch.bfloat16)

@@ -66,8 +66,8 @@ def main() -> None:
     args = ap.parse_args()
     from triton.testing import do_bench
 
-    from kernels.nvfp4_gemv_tma import launch_gemv_tma, tma_default_config, x_pairs
-    from kernels.nvfp4_matmul import nvfp4_matmul
+    from dsv4lab.kernels.linear_nvfp4_tma import launch_gemv_tma, tma_default_config, x_pairs
+    from dsv4lab.kernels.linear_nvfp4 import nvfp4_matmul
 
     dev = torch.device("cuda")
     ceil = copy_ceiling(do_bench)

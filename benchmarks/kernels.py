@@ -1,7 +1,7 @@
 """Benchmark the NVFP4 kernels on the device machine (CUDA + triton).
 
 For the V4-Pro linear shapes at batch 1, 4, 16 (+ one prefill batch): time of our kernel
-(``kernels.nvfp4_matmul``, tuned on first call; timed as CUDA-graph replays over enough weight
+(``dsv4lab.kernels.linear_nvfp4``, tuned on first call; timed as CUDA-graph replays over enough weight
 copies to defeat the L2, plus the eager per-call time for reference), time of the PyTorch path it replaces
 (``NVFP4Weight.dequantize(bf16)`` then ``F.linear``), achieved bandwidth (packed weights + e4m3
 scales + x + y bytes / time) and its fraction of a copy ceiling measured in the same run
@@ -102,9 +102,11 @@ def main():
     args = ap.parse_args()
     from triton.testing import do_bench
 
-    from kernels.moe_decode import StackedNVFP4, moe_decode_ref, moe_decode_triton
-    from kernels.nvfp4_act_quant import nvfp4_act_quant
-    from kernels.nvfp4_matmul import _TUNED, gemm_config, nvfp4_matmul, tune_key
+    from dsv4lab.kernels.moe_decode import moe_decode_triton
+    from dsv4lab.kernels.moe_decode_ref import moe_decode_ref
+    from dsv4lab.quant.stacked import StackedNVFP4
+    from dsv4lab.kernels.act_quant_nvfp4 import nvfp4_act_quant
+    from dsv4lab.kernels.linear_nvfp4 import _TUNED, gemm_config, nvfp4_matmul, tune_key
 
     def cfg_of(M, N, K, x):
         return next((_TUNED[k] for tma in (True, False) if (k := tune_key(M, N, K, x.dtype, x.device, tma)) in _TUNED), None)
@@ -219,7 +221,7 @@ def main():
 
     # the same MoE decode on MXFP4 experts (the official checkpoint's format; TMA path only)
     from dsv4lab.quant.weights import quantize_fp8_block, quantize_mxfp4
-    from kernels.moe_decode import StackedMXFP4
+    from dsv4lab.quant.stacked import StackedMXFP4
 
     del w1, w3, w2
     torch.cuda.empty_cache()
@@ -243,7 +245,7 @@ def main():
     torch.cuda.empty_cache()
 
     # official formats (MXFP4 experts, FP8-block projections): kernel vs dequantise-then-matmul
-    from kernels.official_matmul import official_matmul
+    from dsv4lab.kernels.linear_official import official_matmul
 
     official = []
     for fmt, K, N in (("mxfp4", 7168, 3072), ("mxfp4", 3072, 7168), ("fp8_block", 7168, 1536), ("fp8_block", 16384, 7168)):

@@ -1,6 +1,6 @@
 """Sweep the batch-1 NVFP4 GEMV's tile space on the device machine (CUDA + triton).
 
-The tuner in ``kernels.nvfp4_matmul`` picks from a small candidate list with ``do_bench``; this
+The tuner in ``dsv4lab.kernels.linear_nvfp4`` picks from a small candidate list with ``do_bench``; this
 script times a wider space (the TMA GEMV's tiles/stages/splits; ``--pointer`` adds the pointer-load
 GEMV's) as CUDA-graph replays over enough weight copies to defeat the L2
 (the decode condition) and prints the best configs per shape with their fraction of a copy
@@ -49,7 +49,7 @@ def main() -> None:
     import triton
     from triton.testing import do_bench
 
-    from kernels.nvfp4_matmul import nvfp4_matmul
+    from dsv4lab.kernels.linear_nvfp4 import nvfp4_matmul
 
     ceil = copy_ceiling(do_bench)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="o_b,q_b,lm_head", help=f"comma-separated, from {names}")
     ap.add_argument("--calls", type=int, default=3, help="calls of our kernel per shape (cuBLAS: 2)")
     args = ap.parse_args()
-    from kernels.nvfp4_matmul import nvfp4_matmul
+    from dsv4lab.kernels.linear_nvfp4 import nvfp4_matmul
 
     shapes = {n: (K, N) for n, K, N in SHAPES}
     for name in args.shapes.split(","):

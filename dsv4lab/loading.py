@@ -105,7 +105,7 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
     with the last layer. ``precision``: a mode for every linear ("bf16"/"w4a16"/"w4a4"/"w4a8") or a
     policy object (dsv4lab.precision). ``dequantize=True`` turns quantised weights dense at load.
     ``kernels``: ``"auto"`` installs the Triton kernels (``use_kernels``: NVFP4 linears and the
-    fused MoE decode) on the components placed on CUDA when ``kernels.dispatch.have_triton_cuda()``
+    fused MoE decode) on the components placed on CUDA when ``dsv4lab.kernels.dispatch.have_triton_cuda()``
     (``DSV4LAB_NO_KERNELS=1`` turns that off), the reference elsewhere; ``True`` requires them
     (RuntimeError without CUDA + triton or without a CUDA-placed layer); ``False`` keeps the
     reference everywhere. The count installed is ``model.load_stats["kernels"]``.
@@ -131,7 +131,7 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
 
 def kernels_unavailable(devices: list[torch.device]) -> str | None:
     """Why the Triton kernels cannot run on a model placed on ``devices`` (None: they can)."""
-    from kernels.dispatch import _triton_importable, have_triton_cuda
+    from dsv4lab.kernels.device import have_triton_cuda, triton_importable
 
     on_cuda = any(torch.device(d).type == "cuda" for d in devices)
     if on_cuda and have_triton_cuda():
@@ -143,7 +143,7 @@ def kernels_unavailable(devices: list[torch.device]) -> str | None:
         why.append("CUDA is not available")
     elif not on_cuda:
         why.append(f"no layer is on a CUDA device ({', '.join(sorted({str(d) for d in devices}))})")
-    if not _triton_importable():
+    if not triton_importable():
         why.append("triton cannot be imported (pip install 'dsv4lab[kernels]')")
     return "; ".join(why) or "unavailable"
 

@@ -46,6 +46,15 @@ def name_matcher(patterns: Pattern) -> Callable[[str], bool]:
     return lambda name: any(name == p or segments_match(s, name.split(".")) for p, s in zip(pats, split))
 
 
+def component_matcher(patterns: Pattern) -> Callable[[str, object], bool]:
+    """``f(name, module)``: a pattern, a list of them, or a predicate ``f(name, module)`` as is
+    (component selection passes the module too, e.g. to select by class)."""
+    if callable(patterns) and not isinstance(patterns, str):
+        return patterns
+    keep = name_matcher(patterns)
+    return lambda name, mod: keep(name)
+
+
 def pattern_list(patterns: Pattern) -> list[str]:
     """The string patterns in ``patterns`` (a predicate has none to check)."""
     if patterns is None or (callable(patterns) and not isinstance(patterns, str)):

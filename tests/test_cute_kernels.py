@@ -1,4 +1,4 @@
-"""The CuTeDSL compressor softmax-pool kernel (kernels/cute_compressor_pool.py).
+"""The CuTeDSL compressor softmax-pool kernel (dsv4lab/kernels/compressor_pool_cute.py).
 
 CPU (CI, no cutlass): the reference is Compressor.pool's softmax + weighted sum (captured through
 hooks on a tiny Compressor), the dispatcher falls back to it on CPU and without cutlass, bad inputs
@@ -10,7 +10,7 @@ GPU (@pytest.mark.gpu, skipped without CUDA): kernel vs reference for (L, d) in
 {(8,512), (128,512), (4,128), (16,1024)}, kv bf16 and fp32, rows 1 and 300, random inputs (never
 zeros) with -inf slots, through two backends:
   * "jit": compressor_pool_cute (cute.compile on the device; needs nvidia-cutlass-dsl);
-  * "aot": compressor_pool_aot with the cubins that `python -m kernels.cute_compressor_pool
+  * "aot": compressor_pool_aot with the cubins that `python -m dsv4lab.kernels.compressor_pool_cute
     export-aot DIR` compiled ahead of time; DIR from $DSV4LAB_CUTE_AOT_DIR (needs cuda-python).
 
 Tolerances (y = kernel, ref = compressor_pool_ref, ref32 = the same math in fp32):
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cute_compressor_pool as cp
+from dsv4lab.kernels import compressor_pool_cute as cp
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_CUDA = torch.cuda.is_available()
@@ -129,7 +129,7 @@ def test_import_is_lazy():
     code = textwrap.dedent("""
         import sys, torch
         before = set(sys.modules)  # torch itself may import cuda.bindings
-        import kernels.cute_compressor_pool as m
+        import dsv4lab.kernels.compressor_pool_cute as m
         kv = torch.randn(1, 2, 4, 8); g = torch.randn(1, 2, 4, 8)
         m.compressor_pool(kv, g)
         new = set(sys.modules) - before

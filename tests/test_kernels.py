@@ -1,7 +1,7 @@
-"""Parity of the Triton kernels (kernels/) with the PyTorch references in dsv4lab.quant.
+"""Parity of the Triton kernels (dsv4lab/kernels/) with the PyTorch references in dsv4lab.quant.
 
 CPU: the kernels run through Triton's interpreter in a subprocess that sets TRITON_INTERPRET=1
-before importing triton (tiny shapes; skipped when triton is not installed).
+before importing triton (tests/kernels_interp_check.py, tiny shapes).
 GPU (@pytest.mark.gpu): real V4-Pro shapes, only when CUDA is available.
 
 Tolerances (random inputs, non-trivial scales, negative codes; never zeros):
@@ -39,9 +39,9 @@ def test_dispatch_imports_without_triton_and_uses_reference_on_cpu():
             return real(name, *a, **k)
         builtins.__import__ = fake
         import torch
-        from kernels import dispatch
+        from dsv4lab.kernels import dispatch
         from dsv4lab.quant.weights import quantize_nvfp4
-        from kernels.moe_decode import StackedNVFP4
+        from dsv4lab.quant.stacked import StackedNVFP4
         assert not dispatch.have_triton_cuda()
         torch.manual_seed(0)
         w = quantize_nvfp4(torch.randn(32, 64))
@@ -60,240 +60,16 @@ def test_dispatch_imports_without_triton_and_uses_reference_on_cpu():
     assert r.stdout.strip() == "OK False"
 
 
-_INTERP_SCRIPT = r"""
-import os, json
-os.environ["TRITON_INTERPRET"] = "1"
-import torch
-from dsv4lab.quant.weights import quantize_nvfp4, NVFP4Weight
-from dsv4lab.quant.activations import fake_quant_nvfp4, nvfp4_global_scale
-from dsv4lab.quant.fp4 import nvfp4_quantize_blocks, pack_fp4
-from kernels.nvfp4_matmul import nvfp4_matmul, nvfp4_matmul_ref
-from kernels.nvfp4_act_quant import nvfp4_act_quant
-from kernels.moe_decode import StackedNVFP4, moe_decode_triton, moe_decode_ref
-
-res = {}
-g = torch.Generator().manual_seed(0)
-
-def rnd(*s):
-    return torch.randn(*s, generator=g)
-
-def random_nvfp4(n, k):
-    # random codes (all 16, negatives included) and random e4m3 scales incl. subnormal ones
-    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
-    sc = (torch.rand(n, k // 16, generator=g) * 4 + 2 ** -9).to(torch.float8_e4m3fn)
-    return NVFP4Weight(packed, sc, torch.tensor(0.37))
-
-def err(y, r):
-    y, r = y.float(), r.float()
-    bad = (y - r).abs() > (1e-2 * r.abs() + 1e-2 * r.abs().max())
-    return {"max_abs": (y - r).abs().max().item(), "ref_max": r.abs().max().item(), "bad": int(bad.sum())}
-
-N, K = 40, 96
-for name, w in (("quantized", quantize_nvfp4(rnd(N, K) * torch.rand(N, 1, generator=g) * 3)),
-                ("random_codes", random_nvfp4(N, K))):
-    for M in (1, 2, 3, 20):
-        x = rnd(M, K).to(torch.bfloat16)
-        ref = nvfp4_matmul_ref(x, w)
-        res[f"mm_{name}_M{M}"] = err(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale), ref)
-        if M <= 16:  # split-K fix-up path
-            cfg = {"BN": 16, "G": 2 if M == 1 else 16, "SPLIT": 3, "num_warps": 1}
-            Kb = 512 if M > 1 else K  # the dot path needs >= 16 groups per split
-            w2 = random_nvfp4(N, Kb) if M > 1 else w
-            x2 = rnd(M, Kb).to(torch.bfloat16)
-            res[f"mm_{name}_M{M}_splitk"] = err(nvfp4_matmul(x2, w2.packed, w2.block_scale, w2.global_scale, config=cfg),
-                                              nvfp4_matmul_ref(x2, w2))
-        if M == 1:  # the fp32-FMA variant (the default M=1 path is the f16x2 one) and f16x2 with split-K
-            for h2, xp, pf in ((False, False, 1), (True, False, 1), (True, True, 1), (True, True, 2)):
-                cfg = {"BN": 16, "G": 2, "SPLIT": 3, "num_warps": 1, "H2": h2, "XP": xp, "PF": pf}
-                res[f"mm_{name}_M1_h2{h2}_xp{xp}_pf{pf}"] = err(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config=cfg), ref)
-        if M > 16:  # prefill GEMM with split-K (3 splits of 32 over K=96)
-            cfg = {"BM": 32, "BN": 16, "BK": 32, "SPLIT": 3, "num_warps": 1}
-            res[f"mm_{name}_M{M}_gemm_split"] = err(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config=cfg), ref)
-    x = rnd(1, K).to(torch.float16)
-    res[f"mm_{name}_fp16"] = err(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale), nvfp4_matmul_ref(x, w))
-    x = rnd(2, 3, K)
-    res[f"mm_{name}_fp32_3d"] = err(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale), nvfp4_matmul_ref(x, w))
-
-x = rnd(3, 64) * 3
-x[0, :16] *= 1e-3  # a block with a tiny scale
-for mode, gs in (("runtime", None), ("input_scale", torch.tensor(0.004)), ("input_scale_small", torch.tensor(1e-4))):
-    for dt in (torch.float32, torch.bfloat16):
-        xx = x.to(dt)
-        y, packed, scale, gsk = nvfp4_act_quant(xx, gs)
-        gref = nvfp4_global_scale(xx) if gs is None else gs
-        ref = fake_quant_nvfp4(xx, gref)
-        codes, sref = nvfp4_quantize_blocks(xx.float().reshape(3, 4, 16), gref)
-        res[f"act_{mode}_{str(dt)[6:]}"] = {
-            "dq_exact": bool(torch.equal(y, ref)), "dq_rel": ((y.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-30)).max().item(),
-            "nonzero": int((ref != 0).sum()),
-            "packed_exact": bool(torch.equal(packed, pack_fp4(codes.reshape(3, 64)))),
-            "scale_exact": bool(torch.equal(scale.view(torch.uint8), sref.view(torch.uint8).reshape(3, 4))),
-            "gs_exact": bool(torch.equal(gsk.float(), torch.as_tensor(gref).float().reshape(()))),
-        }
-
-E, H, I, T, k = 4, 64, 32, 3, 2
-mk = lambda n, kk: StackedNVFP4.from_weights([quantize_nvfp4(rnd(n, kk)) for _ in range(E)])
-w1, w3, w2 = mk(I, H), mk(I, H), mk(H, I)
-x = rnd(T, H).to(torch.bfloat16)
-ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-wt = torch.rand(T, k, generator=g)
-for lim in (None, 1.5):
-    y = moe_decode_triton(x, ids, wt, w1, w3, w2, lim)
-    ref = moe_decode_ref(x, ids, wt, w1, w3, w2, lim)
-    res[f"moe_lim{lim}"] = {"max_abs": (y.float() - ref.float()).abs().max().item(), "ref_max": ref.abs().max().item()}
-# TMA-fed batch-1 GEMV (kernels.nvfp4_gemv_tma): K = 512 -> 32 groups = 2 TMA boxes, N = 40 (a
-# partial row tile), x stressing the per-group scaling; and its x-pairs prelude bit-exact
-from kernels.nvfp4_gemv_tma import x_pairs
-wt = random_nvfp4(40, 512)
-for kind in ("bf16", "fp16", "fp32", "outliers", "tiny"):
-    x = rnd(1, 512)
-    if kind == "outliers":
-        x[0, ::97] = 1e4
-    elif kind == "tiny":
-        x = x * 1e-30
-    x = x.to({"fp16": torch.float16, "fp32": torch.float32}.get(kind, torch.bfloat16))
-    for split in (1, 2):
-        # 1/xs in the pair rows (XINV) without split, through its own pointer with split
-        cfg = {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": split, "num_warps": 1, "XINV": split == 1}
-        y = nvfp4_matmul(x, wt.packed, wt.block_scale, wt.global_scale, out_dtype=torch.float32, config=cfg)
-        res[f"tma_{kind}_split{split}"] = err(y, nvfp4_matmul_ref(x.float(), wt))
-wt2 = random_nvfp4(40, 1024)  # 32-group boxes (cfg G): 64 groups = 2 boxes, split across them
-x = rnd(1, 1024).to(torch.bfloat16)
-for split in (1, 2):
-    cfg = {"TMA": True, "BN": 16, "G": 32, "STAGES": 2, "SPLIT": split, "num_warps": 1, "XINV": split == 1}
-    y = nvfp4_matmul(x, wt2.packed, wt2.block_scale, wt2.global_scale, out_dtype=torch.float32, config=cfg)
-    res[f"tma_G32_split{split}"] = err(y, nvfp4_matmul_ref(x.float(), wt2))
-x = rnd(512).to(torch.bfloat16)
-x[:16] *= 1e3
-x[16:32] *= 1e-3
-xp, inv = x_pairs(x)
-xf = x.float().reshape(32, 16)
-e = (xf.abs().amax(1).view(torch.int32) >> 23) & 0xFF
-b = (268 - e).clamp(1, 253)
-xs = (b << 23).view(torch.float32)
-h = (xf * xs[:, None]).half().view(torch.int16).to(torch.int32) & 0xFFFF
-idx = torch.tensor([0, 4, 1, 5, 8, 12, 9, 13])   # pair 4h + j: elements 8h + (0, 4, 1, 5)[j] and +2
-ref_pairs = h[:, idx] | (h[:, idx + 2] << 16)
-res["tma_pairs"] = {"pairs_exact": bool(torch.equal(xp[:, :8], ref_pairs)),
-                    "inv_exact": bool(torch.equal(inv, ((254 - b) << 23).view(torch.float32)))
-                    and bool(torch.equal(xp[:, 8].view(torch.float32), inv))}
-for M in (2, 5, 16):  # the tl.dot loop on the same weight ring
-    x = rnd(M, 512).to(torch.bfloat16)
-    for split in (1, 2):
-        cfg = {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": split, "num_warps": 1}
-        y = nvfp4_matmul(x, wt.packed, wt.block_scale, wt.global_scale, out_dtype=torch.float32, config=cfg)
-        res[f"tmadot_M{M}_split{split}"] = err(y, nvfp4_matmul_ref(x.float(), wt))
-try:
-    nvfp4_matmul(rnd(17, 512).to(torch.bfloat16), wt.packed, wt.block_scale, wt.global_scale,
-                 config={"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": 1, "num_warps": 1})
-    res["tma_rejects_m17"] = False
-except ValueError:
-    res["tma_rejects_m17"] = True
-# official formats (kernels.official_matmul): MXFP4 (quantised and random codes with exponents
-# 2^-20..2^20) and FP8-block (fp32 and E8M0 scales, 2 row blocks, a partial K block)
-from dsv4lab.quant.weights import quantize_mxfp4, quantize_fp8_block, MXFP4Weight
-from kernels.official_matmul import official_matmul, verified_official_matmul, _VERIFIED
-import kernels.official_matmul as om
-mx_q = quantize_mxfp4(rnd(40, 512) * torch.rand(40, 1, generator=g) * 3)
-mx_r = MXFP4Weight(torch.randint(0, 256, (40, 256), generator=g, dtype=torch.uint8),
-                   torch.randint(107, 148, (40, 16), generator=g, dtype=torch.uint8))
-fp_a = quantize_fp8_block(rnd(150, 320) * 0.1)
-fp_b = quantize_fp8_block(rnd(150, 320) * 30, scale_format="e8m0")
-for wname, wq in (("mxq", mx_q), ("mxr", mx_r), ("fp8", fp_a), ("fp8e8m0", fp_b)):
-    for M in (1, 3, 20):
-        x = rnd(M, wq.shape[1]).to(torch.bfloat16)
-        for split in (1, 2):
-            y = official_matmul(x, wq, config={"SPLIT": split})  # MXFP4 M <= 16: the TMA GEMV (K % 512 == 0)
-            res[f"off_{wname}_M{M}_split{split}"] = err(y, torch.nn.functional.linear(x.float(), wq.dequantize(torch.float32)))
-            if wname.startswith("mx") and M <= 16:  # and the tiled MXFP4 kernel it replaces there
-                y = official_matmul(x, wq, config={"SPLIT": split, "TMA": False})
-                res[f"off_{wname}_M{M}_split{split}_tiled"] = err(y, torch.nn.functional.linear(x.float(), wq.dequantize(torch.float32)))
-# MXFP4 through the TMA GEMV over 3 boxes of 32 groups, split 2 (boxes 2 + 1), M = 1 and 4
-from kernels.official_matmul import mx_tma_supported
-mx_3 = MXFP4Weight(torch.randint(0, 256, (40, 768), generator=g, dtype=torch.uint8),
-                   torch.randint(117, 138, (40, 48), generator=g, dtype=torch.uint8))
-for M in (1, 4):
-    x = rnd(M, 1536).to(torch.bfloat16)
-    y = official_matmul(x, mx_3, config={"SPLIT": 2})
-    res[f"off_mx3_M{M}_split2"] = err(y, torch.nn.functional.linear(x.float(), mx_3.dequantize(torch.float32)))
-res["off_mx_tma_choice"] = [mx_tma_supported(x, mx_3), mx_tma_supported(x, quantize_mxfp4(rnd(24, 1280)))]
-# uneven splits: MXFP4 K=1280 (80 words: splits of 32/32/16), FP8 N=130 (a 2-row second row block), K=700
-for wname, wq in (("mxodd", quantize_mxfp4(rnd(24, 1280))), ("fp8odd", quantize_fp8_block(rnd(130, 700)))):
-    x = rnd(2, wq.shape[1]).to(torch.bfloat16)
-    y = official_matmul(x, wq, config={"SPLIT": 3})
-    res[f"off_{wname}_M2_split3"] = err(y, torch.nn.functional.linear(x.float(), wq.dequantize(torch.float32)))
-x = rnd(2, 512).to(torch.bfloat16)
-y = verified_official_matmul(x, mx_q)
-res["off_verified_ok"] = {"kept": list(_VERIFIED.values()) == [True], "equal": bool(torch.equal(y, official_matmul(x, mx_q)))}
-_VERIFIED.clear()
-real = om.official_matmul
-om.official_matmul = lambda x, w, config=None: torch.zeros(*x.shape[:-1], w.shape[0], dtype=x.dtype)  # a broken kernel
-import warnings
-with warnings.catch_warnings(record=True) as wl:
-    warnings.simplefilter("always")
-    y = verified_official_matmul(x, mx_q)
-    y2 = verified_official_matmul(x, mx_q)
-om.official_matmul = real
-ref = torch.nn.functional.linear(x, mx_q.dequantize(x.dtype))
-res["off_verified_guard"] = {"warned": len(wl) == 1, "ref_first": bool(torch.equal(y, ref)), "ref_after": bool(torch.equal(y2, ref)),
-                             "state": list(_VERIFIED.values()) == [False]}
-
-# TMA-fed MoE decode (kernels.moe_decode_tma): H = I = 256 (one TMA box of groups), 4 experts
-E, H, I, T, k = 4, 256, 256, 3, 2
-w1, w3, w2 = mk(I, H), mk(I, H), mk(H, I)
-x = rnd(T, H).to(torch.bfloat16)
-ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-wt = torch.rand(T, k, generator=g)
-for lim in (None, 1.5):
-    y = moe_decode_triton(x, ids, wt, w1, w3, w2, lim, tma=True)
-    y2 = moe_decode_triton(x, ids, wt, w1, w3, w2, lim, tma=True)
-    ref = moe_decode_ref(x, ids, wt, w1, w3, w2, lim)
-    res[f"moetma_lim{lim}"] = {"max_abs": (y.float() - ref.float()).abs().max().item(), "ref_max": ref.abs().max().item(),
-                               "repeat_equal": bool(torch.equal(y, y2))}
-try:
-    moe_decode_triton(rnd(T, 64).to(torch.bfloat16), ids, wt, mk(32, 64), mk(32, 64), mk(64, 32), None, tma=True)
-    res["moetma_rejects"] = False
-except ValueError:
-    res["moetma_rejects"] = True
-# the same kernels on MXFP4 stacks (official experts: E8M0 per 32, no global scale): H = I = 512
-from kernels.moe_decode import StackedMXFP4
-from dsv4lab.quant.weights import quantize_mxfp4
-from kernels import dispatch
-mkx = lambda n, kk: StackedMXFP4.from_weights([quantize_mxfp4(rnd(n, kk) * (1 + e)) for e in range(E)])
-H = I = 512
-m1, m3, m2 = mkx(I, H), mkx(I, H), mkx(H, I)
-x = rnd(2, H).to(torch.bfloat16)
-ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(2)])
-wt = torch.rand(2, k, generator=g)
-y = moe_decode_triton(x, ids, wt, m1, m3, m2, 1.5)
-ref = moe_decode_ref(x, ids, wt, m1, m3, m2, 1.5)
-res["moetma_mx"] = {"max_abs": (y.float() - ref.float()).abs().max().item(), "ref_max": ref.abs().max().item(),
-                    "dispatch_cpu_is_ref": bool(torch.equal(dispatch.moe_decode(x, ids, wt, m1, m3, m2, 1.5), ref))}
-try:  # MXFP4 has no pointer-load variant
-    moe_decode_triton(x, ids, wt, m1, m3, m2, 1.5, tma=False)
-    res["moetma_mx_rejects_pointer"] = False
-except ValueError:
-    res["moetma_mx_rejects_pointer"] = True
-from kernels.nvfp4_matmul import decode_probe_selfcheck
-res["decode_probe"] = decode_probe_selfcheck("cpu")
-print("RESULT" + json.dumps(res))
-"""
 
 
 @pytest.fixture(scope="module")
 def interp_results():
     assert HAVE_TRITON, "triton is part of the test set-up (pip install -e '.[kernels]'); the interpreter tests need it"
-    r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "kernels_interp_check.py")], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     line = [l for l in r.stdout.splitlines() if l.startswith("RESULT")][-1]
     return json.loads(line[len("RESULT"):])
-
-
-def test_interp_decode_probe(interp_results):
-    """The M == 1 loop's byte-code decode (its plain-Triton emulation) gives exactly the reference
-    E2M1 value for every code at every element position of a word."""
-    assert interp_results["decode_probe"] == {"exact": True, "pairs_covered": 256, "nonzero": 3584}
 
 
 def test_interp_tma_gemv(interp_results):
@@ -402,7 +178,7 @@ def _close(y, r, rtol=1e-2, atol_frac=1e-2):
 @pytest.mark.parametrize("name,M", [(n, m) for n in V4_PRO_SHAPES for m in (1, 4, 16, 128)
                                     if not (n == "lm_head" and m == 128)])  # lm_head prefill: covered by smaller shapes
 def test_gpu_nvfp4_matmul(name, M):
-    from kernels.nvfp4_matmul import nvfp4_matmul, nvfp4_matmul_ref
+    from dsv4lab.kernels.linear_nvfp4 import nvfp4_matmul, nvfp4_matmul_ref
 
     K, N = V4_PRO_SHAPES[name]
     w = _rand_nvfp4_cuda(N, K)
@@ -415,22 +191,12 @@ def test_gpu_nvfp4_matmul(name, M):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_decode_probe():
-    """The inline PTX of the M == 1 loop (shifts, masks, prmt, fma.rn.f16x2) decodes every code
-    at every element position exactly like the reference."""
-    from kernels.nvfp4_matmul import decode_probe_selfcheck
-
-    assert decode_probe_selfcheck("cuda") == {"exact": True, "pairs_covered": 256, "nonzero": 3584}
-
-
-@pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("h2,xp,pf", [(True, True, 1), (True, True, 2), (True, False, 1), (False, False, 1)])
 @pytest.mark.parametrize("xkind", ["bf16", "fp16", "fp32", "outliers", "tiny"])
 def test_gpu_m1_inner_loops(h2, xp, pf, xkind):
     """Both M=1 inner loops (f16x2 products with the power-of-two x scaling, and fp32 FMAs) on
     inputs that stress the scaling: fp32/fp16 x, a few 1e4 outliers, and x of order 1e-30."""
-    from kernels.nvfp4_matmul import nvfp4_matmul, nvfp4_matmul_ref
+    from dsv4lab.kernels.linear_nvfp4 import nvfp4_matmul, nvfp4_matmul_ref
 
     K, N = 7168, 3072
     w = _rand_nvfp4_cuda(N, K, seed=3)
@@ -451,7 +217,7 @@ def test_gpu_tma_gemv(bn, stages, split, extra, xkind):
     """The TMA GEMV's tiles/stages/splits/box widths, with and without programmatic dependent
     launch, on inputs that stress the per-group x scaling; N = 3000 leaves a partial row tile (TMA
     zero-fills it, the store is masked)."""
-    from kernels.nvfp4_matmul import nvfp4_matmul, nvfp4_matmul_ref
+    from dsv4lab.kernels.linear_nvfp4 import nvfp4_matmul, nvfp4_matmul_ref
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.fail("the TMA GEMV needs sm_90+; run the GPU tests on the H200")
@@ -468,7 +234,7 @@ def test_gpu_tma_gemv(bn, stages, split, extra, xkind):
 @pytest.mark.parametrize("M,bn,split", [(2, 64, 1), (4, 128, 5), (16, 64, 3), (16, 256, 1)])
 def test_gpu_tma_dot(M, bn, split):
     """The TMA-fed tl.dot loop (M in 2..16) with split K and a partial row tile."""
-    from kernels.nvfp4_matmul import nvfp4_matmul, nvfp4_matmul_ref
+    from dsv4lab.kernels.linear_nvfp4 import nvfp4_matmul, nvfp4_matmul_ref
 
     w = _rand_nvfp4_cuda(3000, 7168, seed=9)
     x = torch.randn(M, 7168, device="cuda", dtype=torch.bfloat16)
@@ -486,8 +252,8 @@ def test_gpu_official_formats(fmt, K, N, M):
     """MXFP4 / FP8-block kernels on V4-Pro shapes (plus a partial row block) against the reference,
     and the dispatcher keeping them after its first-use check."""
     from dsv4lab.quant.weights import quantize_fp8_block, quantize_mxfp4
-    from kernels import dispatch
-    from kernels.official_matmul import _VERIFIED, official_matmul
+    from dsv4lab.kernels import dispatch
+    from dsv4lab.kernels.linear_official import _VERIFIED, official_matmul
 
     g = torch.Generator(device="cuda").manual_seed(11)
     wf = torch.randn(N, K, device="cuda", generator=g) * 0.02
@@ -506,7 +272,7 @@ def test_gpu_official_formats(fmt, K, N, M):
 def test_gpu_m1_path_choice():
     """M=1 takes the TMA GEMV on Hopper for aligned weights and falls back to the pointer-load GEMV
     (still correct) for a weight whose base is not 16-byte aligned or when opted out."""
-    from kernels import nvfp4_matmul as nm
+    from dsv4lab.kernels import linear_nvfp4 as nm
 
     K, N = 3072, 1024
     w = _rand_nvfp4_cuda(N, K, seed=8)
@@ -531,7 +297,7 @@ def test_gpu_m1_path_choice():
 @gpu
 @pytest.mark.parametrize("split", [1, 5, 32])
 def test_gpu_gemm_split_k(split):
-    from kernels.nvfp4_matmul import nvfp4_matmul, nvfp4_matmul_ref
+    from dsv4lab.kernels.linear_nvfp4 import nvfp4_matmul, nvfp4_matmul_ref
 
     w = _rand_nvfp4_cuda(512, 7168, seed=5)
     x = torch.randn(200, 7168, device="cuda", dtype=torch.bfloat16)
@@ -545,7 +311,7 @@ def test_gpu_gemm_split_k(split):
 @pytest.mark.parametrize("mode", ["runtime", "input_scale"])
 def test_gpu_act_quant(mode):
     from dsv4lab.quant.activations import fake_quant_nvfp4, nvfp4_global_scale
-    from kernels.nvfp4_act_quant import nvfp4_act_quant
+    from dsv4lab.kernels.act_quant_nvfp4 import nvfp4_act_quant
 
     x = torch.randn(16, 7168, device="cuda", dtype=torch.bfloat16) * 5
     gs = None if mode == "runtime" else torch.tensor(0.002, device="cuda")
@@ -562,7 +328,9 @@ def test_gpu_act_quant(mode):
 def test_gpu_moe_decode(T, tma):
     """Both MoE decode paths (TMA-fed and pointer loads) on V4-Pro expert shapes; the TMA path
     twice, which also checks that the down kernel's counters were reset."""
-    from kernels.moe_decode import StackedNVFP4, moe_decode_ref, moe_decode_triton
+    from dsv4lab.kernels.moe_decode import moe_decode_triton
+    from dsv4lab.kernels.moe_decode_ref import moe_decode_ref
+    from dsv4lab.quant.stacked import StackedNVFP4
 
     H, I, E, k = 7168, 3072, 8, 6
     w1 = StackedNVFP4.from_weights([_rand_nvfp4_cuda(I, H, 10 + e) for e in range(E)])
@@ -586,8 +354,10 @@ def test_gpu_moe_decode_mxfp4(T):
     """Official-format (MXFP4) experts through the TMA MoE kernels on V4-Pro shapes, twice (the
     counters reset), also under a CUDA graph, and through the dispatcher."""
     from dsv4lab.quant.weights import quantize_mxfp4
-    from kernels import dispatch
-    from kernels.moe_decode import StackedMXFP4, moe_decode_ref, moe_decode_triton
+    from dsv4lab.kernels import dispatch
+    from dsv4lab.kernels.moe_decode import moe_decode_triton
+    from dsv4lab.kernels.moe_decode_ref import moe_decode_ref
+    from dsv4lab.quant.stacked import StackedMXFP4
 
     H, I, E, k = 7168, 3072, 8, 6
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -614,7 +384,7 @@ def test_gpu_moe_decode_mxfp4(T):
 @pytest.mark.gpu
 @gpu
 def test_gpu_dispatch_picks_kernel():
-    from kernels import dispatch
+    from dsv4lab.kernels import dispatch
 
     assert dispatch.have_triton_cuda()
     w = _rand_nvfp4_cuda(256, 512)
@@ -628,7 +398,7 @@ def test_on_input_device_switches_to_the_input_device(monkeypatch):
     import contextlib
     from types import SimpleNamespace
 
-    from kernels._device import on_input_device
+    from dsv4lab.kernels.device import on_input_device
 
     seen = []
 
@@ -658,9 +428,9 @@ def test_on_input_device_switches_to_the_input_device(monkeypatch):
     assert entry(torch.zeros(2)) == "ran" and switched == [1]                  # CPU: untouched
     import importlib
 
-    for mod, names in (("nvfp4_matmul", ["nvfp4_matmul"]), ("official_matmul", ["official_matmul", "verified_official_matmul"]),
-                       ("moe_decode", ["moe_decode_triton"]), ("nvfp4_act_quant", ["nvfp4_act_quant"]),
-                       ("cute_compressor_pool", ["compressor_pool_cute", "compressor_pool_aot"])):
-        m = importlib.import_module(f"kernels.{mod}")
+    for mod, names in (("linear_nvfp4", ["nvfp4_matmul"]), ("linear_official", ["official_matmul", "verified_official_matmul"]),
+                       ("moe_decode", ["moe_decode_triton"]), ("act_quant_nvfp4", ["nvfp4_act_quant"]),
+                       ("compressor_pool_cute", ["compressor_pool_cute", "compressor_pool_aot"])):
+        m = importlib.import_module(f"dsv4lab.kernels.{mod}")
         for n in names:  # every public launcher carries the guard
             assert getattr(m, n).__code__ is on_input_device(lambda x: x).__code__, (mod, n)

@@ -3,7 +3,7 @@
 CPU (always): the wiring. ``load(kernels=...)`` on CPU, ``use_kernels`` counts/labels/switches,
 the QLinear fast path sees the same (quantised) input as the reference in every precision mode,
 and the MoE decode dispatch (``Experts.kernel``) equals the gathered reference when the kernel
-is the PyTorch reference ``kernels.moe_decode.moe_decode_ref``.
+is the PyTorch reference ``dsv4lab.kernels.moe_decode_ref.moe_decode_ref``.
 
 GPU (@pytest.mark.gpu, CUDA + triton): the embedded NVFP4 model (data/tiny-dsv4/nvfp4) in bf16
 with the Triton kernels on against the same model with them off (the PyTorch reference path), on
@@ -85,7 +85,8 @@ def test_experts_kernel_dispatch_mxfp4():
     kernel are ``StackedMXFP4`` views of the ExpertStack, and the kernel's reference on them equals
     the gathered reference path."""
     from dsv4lab.quant.weights import quantize_mxfp4
-    from kernels.moe_decode import StackedMXFP4, moe_decode_ref
+    from dsv4lab.kernels.moe_decode_ref import moe_decode_ref
+    from dsv4lab.quant.stacked import StackedMXFP4
 
     cfg = tiny_config(n_routed_experts=24, num_experts_per_tok=3, moe_intermediate_size=32)
     m = random_model(cfg, seed=3)
@@ -155,7 +156,7 @@ def test_qlinear_kernel_gets_the_reference_input_in_every_mode(mode, act_scale):
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a8", "bf16"])
 def test_model_with_reference_equal_kernels_equals_the_reference(tiny_nvfp4, mode):
     from dsv4lab.precision import apply_precision
-    from kernels.dispatch import nvfp4_linear  # on CPU: F.linear(x, w.dequantize(x.dtype))
+    from dsv4lab.kernels.dispatch import nvfp4_linear  # on CPU: F.linear(x, w.dequantize(x.dtype))
 
     m = tiny_nvfp4
     ids = torch.randint(2, 2000, (1, 40), generator=torch.Generator().manual_seed(3))
@@ -192,7 +193,7 @@ def test_grouped_projection_uses_the_kernel_per_row_block():
 def test_overridden_dequantisation_or_linears_keep_the_reference():
     """A replaced implementation (e.g. a bug-zoo variant) is not what the kernel computes."""
     from dsv4lab.bugzoo.variants import ActInputScaleMixin, WeightScale2DroppedMixin
-    from kernels.moe_decode import moe_decode_ref
+    from dsv4lab.kernels.moe_decode_ref import moe_decode_ref
 
     class Dropped(WeightScale2DroppedMixin, QLinear):
         pass
@@ -226,7 +227,7 @@ def test_overridden_dequantisation_or_linears_keep_the_reference():
 
 # ----------------------------------------------------------------------------- CPU: load / API
 def test_load_kernels_switch_on_cpu(monkeypatch):
-    from kernels.dispatch import install_kernels
+    from dsv4lab.kernels.install import install_kernels
 
     m = dsv4lab.load("tiny-nvfp4", progress=False)  # kernels="auto": CPU -> the reference
     assert m.load_stats["kernels"] == 0
@@ -244,7 +245,7 @@ def test_load_kernels_switch_on_cpu(monkeypatch):
 
 
 def test_use_kernels_counts_labels_and_switches_per_component(tiny_nvfp4):
-    from kernels.moe_decode import moe_decode_ref
+    from dsv4lab.kernels.moe_decode_ref import moe_decode_ref
 
     m = tiny_nvfp4
     n_q = sum(ql.qweight is not None for _, ql in m.qlinears())
@@ -292,7 +293,8 @@ def _moe_case(ex, T=4, seed=0):
 
 
 def test_experts_kernel_dispatch_equals_gathered_reference():
-    from kernels.moe_decode import StackedNVFP4, moe_decode_ref
+    from dsv4lab.kernels.moe_decode_ref import moe_decode_ref
+    from dsv4lab.quant.stacked import StackedNVFP4
 
     m = _nvfp4_experts_model()
     ex = m.layers[1].mlp.experts
@@ -339,7 +341,7 @@ def test_experts_kernel_dispatch_equals_gathered_reference():
 
 @pytest.mark.parametrize("n_experts", [24, 4])  # gathered reference (E > 16) / masked loop (E <= 16)
 def test_model_decode_with_moe_kernel_equals_reference(n_experts):
-    from kernels.moe_decode import moe_decode_ref
+    from dsv4lab.kernels.moe_decode_ref import moe_decode_ref
 
     m = _nvfp4_experts_model(n_experts)
     ids = torch.randint(2, 97, (2, 30), generator=torch.Generator().manual_seed(1))
@@ -440,9 +442,9 @@ def _compare(ref_pre, ref_dec, pre, dec) -> dict:
 
 
 def _kernel_calls(monkeypatch) -> dict:
-    """Count launches of the Triton entry points (kernels.dispatch imports them per call)."""
-    import kernels.moe_decode as kmoe
-    import kernels.nvfp4_matmul as kmm
+    """Count launches of the Triton entry points (dsv4lab.kernels.dispatch imports them per call)."""
+    import dsv4lab.kernels.moe_decode as kmoe
+    import dsv4lab.kernels.linear_nvfp4 as kmm
 
     calls = {"nvfp4_matmul": 0, "moe_decode_triton": 0}
     for mod, name in ((kmm, "nvfp4_matmul"), (kmoe, "moe_decode_triton")):
@@ -558,3 +560,63 @@ def test_gpu_kernel_decode_has_no_host_syncs(gpu_model, prompt):
         use_kernels(m, enable=False)
     _record("host_syncs_in_kernel_decode_step", found)
     assert found == [], found
+
+
+# ----------------------------------------------------------------------------- CPU: act quant and pool slots
+def test_qlinear_act_kernel_quantises_w4a4_inputs():
+    """``QLinear.act_kernel`` (where install puts ``act_quant_nvfp4`` on CUDA) replaces the NVFP4
+    fake quant of the inputs in w4a4, with the same global scale; other modes never call it."""
+    from dsv4lab.quant.activations import fake_quant_nvfp4
+
+    g = torch.Generator().manual_seed(0)
+    ql = QLinear(64, 48)
+    ql.set_weight(quantize_nvfp4(torch.randn(48, 64, generator=g)))
+    x = torch.randn(3, 64, generator=g)
+    seen = []
+
+    def act(x, gs):
+        seen.append(float(gs))
+        return fake_quant_nvfp4(x, gs)
+
+    for mode, calls in (("w4a16", 0), ("w4a8", 0), ("w4a4", 1)):
+        ql.set_mode(mode)
+        ql.act_kernel = None
+        ref = ql(x)
+        ql.act_kernel = act
+        seen.clear()
+        assert torch.equal(ql(x), ref) and len(seen) == calls, mode
+
+
+def test_compressor_kernel_slot_and_install(tiny_nvfp4):
+    """``Compressor.kernel`` (the CuTe pool on CUDA) runs instead of the PyTorch pool unless
+    ``hook_weights`` is hooked; install/uninstall and ``components()`` see it; on CPU install
+    leaves the reference."""
+    from dsv4lab.kernels.compressor_pool_cute import compressor_pool_ref
+    from dsv4lab.kernels.install import install_kernels
+    from dsv4lab.model.compressor import Compressor
+
+    m = tiny_nvfp4
+    comps = [c for c in m.modules() if isinstance(c, Compressor)]
+    assert comps
+    assert install_kernels(m) == 0 and all(c.kernel is None for c in comps)  # CPU: nothing installed
+    ids = torch.randint(0, m.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
+    ref = _prefill_decode(m, ids, 20)
+    calls = []
+
+    def pool(kv, gate):
+        calls.append(kv.shape)
+        return compressor_pool_ref(kv, gate)
+
+    try:
+        for c in comps:
+            c.kernel = pool
+        assert "kernel:pool" in set(components(m).impl)
+        torch.testing.assert_close(_prefill_decode(m, ids, 20), ref, rtol=0, atol=0)
+        assert calls
+        calls.clear()
+        with m.hooks([(n, lambda t, h: t) for n, _ in m.named_modules() if n.endswith("hook_weights")]):
+            _prefill_decode(m, ids, 20)
+        assert not calls  # hooked pooling weights: the reference pool materialises them
+    finally:
+        assert install_kernels(m, enable=False) == len(comps)
+    assert all(c.kernel is None for c in comps)

@@ -18,7 +18,7 @@ The returned handle restores the originals (``handle.restore()`` or ``with`` blo
 ``restore(model)`` undoes every replacement still active, newest first.
 
 ``use_kernels(model, pattern, enable)`` switches the kernel implementations (``QLinear.kernel``,
-``Experts.kernel``: the Triton kernels of ``kernels/``) of the matching components on or off.
+``Experts.kernel``, ``Compressor.kernel``: ``dsv4lab.kernels``) of the matching components on or off.
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ from typing import Callable
 from torch import nn
 
 from ..checkpoint.names import layer_of, module_kind
-from ..patterns import name_matcher, no_match_error, unmatched
 from ..handles import Restorable
+from ..kernels.install import install_kernels, kernel_state, restore_kernels  # noqa: F401  (re-exported)
+from ..patterns import component_matcher, no_match_error, unmatched
 
 # class name -> component kind (QLinear kinds come from the canonical naming, docs/naming.md)
 _KIND_BY_CLASS = {
@@ -38,14 +39,6 @@ _KIND_BY_CLASS = {
     "HyperHead": "mhc.head", "MoE": "moe", "Router": "router", "Experts": "experts", "Expert": "expert",
     "SharedExpert": "shared_expert", "RMSNorm": "norm", "Embedding": "embed", "Rotary": "rope",
 }
-
-
-def component_matcher(pattern) -> Callable[[str, nn.Module], bool]:
-    """``f(name, module)`` for a pattern (:mod:`dsv4lab.patterns`), a list of them or a predicate."""
-    if callable(pattern) and not isinstance(pattern, str):
-        return pattern
-    keep = name_matcher(pattern)
-    return lambda name, mod: keep(name)
 
 
 def no_component_error(model, pattern) -> KeyError:
@@ -250,107 +243,13 @@ def replace(model, pattern, impl, *, method: str | None = None, label: str | Non
 
 
 # ------------------------------------------------------------------------------ kernels
-def _kernel_targets(model, pattern):
-    """(name, module) of every QLinear / Experts whose name, or an enclosing component's name,
-    matches ``pattern``."""
-    from ..model.linear import QLinear
-    from ..model.moe import Experts
-
-    match = component_matcher(pattern)
-    hit_names: set[str] = set()
-    out = []
-    for name, mod in model.named_modules():  # parents come before their children
-        if not name and not isinstance(mod, (QLinear, Experts)):
-            continue  # the root itself is a target only when called on one linear / expert block
-        if (name and name.rpartition(".")[0] in hit_names) or match(name, mod):
-            hit_names.add(name)
-            if isinstance(mod, (QLinear, Experts)):
-                out.append((name, mod))
-    return out, bool(hit_names)
-
-
-def _on_cuda(t) -> bool:
-    return t is not None and t.device.type == "cuda"
-
-
 def use_kernels(model, pattern="**", enable: bool = True, *, linear: Callable | None = None,
                 experts: Callable | None = None, strict: bool = True) -> int:
-    """Install (``enable=True``) or remove (``False``) the kernel implementation of the QLinears
-    and routed ``Experts`` matching ``pattern`` (their own name or an enclosing component's:
-    ``"layers.3"`` = every linear and expert block of layer 3). Returns how many components were
-    set (enable) or put back on the reference (disable; only those that had a kernel).
-
-    Defaults: ``kernels.dispatch.quant_linear`` as ``QLinear.kernel`` (weights NVFP4, MXFP4 or
-    FP8-block) and ``kernels.dispatch.moe_decode`` as ``Experts.kernel`` (NVFP4 or MXFP4 experts),
-    installed only where they run: with ``have_triton_cuda()`` and the weights on a CUDA device
-    (elsewhere the reference stays). ``linear=`` / ``experts=`` install another callable with the same
-    signature on every matching component that can use one (a quantised QLinear; any Experts),
-    whatever the device -- e.g. a reference-equal fake on CPU in tests. ``enable=False`` removes
-    any kernel. A QLinear's kernel runs outside ``dense`` mode; the Experts kernel in graph-safe
-    decode under ``w4a16`` (see ``dsv4lab.model.moe.Experts``). ``components()`` shows it in
+    """Install (``enable=True``) or remove (``False``) the kernels of the components matching
+    ``pattern``; ``dsv4lab.kernels.install.install_kernels`` decides which component gets which
+    (strict by default here: KeyError when nothing matches). ``components()`` shows them in
     ``impl`` (``kernel:<fn>``)."""
-    from ..model.linear import QLinear
-
-    targets, any_match = _kernel_targets(model, pattern)
-    if not any_match and strict:
-        raise no_component_error(model, pattern)
-    n = 0
-    if not enable:
-        for _, mod in targets:
-            if mod.kernel is not None:
-                mod.kernel = None
-                n += 1
-        return n
-    if linear is None or experts is None:
-        from kernels import dispatch
-
-        have = dispatch.have_triton_cuda()
-    for _, mod in targets:
-        if isinstance(mod, QLinear):
-            qw = mod.qweight
-            if qw is None:
-                continue
-            if linear is not None:
-                mod.kernel = linear
-            elif have and qw.format in dispatch.KERNEL_FORMATS and dispatch.weight_on_cuda(qw):
-                mod.kernel = dispatch.quant_linear
-            else:
-                continue
-        else:  # Experts
-            if experts is not None:
-                mod.kernel = experts
-            elif have and _experts_fp4_on_cuda(mod):
-                mod.kernel = dispatch.moe_decode
-            else:
-                continue
-        n += 1
-    return n
-
-
-def _experts_fp4_on_cuda(experts) -> bool:
-    """Every expert projection NVFP4 (or every one MXFP4, the official experts) and on CUDA."""
-    fmts = set()
-    for e in range(len(experts)):
-        for p in ("w1", "w3", "w2"):
-            ql = getattr(experts[e], p, None)
-            qw = getattr(ql, "qweight", None)
-            if qw is None or qw.format not in ("nvfp4", "mxfp4") or not _on_cuda(qw.packed):
-                return False
-            fmts.add(qw.format)
-    return len(fmts) == 1
-
-
-def kernel_state(model) -> dict:
-    """name -> installed kernel (None = reference) for every QLinear / Experts; give it back
-    to :func:`restore_kernels` to put that exact assignment back."""
-    targets, _ = _kernel_targets(model, "**")
-    return {name: mod.kernel for name, mod in targets}
-
-
-def restore_kernels(model, saved: dict) -> None:
-    for name, mod in _kernel_targets(model, "**")[0]:
-        if name in saved:
-            mod.kernel = saved[name]
+    return install_kernels(model, pattern, enable, strict=strict, linear=linear, experts=experts)
 
 
 def restore(model) -> int:

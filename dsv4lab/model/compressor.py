@@ -32,6 +32,7 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, config.rms_norm_eps)
         self.rotary = Rotary(config, "compress")
         self.hook_weights = HookPoint("softmax pooling weights [B,n_windows,slots,d] (fp32; CSA slots = m prev-Ca then m Cb)")
+        self.kernel = None  # optional fused softmax pool f(kv_slots, gate_slots) -> pooled (not with hook_weights active)
         self.hook_entries = HookPoint("new compressed entries [B,n_windows,d] (after kv_norm and RoPE)")
 
     # ------------------------------------------------------------------ core
@@ -43,8 +44,11 @@ class Compressor(nn.Module):
 
     def pool(self, kv_slots: torch.Tensor, gate_slots: torch.Tensor, window_idx: torch.Tensor) -> torch.Tensor:
         """[B,nW,L,d] slots -> entries [B,nW,d] at positions window_idx*ratio."""
-        w = self.hook_weights(torch.softmax(gate_slots, dim=2, dtype=torch.float32))
-        pooled = (kv_slots * w.to(kv_slots.dtype)).sum(dim=2)
+        if self.kernel is not None and not self.hook_weights.active:  # the kernel never materialises w
+            pooled = self.kernel(kv_slots, gate_slots)
+        else:
+            w = self.hook_weights(torch.softmax(gate_slots, dim=2, dtype=torch.float32))
+            pooled = (kv_slots * w.to(kv_slots.dtype)).sum(dim=2)
         entries = self.norm(pooled)
         cos, sin = self.rotary(window_idx * self.ratio)
         return self.hook_entries(apply_rope(entries, cos, sin))

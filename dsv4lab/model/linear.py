@@ -36,6 +36,7 @@ class QLinear(nn.Module):
         self.act_scale = ActScale.AMAX
         self._dense_cache: torch.Tensor | None = None
         self.kernel: Callable | None = None  # optional fast path f(x, qweight) -> y
+        self.act_kernel: Callable | None = None  # optional NVFP4 activation fake quant f(x, gs), bit-exact
 
     # ---------------------------------------------------------------- weights
     @property
@@ -108,7 +109,7 @@ class QLinear(nn.Module):
             gs = scale.to(x.device, torch.float32)
         else:
             gs = A.nvfp4_global_scale(x)
-        return A.fake_quant_nvfp4(x, gs)
+        return (self.act_kernel or A.fake_quant_nvfp4)(x, gs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.quantize_input(x)

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import DSV4Config, HASH_MOE
 from ..quant.modes import Mode
+from ..quant.stacked import StackedMXFP4, StackedNVFP4
 from .hooks import HookPoint
 from .linear import QLinear
 from .swiglu import clamped_swiglu
@@ -90,7 +91,7 @@ class Experts(nn.Module):
     graph-safe, ``gather_in_decode``) reads only the chosen experts from the stacked weights.
 
     ``kernel``: optional fused decode implementation ``f(x, ids, weights, w1, w3, w2, limit)``
-    over ``kernels.moe_decode.StackedNVFP4`` / ``StackedMXFP4`` stacks (``kernels.dispatch.moe_decode``,
+    over ``dsv4lab.quant.stacked.StackedNVFP4`` / ``StackedMXFP4`` stacks (``dsv4lab.kernels.dispatch.moe_decode``,
     installed by ``use_kernels``). Graph-safe decode calls it instead of the reference when every
     projection is NVFP4 (or every one MXFP4), the mode is ``w4a16`` (no activation quant), x is on one of ``kernel_devices`` and
     ``hook_expert_out`` is not active (it needs per-expert outputs: the reference runs then)."""
@@ -146,8 +147,6 @@ class Experts(nn.Module):
         """(w1, w3, w2) as ``StackedNVFP4`` / ``StackedMXFP4`` wrapping the ExpertStack tensors
         (views, no copy), cached per stack."""
         if self._kernel_stacks is None or self._kernel_stacks[0] is not stack:
-            from kernels.moe_decode import StackedMXFP4, StackedNVFP4
-
             if stack.formats["w1"] == "mxfp4":
                 ws = tuple(StackedMXFP4(stack.tensors[p]["packed"], stack.tensors[p]["scale"]) for p in ("w1", "w3", "w2"))
             else:

@@ -31,7 +31,7 @@ Entry points:
   * ``compressor_pool(kv, gate)``: the kernel when ``have_cute()`` and the inputs are CUDA and
     supported, else the reference;
   * ``compressor_pool_aot(kv, gate, aot_dir)`` / ``export_aot(...)``: cubins compiled ahead of
-    time with the same kernel (``python -m kernels.cute_compressor_pool export-aot DIR``, works
+    time with the same kernel (``python -m dsv4lab.kernels.compressor_pool_cute export-aot DIR``, works
     without a GPU) and launched through cuda-python's driver API, for machines without
     nvidia-cutlass-dsl (see .cute/run_gpu.sh).
 
@@ -44,18 +44,21 @@ Importing this module imports neither cutlass nor cuda-python and does no GPU wo
 """
 # No `from __future__ import annotations`: CuTeDSL evaluates the kernel annotations, and the
 # lazily imported cutlass names are not module globals.
+import argparse
+import ctypes
 import functools
 import json
 import math
 import os
 import re
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ._device import on_input_device
+from .device import on_input_device
 
 __all__ = [
     "compressor_pool_ref", "compressor_pool_cute", "compressor_pool", "have_cute",
@@ -183,7 +186,7 @@ def make_config(dtype: torch.dtype, L: int, d: int, max_threads: int = _MAX_THRE
 
 # ---------------------------------------------------------------------------- the kernel
 def _cutlass_dtype(name: str) -> Any:
-    import cutlass
+    import cutlass  # lazy: optional dependency
 
     return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}[name]
 
@@ -191,7 +194,7 @@ def _cutlass_dtype(name: str) -> Any:
 @functools.lru_cache(maxsize=None)
 def _kernel_class() -> type:
     """Build the CuTeDSL kernel class (lazily: needs cutlass)."""
-    import cuda.bindings.driver as cuda
+    import cuda.bindings.driver as cuda  # lazy: cutlass/cuda-python are optional (module import stays free of them)
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
@@ -297,7 +300,7 @@ def _kernel_class() -> type:
 
 def _compile(cfg: PoolConfig, options: str | None = None) -> Any:
     """cute.compile one instance (no GPU needed when CUTE_DSL_ARCH is set)."""
-    import cuda.bindings.driver as cuda
+    import cuda.bindings.driver as cuda  # lazy: cutlass/cuda-python are optional (module import stays free of them)
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
@@ -353,7 +356,7 @@ def compressor_pool_cute(kv: torch.Tensor, gate: torch.Tensor, config: PoolConfi
     if not (kv.is_cuda and gate.is_cuda):
         raise ValueError("compressor_pool_cute needs CUDA tensors")
     cfg = _pick(kv, config)
-    import cuda.bindings.driver as cuda
+    import cuda.bindings.driver as cuda  # lazy: cutlass/cuda-python are optional (module import stays free of them)
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
@@ -403,7 +406,6 @@ def _compile_kept(cfg: PoolConfig, arch: str) -> tuple[bytes, str]:
     """cute.compile for ``arch`` keeping the cubin and PTX. Both are explicit compile options
     (``--gpu-arch``, ``--dump-dir``): CUTE_DSL_ARCH / CUTE_DSL_DUMP_DIR are read once, when the DSL
     starts, so setting them here would be too late if cutlass is already imported."""
-    import tempfile
 
     with tempfile.TemporaryDirectory(prefix="cute_pool_keep_") as tmp:
         fn = _compile(cfg, options=f"--keep-cubin --keep-ptx --gpu-arch {arch} --dump-dir {tmp}")
@@ -447,9 +449,8 @@ class _AotLauncher:
     Uses the context torch made current (its primary context), retaining it if none is current."""
 
     def __init__(self, aot_dir: Path, entry: dict, device: torch.device) -> None:
-        import ctypes
 
-        from cuda.bindings import driver as cu
+        from cuda.bindings import driver as cu  # lazy: optional dependency
 
         self.cu, self.entry = cu, entry
         with torch.cuda.device(device):
@@ -474,7 +475,6 @@ class _AotLauncher:
         return rest[0] if len(rest) == 1 else None
 
     def __call__(self, kv_ptr: int, g_ptr: int, o_ptr: int, rows: int, stream: int) -> None:
-        import ctypes
 
         e, cu = self.entry, self.cu
         grid = (rows + e["rpb"] - 1) // e["rpb"]
@@ -533,9 +533,7 @@ AOT_SPECS: list[tuple[torch.dtype, int, int]] = [
 ]
 
 
-def _main(argv: list[str] | None = None) -> None:
-    import argparse
-
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     ex = sub.add_parser("export-aot", help="compile the kernel for AOT_SPECS into DIR (no GPU needed)")
@@ -548,6 +546,6 @@ def _main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":  # run the package's copy so kernel names match the JIT ones
-    from kernels.cute_compressor_pool import _main as _pkg_main
+    from dsv4lab.kernels.compressor_pool_cute import main as _pkg_main
 
     _pkg_main()

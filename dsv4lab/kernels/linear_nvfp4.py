@@ -3,7 +3,7 @@
 Layout: ``packed`` uint8 [N, K/2] (low nibble = even element), ``block_scale`` e4m3 [N, K/16],
 ``global_scale`` fp32 scalar; W = E2M1[code] * float(block_scale) * global_scale.
 
-Two Triton kernels here, plus the TMA-fed decode GEMV in ``kernels.nvfp4_gemv_tma`` that M <= 16
+Two Triton kernels here, plus the TMA-fed decode GEMV in ``dsv4lab.kernels.linear_nvfp4_tma`` that M <= 16
 takes on Hopper+ (this module's GEMV stays for older GPUs and unaligned shapes):
 
 * ``_gemv_kernel`` (M <= 16, decode). The packed rows are read as int64 words: one word = 16
@@ -33,8 +33,9 @@ The global scale is applied to the fp32 accumulator, not folded into the weights
 (``NVFP4Weight.dequantize`` then matmul) rounds the weight to the activation dtype instead, so
 the two differ by accumulation order and one bf16 rounding of W (tolerances in docs/kernels.md).
 
+Shared device helpers (decodes, group dot, split-K finish) are in ``dsv4lab.kernels.common``.
 Import has no side effects; triton is imported here, so import this module lazily
-(``kernels.dispatch`` does).
+(``dsv4lab.kernels.dispatch`` does).
 """
 from __future__ import annotations
 
@@ -44,152 +45,12 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.testing import do_bench
 
-from ._device import on_input_device
-from . import patch_interpreter_for_numpy2
-
-patch_interpreter_for_numpy2()
-
-
-# ----------------------------------------------------------------------------- device helpers
-@triton.jit
-def _fp16_pair(w32, J: tl.constexpr):
-    """int32 word holding 8 nibbles -> (fp32 of nibble J, fp32 of nibble J+4), each E2M1*2^-14."""
-    # 0x80008000 as an int32 constant (keeps the arithmetic 32-bit)
-    if J == 3:
-        p = ((w32 >> 3) & 0x0E000E00) | (w32 & -2147450880)
-    else:
-        p = ((w32 << (9 - 4 * J)) & 0x0E000E00) | ((w32 << (12 - 4 * J)) & -2147450880)
-    lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
-def _e4m3_to_f32(s_u8):
-    return s_u8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _e8m0_to_f32(e):
-    """E8M0 byte -> 2^(e-127) as fp32 (e = 0: 2^-127, a subnormal; e = 255: NaN), like torch."""
-    e = e.to(tl.int32)
-    v = (e << 23).to(tl.float32, bitcast=True)
-    v = tl.where(e == 0, tl.full(e.shape, 4194304, tl.int32).to(tl.float32, bitcast=True), v)
-    return tl.where(e == 255, float("nan"), v)
-
-
-@triton.jit
-def _store_or_fix_up(acc, y_ptrs, ws_ptrs, mask, cnt_ptr, tile, pid_k, split_stride, SPLIT, scale,
-                     USE_SPLIT: tl.constexpr):
-    """y = acc * scale; with split K every split writes its fp32 partial at ws_ptrs + pid_k *
-    split_stride and bumps the tile's counter, and the last one sums the SPLIT partials in split
-    order, stores and resets the counter (one launch, deterministic, CUDA-graph safe)."""
-    if not USE_SPLIT:
-        tl.store(y_ptrs, (acc * scale).to(y_ptrs.dtype.element_ty), mask=mask)
-    else:
-        tl.store(ws_ptrs + pid_k * split_stride, acc, mask=mask)
-        tl.debug_barrier()
-        old = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if old == SPLIT - 1:
-            tot = tl.zeros_like(acc)
-            if acc.numel <= 2048:
-                # GEMV tiles: four partials per round trip, still summed in split order; a loop of
-                # single loads waits one L2 latency per split (H200: wkv 6.5 -> 5.4 us, q_a 7.7 -> 6.9)
-                for s in range(0, SPLIT, 4):
-                    p0 = tl.load(ws_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
-                    p1 = tl.load(ws_ptrs + (s + 1) * split_stride, mask=tl.where(s + 1 < SPLIT, mask, False), other=0.0, cache_modifier=".cg")
-                    p2 = tl.load(ws_ptrs + (s + 2) * split_stride, mask=tl.where(s + 2 < SPLIT, mask, False), other=0.0, cache_modifier=".cg")
-                    p3 = tl.load(ws_ptrs + (s + 3) * split_stride, mask=tl.where(s + 3 < SPLIT, mask, False), other=0.0, cache_modifier=".cg")
-                    tot = (((tot + p0) + p1) + p2) + p3
-            else:  # GEMM tiles (64-128 x 128): four in flight would spill registers (o_b M=128 178 -> 239 us)
-                for s in range(SPLIT):
-                    tot += tl.load(ws_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, (tot * scale).to(y_ptrs.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # next use is a later launch: no fence
-
-
-@triton.jit
-def _nibble_plane_dots(w64, sc, xt, xm, acc, DOT_DTYPE: tl.constexpr):
-    """acc [BN, BM] += the 16 nibble planes of the int64 words w64 [BN, W] (element 16w + j),
-    each as exact E2M1 * 2^-14 * sc in DOT_DTYPE, through tl.dot against the x^T plane at
-    xt + j ([W, BM] pointers, mask xm)."""
-    w_lo = w64.to(tl.int32)
-    w_hi = (w64 >> 32).to(tl.int32)
-    for j in tl.static_range(4):
-        a, b = _fp16_pair(w_lo, j)
-        acc = tl.dot((a * sc).to(DOT_DTYPE), tl.load(xt + j, mask=xm, other=0.0).to(DOT_DTYPE), acc)
-        acc = tl.dot((b * sc).to(DOT_DTYPE), tl.load(xt + j + 4, mask=xm, other=0.0).to(DOT_DTYPE), acc)
-        c, d = _fp16_pair(w_hi, j)
-        acc = tl.dot((c * sc).to(DOT_DTYPE), tl.load(xt + j + 8, mask=xm, other=0.0).to(DOT_DTYPE), acc)
-        acc = tl.dot((d * sc).to(DOT_DTYPE), tl.load(xt + j + 12, mask=xm, other=0.0).to(DOT_DTYPE), acc)
-    return acc
-
-
-@triton.jit
-def _gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, g_hi, gps,
-                  BN: tl.constexpr, G: tl.constexpr):
-    """sum_k W'[rows, k] * x[k] over groups [g_lo, g_hi) for one activation row; W' = E2M1*s*2^-14.
-    w_ptr: int64 words [N, K/16]; s_ptr: uint8 e4m3 [N, K/16]; x_ptr: fp row of K."""
-    acc = tl.zeros((BN, G), dtype=tl.float32)
-    offs_g = tl.arange(0, G)
-    # software pipelining by hand: the next tile's weight/scale loads are issued before this
-    # tile's decode (the loop has no tl.dot, so Triton's pipeliner leaves it alone)
-    gg = g_lo + offs_g
-    gm = gg < g_hi
-    m2 = row_ok[:, None] & gm[None, :]
-    w_nx = tl.load(w_ptr + rows[:, None] * stride_wn + gg[None, :], mask=m2, other=0)
-    s_nx = tl.load(s_ptr + rows[:, None] * stride_sn + gg[None, :], mask=m2, other=0)
-    for g0 in range(g_lo, g_lo + gps, G):
-        gg = g0 + offs_g
-        gm = gg < g_hi
-        w64 = w_nx
-        sc = _e4m3_to_f32(s_nx)
-        gn = gg + G
-        mn = row_ok[:, None] & (gn < g_hi)[None, :]
-        w_nx = tl.load(w_ptr + rows[:, None] * stride_wn + gn[None, :], mask=mn, other=0)
-        s_nx = tl.load(s_ptr + rows[:, None] * stride_sn + gn[None, :], mask=mn, other=0)
-        w_lo = w64.to(tl.int32)
-        w_hi = (w64 >> 32).to(tl.int32)
-        xb = x_ptr + gg * 16
-        part = tl.zeros((BN, G), dtype=tl.float32)
-        for j in tl.static_range(4):
-            a, b = _fp16_pair(w_lo, j)
-            xa = tl.load(xb + j, mask=gm, other=0.0).to(tl.float32)
-            xb4 = tl.load(xb + j + 4, mask=gm, other=0.0).to(tl.float32)
-            part += a * xa[None, :] + b * xb4[None, :]
-            c, d = _fp16_pair(w_hi, j)
-            xc = tl.load(xb + j + 8, mask=gm, other=0.0).to(tl.float32)
-            xd = tl.load(xb + j + 12, mask=gm, other=0.0).to(tl.float32)
-            part += c * xc[None, :] + d * xd[None, :]
-        acc += part * sc
-    return tl.sum(acc, axis=1)
-
-
-# f16x2 path (M == 1 on the GPU): the nibbles of an int32 word are turned into E5M2-like bytes
-# (sign at bit 7, e1 e0 m at bits 3..1), four at a time: the even nibbles of all four bytes with
-# one pair of shifts and masks, the odd ones with another; prmt then puts two such bytes into the
-# high bytes of an f16x2 register, which is E2M1 * 2^-14 exactly (subnormals included). Per 8
-# weights: 3 shifts, 4 logic ops, 4 prmt, 4 hfma2 (the nibble-pair decode it replaced needed 7
-# shifts and 8 logic ops: 1805 -> 1549 SASS instructions per 256x16-word box and thread).
-# Pairs: (e0, e2), (e4, e6) from the even codes, (e1, e3), (e5, e7) from the odd ones.
-# $1/$2: the group's low/high int32 word; $3..$6 / $7..$10: the matching x' pairs.
-_H2_WORD = """
-shl.b32 a, {w}, 1; shl.b32 b, {w}, 4; and.b32 b, b, 0x80808080; lop3.b32 e, a, b, 0x0E0E0E0E, 0xEC;
-shr.b32 a, {w}, 3; and.b32 b, {w}, 0x80808080; lop3.b32 o, a, b, 0x0E0E0E0E, 0xEC;
-prmt.b32 p, e, 0, 0x1404; fma.rn.f16x2 acc, p, {x0}, acc;
-prmt.b32 p, e, 0, 0x3424; fma.rn.f16x2 acc, p, {x1}, acc;
-prmt.b32 p, o, 0, 0x1404; fma.rn.f16x2 acc, p, {x2}, acc;
-prmt.b32 p, o, 0, 0x3424; fma.rn.f16x2 acc, p, {x3}, acc;
-"""
-# element offsets (within an 8-element half group) of the low half of x' pairs 0..3; the high
-# half is the element 2 further on
-H2_PAIR_LO = (0, 4, 1, 5)
-_H2_GROUP_ASM = tl.constexpr("{ .reg .b32 a, b, e, o, p, acc; .reg .f16 hlo, hhi; .reg .f32 flo, fhi;\nmov.b32 acc, 0;\n"
-                 + _H2_WORD.format(w="$1", x0="$3", x1="$4", x2="$5", x3="$6")
-                 + _H2_WORD.format(w="$2", x0="$7", x1="$8", x2="$9", x3="$10")
-                 + "mov.b32 {hlo, hhi}, acc; cvt.f32.f16 flo, hlo; cvt.f32.f16 fhi, hhi; add.f32 flo, flo, fhi;\n"
-                 + "mov.b32 $0, flo; }")
+from .common import (INTERPRET, counters, dot_dtype, e4m3_to_f32, gemv_rows_m1, group_dot,
+                     nibble_plane_dots, num_sms, store_or_fix_up)
+from .device import on_input_device
+from .linear_nvfp4_tma import launch_gemv_tma, tma_default_config, tma_supported
 
 
 @triton.jit
@@ -203,110 +64,6 @@ def _x_half(xb, o: tl.constexpr, gm, xs):
 def _x_pair(xb, o: tl.constexpr, gm, xs):
     """x' pair (elements o, o + 2) of a group: o = 8h + H2_PAIR_LO[j] for pair 4h + j."""
     return _x_half(xb, o, gm, xs) | (_x_half(xb, o + 2, gm, xs) << 16)
-
-
-@triton.jit
-def _code_to_f32(c):
-    """E5M2-like byte code (sign bit 7, e1 e0 m bits 3..1) -> the f16 with that high byte, as fp32."""
-    return ((c & 0xFF) << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _h2_word_emulated(w32, x0, x1, x2, x3, acc_lo, acc_hi):
-    """What one _H2_WORD block computes, in plain Triton (the interpreter cannot run PTX): the
-    even/odd byte codes, exact f16 products added to the f16 running sums in the same order
-    (pair k: lo half element H2_PAIR_LO[k], hi half element H2_PAIR_LO[k] + 2)."""
-    even = ((w32 << 1) & 0x0E0E0E0E) | ((w32 << 4) & -2139062144)   # -2139062144 = 0x80808080
-    odd = ((w32 >> 3) & 0x0E0E0E0E) | (w32 & -2139062144)
-    for k in tl.static_range(4):
-        if k == 0:
-            xp = x0
-        elif k == 1:
-            xp = x1
-        elif k == 2:
-            xp = x2
-        else:
-            xp = x3
-        if k < 2:
-            c = even >> (16 * k)
-        else:
-            c = odd >> (16 * (k - 2))
-        lo = _code_to_f32(c)
-        hi = _code_to_f32(c >> 8)
-        xa = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        xc = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        acc_lo = (acc_lo + lo * xa).to(tl.float16).to(tl.float32)
-        acc_hi = (acc_hi + hi * xc).to(tl.float16).to(tl.float32)
-    return acc_lo, acc_hi
-
-
-@triton.jit
-def _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr):
-    """Per (row, group) sum of the 16 products of one int64 weight word [BN, G] with the group's
-    x' pairs x0..x7 ([1, G] each), in units of 2^-14 / xs: ``_H2_GROUP_ASM`` on the GPU, its
-    plain-Triton emulation under the interpreter (one running f16x2 sum over both halves)."""
-    w_lo = w64.to(tl.int32)
-    w_hi = (w64 >> 32).to(tl.int32)
-    if USE_ASM:
-        part = tl.inline_asm_elementwise(
-            _H2_GROUP_ASM, "=r,r,r,r,r,r,r,r,r,r,r", [w_lo, w_hi, x0, x1, x2, x3, x4, x5, x6, x7],
-            dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
-    else:
-        z = tl.zeros((BN, G), dtype=tl.float32)
-        a_lo, a_hi = _h2_word_emulated(w_lo, x0, x1, x2, x3, z, z)
-        a_lo, a_hi = _h2_word_emulated(w_hi, x4, x5, x6, x7, a_lo, a_hi)
-        part = a_lo + a_hi
-    return part
-
-
-@triton.jit
-def _decode_probe_kernel(w_ptr, out_ptr, BN: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr):
-    """out[r, g, e] = what the M == 1 loop decodes for element e of word w[r, g] (times 2^14):
-    ``_group_dot`` against x' pairs holding f16 1.0 at element e only, so the f16 sum is exact."""
-    offs = tl.arange(0, BN)[:, None] * G + tl.arange(0, G)[None, :]
-    w64 = tl.load(w_ptr + offs)
-    one = tl.full((1, G), 0x3C00, tl.int32)      # f16 1.0 in the low half of a pair
-    zero = tl.zeros((1, G), tl.int32)
-    for e in tl.static_range(16):
-        h = e // 8                                 # which int32 of the word
-        j = (e % 8) % 2 * 2 + (e % 8) // 4         # pair j: elements H2_PAIR_LO[j] = 0, 4, 1, 5 and +2
-        hi = (e % 8) % 4 >= 2                      # the pair's high half (element + 2)
-        v = one << 16 if hi else one
-        k = 4 * h + j
-        part = _group_dot(w64, v if k == 0 else zero, v if k == 1 else zero, v if k == 2 else zero,
-                          v if k == 3 else zero, v if k == 4 else zero, v if k == 5 else zero,
-                          v if k == 6 else zero, v if k == 7 else zero, BN, G, USE_ASM)
-        tl.store(out_ptr + offs * 16 + e, part * 16384.0)
-
-
-@on_input_device
-def decode_probe(words: torch.Tensor) -> torch.Tensor:
-    """The E2M1 values the batch-1 f16x2 loop decodes from int64 weight words [R, 16] (R a power
-    of two >= 16): float32 [R, 16, 16], element e of word (r, g) at [r, g, e]. It must equal the
-    reference decode of the same bytes (``tests/test_kernels.py`` checks it exactly, through the
-    interpreter and with the inline PTX on the GPU); a triage tool when a decode is suspected."""
-    R, G = words.shape
-    if words.dtype != torch.int64 or G != 16 or R < 16 or R & (R - 1):
-        raise ValueError(f"decode_probe wants int64 words [R, 16], R a power of two >= 16; got {words.dtype} {tuple(words.shape)}")
-    out = torch.empty((R, G, 16), dtype=torch.float32, device=words.device)
-    _decode_probe_kernel[(1,)](words.contiguous(), out, BN=R, G=G, USE_ASM=words.is_cuda and not _INTERPRET,
-                               num_warps=1 if _INTERPRET else 4)
-    return out
-
-
-def decode_probe_selfcheck(device: str | torch.device = "cuda") -> dict:
-    """Every E2M1 code at every element of a word (code (3r + 5g + e) % 16 at element e of word
-    (r, g)) through ``decode_probe`` against the reference decode of the same bytes. Returns
-    {exact, pairs_covered (256 = all 16 codes at all 16 positions), nonzero}."""
-    from dsv4lab.quant.fp4 import e2m1_decode, unpack_fp4
-
-    r, g, e = torch.meshgrid(torch.arange(16), torch.arange(16), torch.arange(16), indexing="ij")
-    codes = ((3 * r + 5 * g + e) % 16).to(torch.uint8).reshape(16, 256)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
-    got = decode_probe(packed.to(device).view(torch.int64)).cpu()
-    ref = e2m1_decode(unpack_fp4(packed)).reshape(16, 16, 16)
-    covered = {(int(c), i % 16) for i, c in enumerate(codes.reshape(-1).tolist())}
-    return {"exact": bool(torch.equal(got, ref)), "pairs_covered": len(covered), "nonzero": int((ref != 0).sum())}
 
 
 @triton.jit
@@ -352,7 +109,7 @@ def _load_pairs(xp_ptr, gg, gm):
 @triton.jit
 def _gemv_rows_m1_h2(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, xp_ptr, rows, row_ok, g_lo, g_hi, gps, xs,
                      BN: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr, XP: tl.constexpr, PF: tl.constexpr):
-    """Like _gemv_rows_m1 (result in units of 2^-14 / xs) with f16x2 products: see _H2_GROUP_ASM.
+    """Like gemv_rows_m1 (result in units of 2^-14 / xs) with f16x2 products: see _H2_GROUP_ASM.
     XP: the x' pairs come precomputed from _x_pairs_kernel, else each CTA builds them.
     PF: weight tiles in flight ahead of the one being decoded (1 or 2)."""
     acc = tl.zeros((BN, G), dtype=tl.float32)
@@ -369,7 +126,7 @@ def _gemv_rows_m1_h2(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, xp_ptr, rows, ro
         gg = g0 + offs_g
         gm = gg < g_hi
         w64 = w_nx
-        sc = _e4m3_to_f32(s_nx)
+        sc = e4m3_to_f32(s_nx)
         gn = gg + PF * G
         mn = row_ok[:, None] & (gn < g_hi)[None, :]
         if PF == 2:
@@ -392,7 +149,7 @@ def _gemv_rows_m1_h2(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, xp_ptr, rows, ro
             x5 = _x_pair(xb, 12, gm, xs)[None, :]
             x6 = _x_pair(xb, 9, gm, xs)[None, :]
             x7 = _x_pair(xb, 13, gm, xs)[None, :]
-        acc += _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * sc
+        acc += group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * sc
     return tl.sum(acc, axis=1)
 
 
@@ -409,10 +166,10 @@ def _gemv_rows_dot(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, stride_xm, M, rows
         gm = gg < g_hi
         m2 = row_ok[:, None] & gm[None, :]
         w64 = tl.load(w_ptr + rows[:, None] * stride_wn + gg[None, :], mask=m2, other=0)
-        sc = _e4m3_to_f32(tl.load(s_ptr + rows[:, None] * stride_sn + gg[None, :], mask=m2, other=0)) * 16384.0
+        sc = e4m3_to_f32(tl.load(s_ptr + rows[:, None] * stride_sn + gg[None, :], mask=m2, other=0)) * 16384.0
         # x^T planes [G, BMP]: element 16*g + j of each activation row
         xt = x_ptr + offs_m[None, :] * stride_xm + gg[:, None] * 16
-        acc = _nibble_plane_dots(w64, sc, xt, gm[:, None] & m_ok[None, :], acc, DOT_DTYPE)
+        acc = nibble_plane_dots(w64, sc, xt, gm[:, None] & m_ok[None, :], acc, DOT_DTYPE)
     return acc
 
 
@@ -440,14 +197,14 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, xp_ptr, in
                                    groups_per_split, xs, BN, G, USE_ASM, XP, PF)
             acc = acc * (16384.0 * inv_xs)  # undo 2^-14 (nibble trick) and the x scaling
         else:
-            acc = _gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, g_hi, groups_per_split, BN, G)
+            acc = gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, g_hi, groups_per_split, BN, G)
             acc = acc * 16384.0  # undo the 2^-14 of the fp16 nibble trick
-        _store_or_fix_up(acc, y_ptr + rows, ws_ptr + rows, row_ok, cnt_ptr, pid_n, pid_k, N, SPLIT, gs, USE_SPLIT)
+        store_or_fix_up(acc, y_ptr + rows, ws_ptr + rows, row_ok, cnt_ptr, pid_n, pid_k, N, SPLIT, gs, USE_SPLIT)
     else:
         acc = _gemv_rows_dot(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, stride_xm, M, rows, row_ok,
                              g_lo, g_hi, groups_per_split, BN, G, BMP, DOT_DTYPE)
         offs_m = tl.arange(0, BMP)
-        _store_or_fix_up(acc, y_ptr + offs_m[None, :] * stride_ym + rows[:, None], ws_ptr + offs_m[None, :] * N + rows[:, None],
+        store_or_fix_up(acc, y_ptr + offs_m[None, :] * stride_ym + rows[:, None], ws_ptr + offs_m[None, :] * N + rows[:, None],
                          row_ok[:, None] & (offs_m < M)[None, :], cnt_ptr, pid_n, pid_k, M * N, SPLIT, gs, USE_SPLIT)
 
 
@@ -479,45 +236,19 @@ def _gemm_kernel(x_ptr, p_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k
         b = tl.load(p_ptr + offs_n[:, None] * stride_pn + (k0 // 2 + offs_kb)[None, :],
                     mask=n_ok[:, None] & kb_ok[None, :], other=0).to(tl.int32)
         g_ok = (k0 // 16 + offs_g) < k_hi // 16
-        sc = _e4m3_to_f32(tl.load(s_ptr + offs_n[:, None] * stride_sn + (k0 // 16 + offs_g)[None, :],
+        sc = e4m3_to_f32(tl.load(s_ptr + offs_n[:, None] * stride_sn + (k0 // 16 + offs_g)[None, :],
                                   mask=n_ok[:, None] & g_ok[None, :], other=0)) * 16384.0
         lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         w = tl.reshape(tl.join(lo, hi), (BN, BK // 16, 16))
         w = tl.reshape(w * sc[:, :, None], (BN, BK)).to(DOT_DTYPE)
         acc = tl.dot(xt, tl.trans(w), acc)
-    _store_or_fix_up(acc, y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], ws_ptr + offs_m[:, None] * N + offs_n[None, :],
+    store_or_fix_up(acc, y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], ws_ptr + offs_m[:, None] * N + offs_n[None, :],
                      m_ok[:, None] & n_ok[None, :], cnt_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k, M * N, SPLIT,
                      tl.load(gs_ptr).to(tl.float32), USE_SPLIT)
 
 
-# ----------------------------------------------------------------------------- host side
-_COUNTERS: dict = {}
 _TUNED: dict = {}
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    key = (device.type, device.index)
-    c = _COUNTERS.get(key)
-    if c is None or c.numel() < n:
-        c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = c
-    return c
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
-def _dot_dtype(x: torch.Tensor):
-    if _INTERPRET:  # triton 3.6's interpreter mis-computes bf16 tl.dot under numpy 2.x; fp32 is
-        return tl.float32  # the same math here (operands are exact bf16 values)
-    return tl.float16 if x.dtype == torch.float16 else tl.bfloat16
-
-
 def _bmp(m: int) -> int:
     return 1 if m == 1 else 16
 
@@ -526,18 +257,18 @@ def default_config(M: int, N: int, K: int, device: torch.device) -> dict:
     """Heuristic: enough CTAs to cover every SM ~4x; split K when N alone does not."""
     KG = K // 16
     if M == 1:
-        bn, g, warps = (32, 16, 4) if not _INTERPRET else (16, 2, 1)
+        bn, g, warps = (32, 16, 4) if not INTERPRET else (16, 2, 1)
     else:
-        bn, g, warps = (64, 16, 4) if not _INTERPRET else (16, 16, 1)
+        bn, g, warps = (64, 16, 4) if not INTERPRET else (16, 16, 1)
     n_tiles = triton.cdiv(N, bn)
-    target = 4 * _num_sms(device)
+    target = 4 * num_sms(device)
     split = max(1, min(triton.cdiv(target, n_tiles), KG // (4 * g) if KG >= 4 * g else 1, 64))
     return {"BN": bn, "G": g, "SPLIT": split, "num_warps": warps, "H2": M == 1, "XP": M == 1}
 
 
 def _candidates(M: int, N: int, K: int, device: torch.device) -> list[dict]:
     KG = K // 16
-    sms = _num_sms(device)
+    sms = num_sms(device)
     shapes = [(32, 16, 4), (64, 8, 4), (64, 16, 4), (128, 8, 8), (128, 16, 8), (256, 8, 8)] if M == 1 else \
              [(64, 16, 4), (128, 16, 4), (64, 32, 4)]
     out = []
@@ -555,8 +286,6 @@ def _candidates(M: int, N: int, K: int, device: torch.device) -> list[dict]:
 
 def _launch_gemv(x2, packed, scale, gs, y, cfg):
     if cfg.get("TMA"):
-        from .nvfp4_gemv_tma import launch_gemv_tma, tma_supported
-
         if x2.shape[0] > 16 or not tma_supported(x2, packed, scale):
             raise ValueError("a TMA config needs M <= 16, K % 256 == 0, 16-byte aligned weights and CUDA "
                              "capability >= 9.0 (or TRITON_INTERPRET=1)")
@@ -573,7 +302,7 @@ def _launch_gemv(x2, packed, scale, gs, y, cfg):
     bmp = _bmp(M)
     if split > 1:
         ws = torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
-        cnt = _counters(x2.device, n_tiles)
+        cnt = counters(x2.device, n_tiles)
     else:
         ws = y
         cnt = y
@@ -582,26 +311,26 @@ def _launch_gemv(x2, packed, scale, gs, y, cfg):
     if xpairs:
         xp = torch.empty(K // 2, dtype=torch.int32, device=x2.device)
         inv = torch.empty(1, dtype=torch.float32, device=x2.device)
-        xb = 64 if _INTERPRET else min(4096, triton.next_power_of_2(max(K // 2, 64)))  # few, wide steps: it runs before every CTA
-        _x_pairs_kernel[(1,)](x2, xp, inv, K, XB=xb, num_warps=1 if _INTERPRET else 16)
+        xb = 64 if INTERPRET else min(4096, triton.next_power_of_2(max(K // 2, 64)))  # few, wide steps: it runs before every CTA
+        _x_pairs_kernel[(1,)](x2, xp, inv, K, XB=xb, num_warps=1 if INTERPRET else 16)
     else:
         xp, inv = x2, gs
     _gemv_kernel[(n_tiles, split)](
         x2, w64, scale.view(torch.uint8), gs, y, ws, cnt, xp, inv,
         M, N, KG, x2.stride(0), w64.stride(0), scale.stride(0), y.stride(0), gps, split,
-        USE_SPLIT=split > 1, BN=cfg["BN"], G=cfg["G"], BMP=bmp, DOT_DTYPE=_dot_dtype(x2),
-        H2=h2, USE_ASM=not _INTERPRET, XP=xpairs, PF=int(cfg.get("PF", 1)),
+        USE_SPLIT=split > 1, BN=cfg["BN"], G=cfg["G"], BMP=bmp, DOT_DTYPE=dot_dtype(x2),
+        H2=h2, USE_ASM=not INTERPRET, XP=xpairs, PF=int(cfg.get("PF", 1)),
         num_warps=cfg["num_warps"])
 
 
 def gemm_config(M: int, N: int, K: int, device: torch.device) -> dict:
     """Prefill tiles; split K when the (M, N) tiles alone cannot fill the SMs (e.g. wkv 7168->512
     at M=128 has 4 tiles of 128x128)."""
-    if _INTERPRET:
+    if INTERPRET:
         return {"BM": 32, "BN": 16, "BK": 32, "SPLIT": 1, "num_warps": 1}
     bm, bn, bk, warps = (64 if M <= 64 else 128), 128, 64, 8
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    sms = _num_sms(device)
+    sms = num_sms(device)
     split = 1
     if tiles < sms:
         split = max(1, min(triton.cdiv(2 * sms, tiles), K // (4 * bk), 32))
@@ -617,12 +346,12 @@ def _launch_gemm(x2, packed, scale, gs, y, cfg):
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
     if split > 1:
         ws = torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
-        cnt = _counters(x2.device, grid[0] * grid[1])
+        cnt = counters(x2.device, grid[0] * grid[1])
     else:
         ws, cnt = y, y
     _gemm_kernel[grid](x2, packed, scale, gs, y, ws, cnt, M, N, K, kps, split,
                        x2.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
-                       BM=bm, BN=bn, BK=bk, DOT_DTYPE=_dot_dtype(x2), USE_SPLIT=split > 1,
+                       BM=bm, BN=bn, BK=bk, DOT_DTYPE=dot_dtype(x2), USE_SPLIT=split > 1,
                        num_warps=cfg["num_warps"])
 
 
@@ -630,8 +359,6 @@ def _use_tma(x2, packed, scale) -> bool:
     """M <= 16 on Hopper+ with TMA-compatible strides takes ``nvfp4_gemv_tma`` (DSV4LAB_KERNEL_TMA=0 opts out)."""
     if x2.shape[0] > 16 or x2.device.type != "cuda" or os.environ.get("DSV4LAB_KERNEL_TMA", "1") == "0":
         return False
-    from .nvfp4_gemv_tma import tma_supported
-
     return tma_supported(x2, packed, scale)
 
 
@@ -663,15 +390,11 @@ def _tuned_config(x2, packed, scale, gs, y) -> dict:
     if cfg is not None:
         return cfg
     if tma:  # fixed tile rule, see tma_default_config
-        from .nvfp4_gemv_tma import tma_default_config
-
         cfg = tma_default_config(N, K, x2.device, M)
     elif x2.device.type != "cuda" or os.environ.get("DSV4LAB_KERNEL_TUNE", "0") != "1" \
             or torch.cuda.is_current_stream_capturing():
         cfg = default_config(M, N, K, x2.device)
     else:
-        from triton.testing import do_bench
-
         best = None
         for c in _candidates(M, N, K, x2.device):
             try:
@@ -692,7 +415,7 @@ def nvfp4_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
     """y[..., N] = x[..., K] @ W^T for NVFP4 W given as (packed [N,K/2], block_scale [N,K/16], gs).
 
     M = prod(leading dims) <= 16 takes the split-K GEMV kernel, larger M the tiled GEMM. M <= 16 on
-    CUDA capability >= 9.0 with K % 256 == 0 takes the TMA-fed GEMV (``kernels.nvfp4_gemv_tma``).
+    CUDA capability >= 9.0 with K % 256 == 0 takes the TMA-fed GEMV (``dsv4lab.kernels.linear_nvfp4_tma``).
     ``config`` overrides the tuned choice (GEMV: BN, G, SPLIT, num_warps, H2, XP, PF; TMA GEMV:
     TMA=True, BN, STAGES, SPLIT, num_warps; GEMM: BM, BN, BK, SPLIT, num_warps). Output dtype =
     x.dtype by default.

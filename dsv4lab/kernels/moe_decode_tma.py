@@ -1,9 +1,9 @@
 """MoE decode path with TMA-fed expert weights (Hopper and newer).
 
-Same math and roundings as ``kernels.moe_decode`` (gate/up rounded to x.dtype before the clamps,
+Same math and roundings as ``dsv4lab.kernels.moe_decode`` (gate/up rounded to x.dtype before the clamps,
 h stored in x.dtype, the k weighted expert outputs summed in fp32 and rounded once), but the
 expert rows stream through the multi-stage TMA ring and the f16x2 inner loop of
-``kernels.nvfp4_gemv_tma`` instead of per-thread pointer loads with fp32 FMAs:
+``dsv4lab.kernels.linear_nvfp4_tma`` instead of per-thread pointer loads with fp32 FMAs:
 
 1. ``x_pairs(x)``: per-16-group scaled f16x2 pairs of every token row (one short wave);
 2. ``_moe_up_kernel`` (grid = I tiles x T*k): rows of w1[e] and w3[e] against token t's pairs,
@@ -26,9 +26,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .moe_decode import StackedMXFP4
-from .nvfp4_gemv_tma import G, _block_scales, _global_scale, _pairs_and_inv, x_pairs
-from .nvfp4_matmul import _INTERPRET, _counters, _group_dot, _store_or_fix_up
+from ..quant.stacked import StackedMXFP4
+from .common import (BOX_GROUPS, INTERPRET, block_scales, counters, group_dot, pairs_and_inv, store_or_fix_up,
+                     weight_global_scale, x_pairs)
 
 
 @triton.jit
@@ -45,13 +45,13 @@ def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, x_desc, xinv_ptr, ids_ptr
     acc1 = tl.zeros((BN, G), dtype=tl.float32)
     acc3 = tl.zeros((BN, G), dtype=tl.float32)
     for g0 in tl.range(0, KG, G, num_stages=STAGES):
-        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(x_desc, xinv_ptr, t * KG, g0, G, True)
-        acc1 += _group_dot(w1_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
-            (_block_scales(s1_desc, r0, g0, BN, G, MX) * inv)
-        acc3 += _group_dot(w3_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
-            (_block_scales(s3_desc, r0, g0, BN, G, MX) * inv)
-    gate = (tl.sum(acc1, axis=1) * (16384.0 * _global_scale(g1_ptr, e, MX))).to(h_ptr.dtype.element_ty).to(tl.float32)
-    up = (tl.sum(acc3, axis=1) * (16384.0 * _global_scale(g3_ptr, e, MX))).to(h_ptr.dtype.element_ty).to(tl.float32)
+        inv, x0, x1, x2, x3, x4, x5, x6, x7 = pairs_and_inv(x_desc, xinv_ptr, t * KG, g0, G, True)
+        acc1 += group_dot(w1_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
+            (block_scales(s1_desc, r0, g0, BN, G, MX) * inv)
+        acc3 += group_dot(w3_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
+            (block_scales(s3_desc, r0, g0, BN, G, MX) * inv)
+    gate = (tl.sum(acc1, axis=1) * (16384.0 * weight_global_scale(g1_ptr, e, MX))).to(h_ptr.dtype.element_ty).to(tl.float32)
+    up = (tl.sum(acc3, axis=1) * (16384.0 * weight_global_scale(g3_ptr, e, MX))).to(h_ptr.dtype.element_ty).to(tl.float32)
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     h = gate * tl.sigmoid(gate) * up
@@ -72,12 +72,12 @@ def _moe_down_kernel(w2_desc, s2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_pt
     row_ok = rows < H
     acc = tl.zeros((BN, G), dtype=tl.float32)
     for g0 in tl.range(0, KG, G, num_stages=STAGES):
-        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(h_desc, hinv_ptr, pair * KG, g0, G, True)
-        acc += _group_dot(w2_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
-            (_block_scales(s2_desc, r0, g0, BN, G, MX) * inv)
-    part = tl.sum(acc, axis=1) * (16384.0 * _global_scale(g2_ptr, e, MX) * tl.load(wts_ptr + pair).to(tl.float32))
+        inv, x0, x1, x2, x3, x4, x5, x6, x7 = pairs_and_inv(h_desc, hinv_ptr, pair * KG, g0, G, True)
+        acc += group_dot(w2_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
+            (block_scales(s2_desc, r0, g0, BN, G, MX) * inv)
+    part = tl.sum(acc, axis=1) * (16384.0 * weight_global_scale(g2_ptr, e, MX) * tl.load(wts_ptr + pair).to(tl.float32))
     # the token's k experts are the "splits" of its row tile: the last sums them in expert order
-    _store_or_fix_up(part, y_ptr + t * stride_yt + rows, ws_ptr + t * TOPK * H + rows, row_ok, cnt_ptr,
+    store_or_fix_up(part, y_ptr + t * stride_yt + rows, ws_ptr + t * TOPK * H + rows, row_ok, cnt_ptr,
                      t * tl.num_programs(0) + pid_n, pair - t * TOPK, H, TOPK, 1.0, True)
 
 
@@ -90,7 +90,7 @@ def tma_moe_supported(x: torch.Tensor, w1, w3, w2) -> bool:
         return False
     if any(t.data_ptr() % 16 for w in (w1, w3, w2) for t in _parts(w)):
         return False
-    return _INTERPRET or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    return INTERPRET or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
 def _is_mx(w) -> bool:
@@ -123,8 +123,8 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     T, H = x.shape
     E, I, _ = w1.shape
     mx = _is_mx(w1)
-    g = 32 if mx else G
-    bn, stages, warps = (16, 2, 1) if _INTERPRET else (64, 3, 4)
+    g = 32 if mx else BOX_GROUPS
+    bn, stages, warps = (16, 2, 1) if INTERPRET else (64, 3, 4)
     h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
     y = torch.empty((T, H), dtype=x.dtype, device=x.device)
     xp, xinv = x_pairs(x.reshape(-1))
@@ -133,13 +133,13 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     _moe_up_kernel[(triton.cdiv(I, bn), T * k)](
         w1d, s1d, w3d, s3d, TensorDescriptor.from_tensor(xp, [g, 16]), xinv, ids_c,
         _global_scales(w1), _global_scales(w3), h,
-        I, H // 16, k, h.stride(0), lim, BN=bn, G=g, STAGES=stages, USE_ASM=not _INTERPRET, MX=mx, num_warps=warps)
+        I, H // 16, k, h.stride(0), lim, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET, MX=mx, num_warps=warps)
     hp, hinv = x_pairs(h.reshape(-1))
     w2d, s2d = _descs(w2, bn, g)
     n_tiles = triton.cdiv(H, bn)
     ws = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
     _moe_down_kernel[(n_tiles, T * k)](
         w2d, s2d, TensorDescriptor.from_tensor(hp, [g, 16]), hinv, ids_c, wts,
-        _global_scales(w2), y, ws, _counters(x.device, T * n_tiles),
-        H, I // 16, k, y.stride(0), BN=bn, G=g, STAGES=stages, USE_ASM=not _INTERPRET, MX=mx, num_warps=warps)
+        _global_scales(w2), y, ws, counters(x.device, T * n_tiles),
+        H, I // 16, k, y.stride(0), BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET, MX=mx, num_warps=warps)
     return y

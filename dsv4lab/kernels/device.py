@@ -1,18 +1,42 @@
-"""Launch kernels on the device that holds their inputs.
+"""Where the kernels may run, without importing triton: the availability check and the launch-device guard.
 
 Triton (and the CuTe launcher) launch on the *current* CUDA device and its current stream, not on
 the device of the tensors they are given. With a model split over GPUs (device maps), a layer on
 cuda:1 called while cuda:0 is current would run on GPU 0, read GPU 1's memory over NVLink and be
 ordered on GPU 0's stream instead of after the GPU 1 work that produced its inputs: on the
 embedded NVFP4 model split over two H200s that raced to logits off by up to 1.8 (tokens still
-identical), while the BF16 model (plain torch ops) stayed bitwise equal. Importing this module
-does not import triton.
+identical), while the BF16 model (plain torch ops) stayed bitwise equal.
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401  (probed, not used: importing it is the check)
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def have_triton_cuda() -> bool:
+    """True only with a CUDA device and triton importable (DSV4LAB_NO_KERNELS=1 forces False)."""
+    if os.environ.get("DSV4LAB_NO_KERNELS", "0") == "1":
+        return False
+    return torch.cuda.is_available() and triton_importable()
+
+
+def kernel_can_take(x: torch.Tensor) -> bool:
+    """A CUDA tensor of a dtype the Triton kernels handle, with the kernels available."""
+    return x.is_cuda and x.dtype in KERNEL_DTYPES and have_triton_cuda()
 
 
 def on_input_device(fn):

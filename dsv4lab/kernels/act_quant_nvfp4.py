@@ -12,16 +12,13 @@ e4m3 block scales [..., K/16], all from one launch.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ._device import on_input_device
-from . import patch_interpreter_for_numpy2
-
-patch_interpreter_for_numpy2()
+from ..quant.activations import nvfp4_global_scale
+from .common import INTERPRET  # importing common also patches the interpreter for numpy >= 2.4
+from .device import on_input_device
 
 
 @triton.jit
@@ -66,8 +63,6 @@ def nvfp4_act_quant(x: torch.Tensor, global_scale: torch.Tensor | float | None =
     ``global_scale=None`` uses the runtime amax/(6*448) (the reference's ``nvfp4_global_scale``,
     one torch reduction on the device, no host sync); pass ``input_scale`` for the checkpoint mode.
     """
-    from dsv4lab.quant.activations import nvfp4_global_scale
-
     K = x.shape[-1]
     if K % 16:
         raise ValueError(f"NVFP4 activations need last dim % 16 == 0, got {K}")
@@ -83,7 +78,7 @@ def nvfp4_act_quant(x: torch.Tensor, global_scale: torch.Tensor | float | None =
     packed = torch.empty((*lead, K // 2), dtype=torch.uint8, device=x.device)
     scale = torch.empty((*lead, K // 16), dtype=torch.uint8, device=x.device)
     if NB:
-        BB = 16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 128
+        BB = 16 if INTERPRET else 128
         _act_quant_kernel[(triton.cdiv(NB, BB),)](xc, gs, y, packed, scale, NB, BB=BB, num_warps=4)
     return y, packed, scale.view(torch.float8_e4m3fn), gs.reshape(())
 

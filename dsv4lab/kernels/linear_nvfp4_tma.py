@@ -45,80 +45,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .nvfp4_matmul import (_INTERPRET, _counters, _dot_dtype, _e4m3_to_f32, _e8m0_to_f32, _group_dot,
-                           _nibble_plane_dots, _num_sms, _store_or_fix_up)
-
-G = 16  # 16-groups per TMA box along K: 128 bytes of weight words, 16 bytes of scales per row
-INV_PAD = 64  # x_pairs' 1/xs is zero-padded to a multiple of this many groups (the widest box)
-
-
-@triton.jit
-def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, KG, KGP, BG: tl.constexpr, PDL: tl.constexpr):
-    """x [K] -> rows [KG, 16] of f16x2 pairs (columns 0-7) and 1/xs bits (column 8) per 16-group
-    (power-of-two scaling), and 1/xs [KGP] on its own (zeros from KG to KGP)."""
-    if PDL:  # launched early (programmatic dependent launch): wait for the previous grid's writes
-        gdc_wait()
-        gdc_launch_dependents()
-    g = tl.program_id(0) * BG + tl.arange(0, BG)
-    ok = g < KG
-    x = tl.load(x_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    e = (tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
-    b = tl.minimum(tl.maximum(268 - e, 1), 253)        # xs = 2^(141 - e) = 2^(b - 127)
-    xs = (b << 23).to(tl.float32, bitcast=True)
-    inv = ((254 - b) << 23).to(tl.float32, bitcast=True)
-    h = (x * xs[:, None]).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    # element 8h + 4q + 2t + r -> pair 4h + (2r + q), half t (H2_PAIR_LO = 0, 4, 1, 5; high half +2)
-    h = tl.reshape(tl.permute(tl.reshape(h, (BG, 2, 2, 2, 2)), (0, 1, 4, 2, 3)), (BG, 8, 2))
-    lo, hi = tl.split(h)
-    pairs = tl.reshape(lo | (hi << 16), (BG, 8))
-    c8 = tl.arange(0, 8)[None, :]
-    extra = tl.where(c8 == 0, inv.to(tl.int32, bitcast=True)[:, None], 0)   # column 8: 1/xs bits
-    row = tl.reshape(tl.permute(tl.join(pairs, extra), (0, 2, 1)), (BG, 16))
-    tl.store(xp_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], row, mask=ok[:, None])
-    tl.store(inv_ptr + g, tl.where(ok, inv, 0.0), mask=g < KGP)
-
-
-@triton.jit
-def _pairs_at(xt, G: tl.constexpr, XINV: tl.constexpr):
-    """The 8 f16x2 pair columns, each [1, G], of a loaded box ``xt`` of G pair rows (``XINV``: the
-    box holds whole 16-word rows, pairs and 1/xs; else only the 8 pair words)."""
-    if XINV:
-        xt, _ = tl.split(tl.permute(tl.reshape(xt, (G, 2, 8)), (0, 2, 1)))   # columns 0-7
-    xt = tl.reshape(xt, (G, 2, 2, 2))
-    e0, e1 = tl.split(xt)
-    e00, e01 = tl.split(e0)
-    e10, e11 = tl.split(e1)
-    x0, x4 = tl.split(e00)
-    x2, x6 = tl.split(e01)
-    x1, x5 = tl.split(e10)
-    x3, x7 = tl.split(e11)
-    return x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :], x5[None, :], x6[None, :], x7[None, :]
-
-
-@triton.jit
-def _pairs_and_inv(x_desc, inv_ptr, row0, g0, G: tl.constexpr, XINV: tl.constexpr):
-    """Pair columns (``_pairs_at``) and 1/xs [1, G] of the G groups g0.. of the activation row whose
-    groups start at pair row ``row0`` (0 for the GEMV; token / (token, expert) rows in the MoE).
-
-    ``XINV``: 1/xs comes in column 8 of the same TMA rows as the pairs (q_b 19.5 -> 18.8-19.0 us,
-    experts 8.6 -> 8.3 us; but o_b 23.5 -> 25.1 us, 23.9 at its best re-swept tile, so its rule
-    keeps the other way). Else it is read unmasked from ``inv_ptr`` (``x_pairs`` zero-pads it to
-    whole boxes); masked, that load compiled to 16 scalar cp.async per box with their address and
-    predicate set-up, ~10 % of the loop's instructions. A TMA load of 1/xs on its own needed 128
-    shuffles to broadcast, and 1-D descriptors faulted."""
-    if XINV:
-        xt = x_desc.load([row0 + g0, 0])
-        _, rest = tl.split(tl.permute(tl.reshape(xt, (G, 2, 8)), (0, 2, 1)))   # columns 8..15
-        rest, _ = tl.split(tl.reshape(rest, (G, 4, 2)))                # 8, 10, 12, 14
-        rest, _ = tl.split(tl.reshape(rest, (G, 2, 2)))                # 8, 12
-        c8, _ = tl.split(rest)                                         # 8: the bits of 1/xs
-        inv = c8.to(tl.float32, bitcast=True)[None, :]
-    else:  # issued before the pair box, as measured (the other order changes register allocation)
-        inv = tl.load(inv_ptr + row0 + g0 + tl.arange(0, G))[None, :]
-        xt = x_desc.load([row0 + g0, 0])
-    x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(xt, G, XINV)
-    return inv, x0, x1, x2, x3, x4, x5, x6, x7
-
+from .common import (BOX_GROUPS, INTERPRET, block_scales, counters, dot_dtype, group_dot, nibble_plane_dots, num_sms,
+                     pairs_and_inv, pairs_descriptor, store_or_fix_up, weight_global_scale, x_pairs)
 
 @triton.jit
 def _tile_and_split(N, KG, gps, BN: tl.constexpr):
@@ -127,27 +55,6 @@ def _tile_and_split(N, KG, gps, BN: tl.constexpr):
     rows = n0 + tl.arange(0, BN)
     g_lo = tl.program_id(1) * gps
     return n0, rows, rows < N, g_lo, tl.minimum(g_lo + gps, KG)
-
-
-@triton.jit
-def _block_scales(s_desc, n0, g0, BN: tl.constexpr, G: tl.constexpr, MX: tl.constexpr):
-    """[BN, G] fp32 scales of the G 16-groups from g0: NVFP4 one e4m3 per group; MXFP4 one E8M0 per
-    32 elements, i.e. per two groups (the descriptor's box is [BN, G/2])."""
-    if MX:
-        f = _e8m0_to_f32(s_desc.load([n0, g0 // 2]))
-        return tl.reshape(tl.join(f, f), (BN, G))
-    else:
-        return _e4m3_to_f32(s_desc.load([n0, g0]))
-
-
-@triton.jit
-def _global_scale(gs_ptr, idx, MX: tl.constexpr):
-    """The tensor-wide (per-expert: ``idx``) NVFP4 global scale; MXFP4 has none (1, no load, so a
-    placeholder pointer is fine and no device-side constant has to exist before graph capture)."""
-    if MX:
-        return 1.0
-    else:
-        return tl.load(gs_ptr + idx).to(tl.float32)
 
 
 @triton.jit
@@ -160,15 +67,15 @@ def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt
     acc = tl.zeros((BN, G), dtype=tl.float32)
     for g0 in tl.range(g_lo, g_hi, G, num_stages=STAGES):
         w64 = w_desc.load([n0, g0])                     # [BN, G] int64: 16 nibbles = one scale block
-        sc = _block_scales(s_desc, n0, g0, BN, G, MX)  # loads issued in the order w, s, 1/xs, x pairs
-        inv, x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_and_inv(x_desc, inv_ptr, 0, g0, G, XINV)
-        part = _group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM)
+        sc = block_scales(s_desc, n0, g0, BN, G, MX)  # loads issued in the order w, s, 1/xs, x pairs
+        inv, x0, x1, x2, x3, x4, x5, x6, x7 = pairs_and_inv(x_desc, inv_ptr, 0, g0, G, XINV)
+        part = group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM)
         acc += part * (sc * inv)
     if PDL:  # the next launch (e.g. the next call's prelude) may start while this grid finishes
         gdc_launch_dependents()
     res = tl.sum(acc, axis=1) * 16384.0  # undo the 2^-14 of the nibble trick
-    _store_or_fix_up(res, y_ptr + rows, ws_ptr + rows, row_ok, cnt_ptr, tl.program_id(0), tl.program_id(1), N, SPLIT,
-                     _global_scale(gs_ptr, 0, MX), USE_SPLIT)
+    store_or_fix_up(res, y_ptr + rows, ws_ptr + rows, row_ok, cnt_ptr, tl.program_id(0), tl.program_id(1), N, SPLIT,
+                     weight_global_scale(gs_ptr, 0, MX), USE_SPLIT)
 
 
 @triton.jit
@@ -183,13 +90,13 @@ def _gemv_tma_dot_kernel(w_desc, s_desc, x_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
     acc = tl.zeros((BN, BMP), dtype=tl.float32)
     for g0 in tl.range(g_lo, g_hi, G, num_stages=STAGES):
         w64 = w_desc.load([n0, g0])
-        sc = _block_scales(s_desc, n0, g0, BN, G, MX) * 16384.0
+        sc = block_scales(s_desc, n0, g0, BN, G, MX) * 16384.0
         gg = g0 + tl.arange(0, G)
         xt = x_ptr + offs_m[None, :] * stride_xm + gg[:, None] * 16   # x^T planes [G, BMP]
-        acc = _nibble_plane_dots(w64, sc, xt, (gg < KG)[:, None] & m_ok[None, :], acc, DOT_DTYPE)
-    _store_or_fix_up(acc, y_ptr + offs_m[None, :] * stride_ym + rows[:, None], ws_ptr + offs_m[None, :] * N + rows[:, None],
+        acc = nibble_plane_dots(w64, sc, xt, (gg < KG)[:, None] & m_ok[None, :], acc, DOT_DTYPE)
+    store_or_fix_up(acc, y_ptr + offs_m[None, :] * stride_ym + rows[:, None], ws_ptr + offs_m[None, :] * N + rows[:, None],
                      row_ok[:, None] & m_ok[None, :], cnt_ptr, tl.program_id(0), tl.program_id(1), M * N, SPLIT,
-                     _global_scale(gs_ptr, 0, MX), USE_SPLIT)
+                     weight_global_scale(gs_ptr, 0, MX), USE_SPLIT)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -198,14 +105,14 @@ def tma_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) ->
     K = packed.shape[1] * 2
     if K % 256 or packed.data_ptr() % 16 or scale.data_ptr() % 16:
         return False
-    if _INTERPRET:
+    if INTERPRET:
         return True
     return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
 def _split_for(N: int, K: int, bn: int, mult: int, sms: int) -> int:
     tiles = triton.cdiv(N, bn)
-    return max(1, min(triton.cdiv(mult * sms, tiles), max(1, (K // 16) // G), 64))
+    return max(1, min(triton.cdiv(mult * sms, tiles), max(1, (K // 16) // BOX_GROUPS), 64))
 
 
 def tma_default_config(N: int, K: int, device: torch.device, M: int = 1) -> dict:
@@ -216,16 +123,16 @@ def tma_default_config(N: int, K: int, device: torch.device, M: int = 1) -> dict
     Not tuned at run time: ``do_bench`` on eager calls times the host launch path (descriptor
     set-up, two launches), not the kernel, and picked tiles up to 1.4x slower than these. Wider
     TMA boxes (cfg ``G`` = 32/64 groups) or 16/32-row tiles measured slower on q_b and o_b."""
-    if _INTERPRET:
+    if INTERPRET:
         return {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": 1, "num_warps": 1}
-    sms = _num_sms(device)
+    sms = num_sms(device)
     if M > 1:  # the tl.dot loop: 128-row tiles when they cover the SMs, else split K over ~4 waves
         if triton.cdiv(N, 128) >= sms:
             bn, mult = 128, 1
         else:
             bn, mult = (128 if N >= 4096 else 64), 4
         return {"TMA": True, "BN": bn, "STAGES": 3, "SPLIT": _split_for(N, K, bn, mult, sms), "num_warps": 4}
-    xinv = True  # 1/xs in the pair rows (``_pairs_and_inv``)
+    xinv = True  # 1/xs in the pair rows (``pairs_and_inv``)
     if triton.cdiv(N, 256) >= sms:  # 4 stages (1 CTA/SM) for long rows: lm_head 145 us vs 208 us with 3
         bn, mult, stages = 256, 1, (4 if K >= 4096 else 3)
     elif K >= 8192:  # o_b: 128-row tiles, 3 stages (3 CTAs/SM), split ~10: 24.0-24.4 us vs 25.5-25.9
@@ -241,28 +148,6 @@ def tma_default_config(N: int, K: int, device: torch.device, M: int = 1) -> dict
     return {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": 4, "PDL": pdl, "XINV": xinv}
 
 
-def x_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [K] (any float dtype) -> (int32 [K/16, 16]: per 16-group the 8 f16x2 pairs, the bits of
-    1/xs and 7 unused words; 1/xs fp32 [K/16] again on its own, zero-padded after the end)."""
-    K = x.shape[-1]
-    KG = K // 16
-    xp = torch.empty((KG, 16), dtype=torch.int32, device=x.device)
-    kgp = triton.cdiv(KG, INV_PAD) * INV_PAD
-    inv = torch.empty(kgp, dtype=torch.float32, device=x.device)
-    bg = 16 if _INTERPRET else 32
-    _x_pairs_kernel[(triton.cdiv(kgp, bg),)](x, xp, inv, KG, kgp, BG=bg, PDL=pdl, num_warps=1 if _INTERPRET else 4,
-                                             **({"launch_pdl": True} if pdl else {}))
-    return xp, inv[:KG]
-
-
-def pairs_descriptor(xp: torch.Tensor, g: int, xinv: bool) -> TensorDescriptor:
-    """TMA descriptor over ``x_pairs`` rows [KG, 16] with boxes of ``g`` groups: whole rows (pairs
-    and 1/xs, ``xinv``) or only their 8 pair words (row stride 64 bytes)."""
-    if xinv:
-        return TensorDescriptor.from_tensor(xp, [g, 16])
-    return TensorDescriptor(xp, [xp.shape[0], 8], [xp.stride(0), 1], [g, 8])
-
-
 def launch_gemv_tma(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor,
                     y: torch.Tensor, cfg: dict, pairs: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """y[M, N] = x2[M, K] @ W^T for M <= 16 with ``cfg`` = {BN, STAGES, SPLIT, num_warps, optional G
@@ -273,28 +158,28 @@ def launch_gemv_tma(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     KG = K // 16
     w64 = packed.view(torch.int64)
     s8 = scale.view(torch.uint8)
-    bn, g = cfg["BN"], cfg.get("G", G)   # g: 16-groups per TMA box along K
+    bn, g = cfg["BN"], cfg.get("G", BOX_GROUPS)   # g: 16-groups per TMA box along K
     gps = triton.cdiv(triton.cdiv(KG, cfg["SPLIT"]), g) * g   # whole boxes per split: no box straddles two
     split = triton.cdiv(KG, gps)
     n_tiles = triton.cdiv(N, bn)
     if split > 1:
         ws = torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
-        cnt = _counters(x2.device, n_tiles)
+        cnt = counters(x2.device, n_tiles)
     else:
         ws, cnt = y, y
     mx = bool(cfg.get("MX", False))   # MXFP4: s8 holds one E8M0 per two groups, gs is 1
     wd = TensorDescriptor.from_tensor(w64, [bn, g])
     sd = TensorDescriptor.from_tensor(s8, [bn, g // 2 if mx else g])
     if M == 1:
-        pdl = bool(cfg.get("PDL", False)) and not _INTERPRET
+        pdl = bool(cfg.get("PDL", False)) and not INTERPRET
         xinv = bool(cfg.get("XINV", True))
         xp, inv = x_pairs(x2[0], pdl) if pairs is None else pairs
         _gemv_tma_kernel[(n_tiles, split)](
             wd, sd, pairs_descriptor(xp, g, xinv), inv, gs, y, ws, cnt, N, KG, gps, split,
-            USE_SPLIT=split > 1, BN=bn, G=g, STAGES=cfg["STAGES"], USE_ASM=not _INTERPRET, PDL=pdl, MX=mx, XINV=xinv,
+            USE_SPLIT=split > 1, BN=bn, G=g, STAGES=cfg["STAGES"], USE_ASM=not INTERPRET, PDL=pdl, MX=mx, XINV=xinv,
             num_warps=cfg["num_warps"], **({"launch_pdl": True} if pdl else {}))
     else:
         _gemv_tma_dot_kernel[(n_tiles, split)](
             wd, sd, x2, gs, y, ws, cnt, M, N, KG, x2.stride(0), y.stride(0), gps, split,
-            USE_SPLIT=split > 1, BN=bn, G=g, BMP=16, STAGES=cfg["STAGES"], DOT_DTYPE=_dot_dtype(x2), MX=mx,
+            USE_SPLIT=split > 1, BN=bn, G=g, BMP=16, STAGES=cfg["STAGES"], DOT_DTYPE=dot_dtype(x2), MX=mx,
             num_warps=cfg["num_warps"])

@@ -20,7 +20,7 @@ MXFP4 at decode (M <= 16, K % 512 == 0, sm_90+) instead goes through the TMA GEM
 ``nvfp4_gemv_tma`` with E8M0 block scales (one per two 16-groups, global scale 1): the TMA ring
 and, at M = 1, the f16x2 loop of NVFP4 (``config={"TMA": False}`` keeps the tiled kernel).
 
-Measured on the H200 (docs/kernels.md); the dispatcher (``kernels.dispatch.quant_linear``) still
+Measured on the H200 (docs/kernels.md); the dispatcher (``dsv4lab.kernels.dispatch.quant_linear``) still
 checks each (format, shape, batch bucket, dtype, device) against the PyTorch reference on its
 first call and keeps the reference, with a warning, where they disagree
 (``verified_official_matmul``): a cheap guard for GPUs these kernels have not run on.
@@ -35,17 +35,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._device import on_input_device
-from .nvfp4_gemv_tma import launch_gemv_tma, tma_default_config, tma_supported
-from .nvfp4_matmul import (_INTERPRET, _counters, _dot_dtype, _e8m0_to_f32, _nibble_plane_dots, _num_sms,
-                           _store_or_fix_up)
+from .device import on_input_device
+from .linear_nvfp4_tma import launch_gemv_tma, tma_default_config, tma_supported
+from .common import INTERPRET, counters, dot_dtype, e8m0_to_f32, nibble_plane_dots, num_sms, store_or_fix_up
 
 
 @triton.jit
 def _finish(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym, pid_m, pid_n, pid_k, SPLIT,
             USE_SPLIT: tl.constexpr):
     """acc [BN, BM] (rows n, batch m) -> y[m, n] through the shared split-K finish."""
-    _store_or_fix_up(acc, y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], ws_ptr + offs_m[None, :] * N + offs_n[:, None],
+    store_or_fix_up(acc, y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], ws_ptr + offs_m[None, :] * N + offs_n[:, None],
                      (offs_n < N)[:, None] & (offs_m < M)[None, :], cnt_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k,
                      M * N, SPLIT, 1.0, USE_SPLIT)
 
@@ -72,10 +71,10 @@ def _mxfp4_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, KW, stride_
         sb = w0 // 2 + tl.arange(0, BW // 2)
         s8 = tl.load(s_ptr + offs_n[:, None] * stride_sn + sb[None, :], mask=n_ok[:, None] & (sb < KW // 2)[None, :],
                      other=127)
-        sc = _e8m0_to_f32(s8) * 16384.0                                       # [BN, BW/2]
+        sc = e8m0_to_f32(s8) * 16384.0                                       # [BN, BW/2]
         sc = tl.reshape(tl.join(sc, sc), (BN, BW))                             # word 2i and 2i+1 share scale i
         xt = x_ptr + offs_m[None, :] * stride_xm + ww[:, None] * 16            # x^T planes [BW, BM]
-        acc = _nibble_plane_dots(w64, sc, xt, wm[:, None] & m_ok[None, :], acc, DOT_DTYPE)
+        acc = nibble_plane_dots(w64, sc, xt, wm[:, None] & m_ok[None, :], acc, DOT_DTYPE)
     _finish(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym, pid_m, pid_n, pid_k, SPLIT, USE_SPLIT)
 
 
@@ -113,7 +112,7 @@ def _tiles(M: int, N: int, K: int, device: torch.device, bn: int) -> tuple[int, 
     the grid covers the SMs ~2x (at most 32 splits, at least 4 steps each)."""
     bm = 16 if M <= 16 else 64
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-    split = max(1, min(triton.cdiv(2 * _num_sms(device), tiles), K // 4 if K >= 4 else 1, 32))
+    split = max(1, min(triton.cdiv(2 * num_sms(device), tiles), K // 4 if K >= 4 else 1, 32))
     return bm, split
 
 
@@ -126,7 +125,7 @@ def supported(x: torch.Tensor, w) -> bool:
     if fmt == "fp8_block":
         if w.block != 128 or w.data.stride(-1) != 1:
             return False
-        return _INTERPRET or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9))
+        return INTERPRET or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9))
     return False
 
 
@@ -170,12 +169,12 @@ def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Ten
     if w.format == "mxfp4" and M <= 16 and cfg.get("TMA", True) and mx_tma_supported(x2, w):
         _mx_decode_tma(x2, w, y, cfg)
         return y.reshape(*lead, N)
-    warps = cfg.get("num_warps", 1 if _INTERPRET else 4)
-    stages = cfg.get("STAGES", 2 if _INTERPRET else 3)
+    warps = cfg.get("num_warps", 1 if INTERPRET else 4)
+    stages = cfg.get("STAGES", 2 if INTERPRET else 3)
     if w.format == "mxfp4":
         w64 = w.packed.view(torch.int64)
         s8 = w.scale.view(torch.uint8)
-        bn, bw = cfg.get("BN", 16 if _INTERPRET else 64), cfg.get("BW", 16)  # tl.dot needs K >= 16
+        bn, bw = cfg.get("BN", 16 if INTERPRET else 64), cfg.get("BW", 16)  # tl.dot needs K >= 16
         KW = K // 16
         bm, split = _tiles(M, N, KW // bw, x.device, bn)
         split = cfg.get("SPLIT", split)
@@ -183,7 +182,7 @@ def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Ten
         split = triton.cdiv(KW, wps)
     else:
         s32 = w.scale_float().contiguous()
-        bn = cfg.get("BN", 16 if _INTERPRET else 64)
+        bn = cfg.get("BN", 16 if INTERPRET else 64)
         if 128 % bn:
             raise ValueError(f"FP8-block BN {bn} must divide the 128-row scale block")
         bm, split = _tiles(M, N, triton.cdiv(K, 128), x.device, bn)
@@ -194,17 +193,17 @@ def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Ten
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
     if split > 1:
         ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, grid[0] * grid[1])
+        cnt = counters(x.device, grid[0] * grid[1])
     else:
         ws, cnt = y, y
     if w.format == "mxfp4":
         _mxfp4_kernel[grid](x2, w64, s8, y, ws, cnt, M, N, KW, x2.stride(0), w64.stride(0), s8.stride(0), y.stride(0),
                             wps, split, USE_SPLIT=split > 1, BN=bn, BW=bw, BM=bm, STAGES=stages,
-                            DOT_DTYPE=_dot_dtype(x2), num_warps=warps)
+                            DOT_DTYPE=dot_dtype(x2), num_warps=warps)
     else:
         _fp8_block_kernel[grid](x2, w.data.view(torch.uint8), s32, y, ws, cnt, M, N, K, x2.stride(0), w.data.stride(0),
                                 s32.stride(0), y.stride(0), kps, split, USE_SPLIT=split > 1, BN=bn, BM=bm,
-                                STAGES=stages, DOT_DTYPE=_dot_dtype(x2), num_warps=warps)
+                                STAGES=stages, DOT_DTYPE=dot_dtype(x2), num_warps=warps)
     return y.reshape(*lead, N)
 
 

@@ -1,0 +1,385 @@
+"""What several Triton kernels share: the E2M1/E4M3/E8M0 decodes, the f16x2 group dot, the split-K
+finish, the activation-pair builder of the TMA paths, and host helpers (interpreter flag, split-K
+counters, SM count, tl.dot dtype).
+
+Layouts: NVFP4 weights as int64 words (16 nibbles = one e4m3 scale block); the batch-1 loops take
+the activation as f16x2 pairs ``x' = x * xs`` (xs a power of two per 16-group, so x' is exact in
+f16 for bf16 x); ``group_dot`` multiplies one word against a group's 8 pairs with inline PTX
+(``fma.rn.f16x2``) on the GPU and an f16-rounding emulation under the interpreter. See
+docs/kernels.md for the design and tolerances.
+
+Imports triton (import this module only from kernel modules; ``dsv4lab.kernels`` stays
+triton-free). Under ``TRITON_INTERPRET=1`` it patches the interpreter for numpy >= 2.4 once.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+
+def patch_interpreter_for_numpy2() -> None:
+    """TRITON_INTERPRET=1 with numpy >= 2.4: triton 3.6's interpreter turns 0-d scalars into
+    1-element arrays and calls ``int()`` on them in ``range(...)`` bounds, which numpy 2.4 refuses.
+    Patch ``tensor.__index__`` to take the single element. No-op unless interpreting."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return
+    from triton.runtime import interpreter as interp  # only exists to be patched when interpreting
+
+    if getattr(interp, "_dsv4lab_patched", False):
+        return
+    orig = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+    interp._dsv4lab_patched = True
+
+
+patch_interpreter_for_numpy2()
+
+
+# ----------------------------------------------------------------------------- device helpers
+# ----------------------------------------------------------------------------- device helpers
+@triton.jit
+def fp16_pair(w32, J: tl.constexpr):
+    """int32 word holding 8 nibbles -> (fp32 of nibble J, fp32 of nibble J+4), each E2M1*2^-14."""
+    # 0x80008000 as an int32 constant (keeps the arithmetic 32-bit)
+    if J == 3:
+        p = ((w32 >> 3) & 0x0E000E00) | (w32 & -2147450880)
+    else:
+        p = ((w32 << (9 - 4 * J)) & 0x0E000E00) | ((w32 << (12 - 4 * J)) & -2147450880)
+    lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def e4m3_to_f32(s_u8):
+    return s_u8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e8m0_to_f32(e):
+    """E8M0 byte -> 2^(e-127) as fp32 (e = 0: 2^-127, a subnormal; e = 255: NaN), like torch."""
+    e = e.to(tl.int32)
+    v = (e << 23).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, tl.full(e.shape, 4194304, tl.int32).to(tl.float32, bitcast=True), v)
+    return tl.where(e == 255, float("nan"), v)
+
+
+@triton.jit
+def store_or_fix_up(acc, y_ptrs, ws_ptrs, mask, cnt_ptr, tile, pid_k, split_stride, SPLIT, scale,
+                     USE_SPLIT: tl.constexpr):
+    """y = acc * scale; with split K every split writes its fp32 partial at ws_ptrs + pid_k *
+    split_stride and bumps the tile's counter, and the last one sums the SPLIT partials in split
+    order, stores and resets the counter (one launch, deterministic, CUDA-graph safe)."""
+    if not USE_SPLIT:
+        tl.store(y_ptrs, (acc * scale).to(y_ptrs.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptrs + pid_k * split_stride, acc, mask=mask)
+        tl.debug_barrier()
+        old = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if old == SPLIT - 1:
+            tot = tl.zeros_like(acc)
+            if acc.numel <= 2048:
+                # GEMV tiles: four partials per round trip, still summed in split order; a loop of
+                # single loads waits one L2 latency per split (H200: wkv 6.5 -> 5.4 us, q_a 7.7 -> 6.9)
+                for s in range(0, SPLIT, 4):
+                    p0 = tl.load(ws_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+                    p1 = tl.load(ws_ptrs + (s + 1) * split_stride, mask=tl.where(s + 1 < SPLIT, mask, False), other=0.0, cache_modifier=".cg")
+                    p2 = tl.load(ws_ptrs + (s + 2) * split_stride, mask=tl.where(s + 2 < SPLIT, mask, False), other=0.0, cache_modifier=".cg")
+                    p3 = tl.load(ws_ptrs + (s + 3) * split_stride, mask=tl.where(s + 3 < SPLIT, mask, False), other=0.0, cache_modifier=".cg")
+                    tot = (((tot + p0) + p1) + p2) + p3
+            else:  # GEMM tiles (64-128 x 128): four in flight would spill registers (o_b M=128 178 -> 239 us)
+                for s in range(SPLIT):
+                    tot += tl.load(ws_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, (tot * scale).to(y_ptrs.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # next use is a later launch: no fence
+
+
+@triton.jit
+def nibble_plane_dots(w64, sc, xt, xm, acc, DOT_DTYPE: tl.constexpr):
+    """acc [BN, BM] += the 16 nibble planes of the int64 words w64 [BN, W] (element 16w + j),
+    each as exact E2M1 * 2^-14 * sc in DOT_DTYPE, through tl.dot against the x^T plane at
+    xt + j ([W, BM] pointers, mask xm)."""
+    w_lo = w64.to(tl.int32)
+    w_hi = (w64 >> 32).to(tl.int32)
+    for j in tl.static_range(4):
+        a, b = fp16_pair(w_lo, j)
+        acc = tl.dot((a * sc).to(DOT_DTYPE), tl.load(xt + j, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+        acc = tl.dot((b * sc).to(DOT_DTYPE), tl.load(xt + j + 4, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+        c, d = fp16_pair(w_hi, j)
+        acc = tl.dot((c * sc).to(DOT_DTYPE), tl.load(xt + j + 8, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+        acc = tl.dot((d * sc).to(DOT_DTYPE), tl.load(xt + j + 12, mask=xm, other=0.0).to(DOT_DTYPE), acc)
+    return acc
+
+
+@triton.jit
+def gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, g_hi, gps,
+                  BN: tl.constexpr, G: tl.constexpr):
+    """sum_k W'[rows, k] * x[k] over groups [g_lo, g_hi) for one activation row; W' = E2M1*s*2^-14.
+    w_ptr: int64 words [N, K/16]; s_ptr: uint8 e4m3 [N, K/16]; x_ptr: fp row of K."""
+    acc = tl.zeros((BN, G), dtype=tl.float32)
+    offs_g = tl.arange(0, G)
+    # software pipelining by hand: the next tile's weight/scale loads are issued before this
+    # tile's decode (the loop has no tl.dot, so Triton's pipeliner leaves it alone)
+    gg = g_lo + offs_g
+    gm = gg < g_hi
+    m2 = row_ok[:, None] & gm[None, :]
+    w_nx = tl.load(w_ptr + rows[:, None] * stride_wn + gg[None, :], mask=m2, other=0)
+    s_nx = tl.load(s_ptr + rows[:, None] * stride_sn + gg[None, :], mask=m2, other=0)
+    for g0 in range(g_lo, g_lo + gps, G):
+        gg = g0 + offs_g
+        gm = gg < g_hi
+        w64 = w_nx
+        sc = e4m3_to_f32(s_nx)
+        gn = gg + G
+        mn = row_ok[:, None] & (gn < g_hi)[None, :]
+        w_nx = tl.load(w_ptr + rows[:, None] * stride_wn + gn[None, :], mask=mn, other=0)
+        s_nx = tl.load(s_ptr + rows[:, None] * stride_sn + gn[None, :], mask=mn, other=0)
+        w_lo = w64.to(tl.int32)
+        w_hi = (w64 >> 32).to(tl.int32)
+        xb = x_ptr + gg * 16
+        part = tl.zeros((BN, G), dtype=tl.float32)
+        for j in tl.static_range(4):
+            a, b = fp16_pair(w_lo, j)
+            xa = tl.load(xb + j, mask=gm, other=0.0).to(tl.float32)
+            xb4 = tl.load(xb + j + 4, mask=gm, other=0.0).to(tl.float32)
+            part += a * xa[None, :] + b * xb4[None, :]
+            c, d = fp16_pair(w_hi, j)
+            xc = tl.load(xb + j + 8, mask=gm, other=0.0).to(tl.float32)
+            xd = tl.load(xb + j + 12, mask=gm, other=0.0).to(tl.float32)
+            part += c * xc[None, :] + d * xd[None, :]
+        acc += part * sc
+    return tl.sum(acc, axis=1)
+
+
+# f16x2 path (M == 1 on the GPU): the nibbles of an int32 word are turned into E5M2-like bytes
+# (sign at bit 7, e1 e0 m at bits 3..1), four at a time: the even nibbles of all four bytes with
+# one pair of shifts and masks, the odd ones with another; prmt then puts two such bytes into the
+# high bytes of an f16x2 register, which is E2M1 * 2^-14 exactly (subnormals included). Per 8
+# weights: 3 shifts, 4 logic ops, 4 prmt, 4 hfma2 (the nibble-pair decode it replaced needed 7
+# shifts and 8 logic ops: 1805 -> 1549 SASS instructions per 256x16-word box and thread).
+# Pairs: (e0, e2), (e4, e6) from the even codes, (e1, e3), (e5, e7) from the odd ones.
+# $1/$2: the group's low/high int32 word; $3..$6 / $7..$10: the matching x' pairs.
+_H2_WORD = """
+shl.b32 a, {w}, 1; shl.b32 b, {w}, 4; and.b32 b, b, 0x80808080; lop3.b32 e, a, b, 0x0E0E0E0E, 0xEC;
+shr.b32 a, {w}, 3; and.b32 b, {w}, 0x80808080; lop3.b32 o, a, b, 0x0E0E0E0E, 0xEC;
+prmt.b32 p, e, 0, 0x1404; fma.rn.f16x2 acc, p, {x0}, acc;
+prmt.b32 p, e, 0, 0x3424; fma.rn.f16x2 acc, p, {x1}, acc;
+prmt.b32 p, o, 0, 0x1404; fma.rn.f16x2 acc, p, {x2}, acc;
+prmt.b32 p, o, 0, 0x3424; fma.rn.f16x2 acc, p, {x3}, acc;
+"""
+# element offsets (within an 8-element half group) of the low half of x' pairs 0..3; the high
+# half is the element 2 further on
+H2_PAIR_LO = (0, 4, 1, 5)
+_H2_GROUP_ASM = tl.constexpr("{ .reg .b32 a, b, e, o, p, acc; .reg .f16 hlo, hhi; .reg .f32 flo, fhi;\nmov.b32 acc, 0;\n"
+                 + _H2_WORD.format(w="$1", x0="$3", x1="$4", x2="$5", x3="$6")
+                 + _H2_WORD.format(w="$2", x0="$7", x1="$8", x2="$9", x3="$10")
+                 + "mov.b32 {hlo, hhi}, acc; cvt.f32.f16 flo, hlo; cvt.f32.f16 fhi, hhi; add.f32 flo, flo, fhi;\n"
+                 + "mov.b32 $0, flo; }")
+
+
+@triton.jit
+def _code_to_f32(c):
+    """E5M2-like byte code (sign bit 7, e1 e0 m bits 3..1) -> the f16 with that high byte, as fp32."""
+    return ((c & 0xFF) << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _h2_word_emulated(w32, x0, x1, x2, x3, acc_lo, acc_hi):
+    """What one _H2_WORD block computes, in plain Triton (the interpreter cannot run PTX): the
+    even/odd byte codes, exact f16 products added to the f16 running sums in the same order
+    (pair k: lo half element H2_PAIR_LO[k], hi half element H2_PAIR_LO[k] + 2)."""
+    even = ((w32 << 1) & 0x0E0E0E0E) | ((w32 << 4) & -2139062144)   # -2139062144 = 0x80808080
+    odd = ((w32 >> 3) & 0x0E0E0E0E) | (w32 & -2139062144)
+    for k in tl.static_range(4):
+        if k == 0:
+            xp = x0
+        elif k == 1:
+            xp = x1
+        elif k == 2:
+            xp = x2
+        else:
+            xp = x3
+        if k < 2:
+            c = even >> (16 * k)
+        else:
+            c = odd >> (16 * (k - 2))
+        lo = _code_to_f32(c)
+        hi = _code_to_f32(c >> 8)
+        xa = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        xc = (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        acc_lo = (acc_lo + lo * xa).to(tl.float16).to(tl.float32)
+        acc_hi = (acc_hi + hi * xc).to(tl.float16).to(tl.float32)
+    return acc_lo, acc_hi
+
+
+@triton.jit
+def group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr):
+    """Per (row, group) sum of the 16 products of one int64 weight word [BN, G] with the group's
+    x' pairs x0..x7 ([1, G] each), in units of 2^-14 / xs: ``_H2_GROUP_ASM`` on the GPU, its
+    plain-Triton emulation under the interpreter (one running f16x2 sum over both halves)."""
+    w_lo = w64.to(tl.int32)
+    w_hi = (w64 >> 32).to(tl.int32)
+    if USE_ASM:
+        part = tl.inline_asm_elementwise(
+            _H2_GROUP_ASM, "=r,r,r,r,r,r,r,r,r,r,r", [w_lo, w_hi, x0, x1, x2, x3, x4, x5, x6, x7],
+            dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+    else:
+        z = tl.zeros((BN, G), dtype=tl.float32)
+        a_lo, a_hi = _h2_word_emulated(w_lo, x0, x1, x2, x3, z, z)
+        a_lo, a_hi = _h2_word_emulated(w_hi, x4, x5, x6, x7, a_lo, a_hi)
+        part = a_lo + a_hi
+    return part
+
+
+# ----------------------------------------------------------------------------- host side
+_COUNTERS: dict = {}  # (device type, index) -> split-K tile counters
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def counters(device: torch.device, n: int) -> torch.Tensor:
+    key = (device.type, device.index)
+    c = _COUNTERS.get(key)
+    if c is None or c.numel() < n:
+        c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = c
+    return c
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def dot_dtype(x: torch.Tensor):
+    if INTERPRET:  # triton 3.6's interpreter mis-computes bf16 tl.dot under numpy 2.x; fp32 is
+        return tl.float32  # the same math here (operands are exact bf16 values)
+    return tl.float16 if x.dtype == torch.float16 else tl.bfloat16
+
+
+BOX_GROUPS = 16  # 16-groups per TMA box along K: 128 bytes of weight words, 16 bytes of scales per row
+INV_PAD = 64  # x_pairs' 1/xs is zero-padded to a multiple of this many groups (the widest box)
+
+
+@triton.jit
+def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, KG, KGP, BG: tl.constexpr, PDL: tl.constexpr):
+    """x [K] -> rows [KG, 16] of f16x2 pairs (columns 0-7) and 1/xs bits (column 8) per 16-group
+    (power-of-two scaling), and 1/xs [KGP] on its own (zeros from KG to KGP)."""
+    if PDL:  # launched early (programmatic dependent launch): wait for the previous grid's writes
+        gdc_wait()
+        gdc_launch_dependents()
+    g = tl.program_id(0) * BG + tl.arange(0, BG)
+    ok = g < KG
+    x = tl.load(x_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    e = (tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    b = tl.minimum(tl.maximum(268 - e, 1), 253)        # xs = 2^(141 - e) = 2^(b - 127)
+    xs = (b << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - b) << 23).to(tl.float32, bitcast=True)
+    h = (x * xs[:, None]).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    # element 8h + 4q + 2t + r -> pair 4h + (2r + q), half t (H2_PAIR_LO = 0, 4, 1, 5; high half +2)
+    h = tl.reshape(tl.permute(tl.reshape(h, (BG, 2, 2, 2, 2)), (0, 1, 4, 2, 3)), (BG, 8, 2))
+    lo, hi = tl.split(h)
+    pairs = tl.reshape(lo | (hi << 16), (BG, 8))
+    c8 = tl.arange(0, 8)[None, :]
+    extra = tl.where(c8 == 0, inv.to(tl.int32, bitcast=True)[:, None], 0)   # column 8: 1/xs bits
+    row = tl.reshape(tl.permute(tl.join(pairs, extra), (0, 2, 1)), (BG, 16))
+    tl.store(xp_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], row, mask=ok[:, None])
+    tl.store(inv_ptr + g, tl.where(ok, inv, 0.0), mask=g < KGP)
+
+
+@triton.jit
+def _pairs_at(xt, G: tl.constexpr, XINV: tl.constexpr):
+    """The 8 f16x2 pair columns, each [1, G], of a loaded box ``xt`` of G pair rows (``XINV``: the
+    box holds whole 16-word rows, pairs and 1/xs; else only the 8 pair words)."""
+    if XINV:
+        xt, _ = tl.split(tl.permute(tl.reshape(xt, (G, 2, 8)), (0, 2, 1)))   # columns 0-7
+    xt = tl.reshape(xt, (G, 2, 2, 2))
+    e0, e1 = tl.split(xt)
+    e00, e01 = tl.split(e0)
+    e10, e11 = tl.split(e1)
+    x0, x4 = tl.split(e00)
+    x2, x6 = tl.split(e01)
+    x1, x5 = tl.split(e10)
+    x3, x7 = tl.split(e11)
+    return x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :], x5[None, :], x6[None, :], x7[None, :]
+
+
+@triton.jit
+def pairs_and_inv(x_desc, inv_ptr, row0, g0, G: tl.constexpr, XINV: tl.constexpr):
+    """Pair columns (``_pairs_at``) and 1/xs [1, G] of the G groups g0.. of the activation row whose
+    groups start at pair row ``row0`` (0 for the GEMV; token / (token, expert) rows in the MoE).
+
+    ``XINV``: 1/xs comes in column 8 of the same TMA rows as the pairs (q_b 19.5 -> 18.8-19.0 us,
+    experts 8.6 -> 8.3 us; but o_b 23.5 -> 25.1 us, 23.9 at its best re-swept tile, so its rule
+    keeps the other way). Else it is read unmasked from ``inv_ptr`` (``x_pairs`` zero-pads it to
+    whole boxes); masked, that load compiled to 16 scalar cp.async per box with their address and
+    predicate set-up, ~10 % of the loop's instructions. A TMA load of 1/xs on its own needed 128
+    shuffles to broadcast, and 1-D descriptors faulted."""
+    if XINV:
+        xt = x_desc.load([row0 + g0, 0])
+        _, rest = tl.split(tl.permute(tl.reshape(xt, (G, 2, 8)), (0, 2, 1)))   # columns 8..15
+        rest, _ = tl.split(tl.reshape(rest, (G, 4, 2)))                # 8, 10, 12, 14
+        rest, _ = tl.split(tl.reshape(rest, (G, 2, 2)))                # 8, 12
+        c8, _ = tl.split(rest)                                         # 8: the bits of 1/xs
+        inv = c8.to(tl.float32, bitcast=True)[None, :]
+    else:  # issued before the pair box, as measured (the other order changes register allocation)
+        inv = tl.load(inv_ptr + row0 + g0 + tl.arange(0, G))[None, :]
+        xt = x_desc.load([row0 + g0, 0])
+    x0, x1, x2, x3, x4, x5, x6, x7 = _pairs_at(xt, G, XINV)
+    return inv, x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def block_scales(s_desc, n0, g0, BN: tl.constexpr, G: tl.constexpr, MX: tl.constexpr):
+    """[BN, G] fp32 scales of the G 16-groups from g0: NVFP4 one e4m3 per group; MXFP4 one E8M0 per
+    32 elements, i.e. per two groups (the descriptor's box is [BN, G/2])."""
+    if MX:
+        f = e8m0_to_f32(s_desc.load([n0, g0 // 2]))
+        return tl.reshape(tl.join(f, f), (BN, G))
+    else:
+        return e4m3_to_f32(s_desc.load([n0, g0]))
+
+
+@triton.jit
+def weight_global_scale(gs_ptr, idx, MX: tl.constexpr):
+    """The tensor-wide (per-expert: ``idx``) NVFP4 global scale; MXFP4 has none (1, no load, so a
+    placeholder pointer is fine and no device-side constant has to exist before graph capture)."""
+    if MX:
+        return 1.0
+    else:
+        return tl.load(gs_ptr + idx).to(tl.float32)
+
+
+def x_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [K] (any float dtype) -> (int32 [K/16, 16]: per 16-group the 8 f16x2 pairs, the bits of
+    1/xs and 7 unused words; 1/xs fp32 [K/16] again on its own, zero-padded after the end)."""
+    K = x.shape[-1]
+    KG = K // 16
+    xp = torch.empty((KG, 16), dtype=torch.int32, device=x.device)
+    kgp = triton.cdiv(KG, INV_PAD) * INV_PAD
+    inv = torch.empty(kgp, dtype=torch.float32, device=x.device)
+    bg = 16 if INTERPRET else 32
+    _x_pairs_kernel[(triton.cdiv(kgp, bg),)](x, xp, inv, KG, kgp, BG=bg, PDL=pdl, num_warps=1 if INTERPRET else 4,
+                                             **({"launch_pdl": True} if pdl else {}))
+    return xp, inv[:KG]
+
+
+def pairs_descriptor(xp: torch.Tensor, g: int, xinv: bool) -> TensorDescriptor:
+    """TMA descriptor over ``x_pairs`` rows [KG, 16] with boxes of ``g`` groups: whole rows (pairs
+    and 1/xs, ``xinv``) or only their 8 pair words (row stride 64 bytes)."""
+    if xinv:
+        return TensorDescriptor.from_tensor(xp, [g, 16])
+    return TensorDescriptor(xp, [xp.shape[0], 8], [xp.stride(0), 1], [g, 8])
+
+

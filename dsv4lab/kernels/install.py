@@ -1,0 +1,133 @@
+"""Which component gets which kernel, and switching them on and off.
+
+Targets: every ``QLinear`` (``.kernel``: the matmul; ``.act_kernel``: the w4a4 activation
+quantiser), every routed ``Experts`` block (``.kernel``: the fused decode) and every ``Compressor``
+(``.kernel``: the softmax pool) whose own name, or an enclosing component's, matches the pattern.
+By default a kernel goes only where it runs: weights (or, for the pool, parameters) on CUDA with
+triton (cutlass for the pool) importable; elsewhere the reference stays. Imports no triton.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from ..model.compressor import Compressor
+from ..model.linear import QLinear
+from ..model.moe import Experts
+from ..patterns import component_matcher, no_match_error, unmatched
+from . import compressor_pool_cute as pool_cute
+from .device import have_triton_cuda
+from .dispatch import KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, moe_decode, quant_linear, weight_on_cuda
+
+TARGETS = (QLinear, Experts, Compressor)
+
+
+def kernel_targets(model: nn.Module, pattern="**") -> tuple[list[tuple[str, nn.Module]], bool]:
+    """((name, module) of every QLinear / Experts / Compressor whose name, or an enclosing
+    component's name, matches ``pattern``; whether anything matched at all)."""
+    match = component_matcher(pattern)
+    hit_names: set[str] = set()
+    out = []
+    for name, mod in model.named_modules():  # parents come before their children
+        if not name and not isinstance(mod, TARGETS):
+            continue  # the root itself is a target only when called on one component
+        if (name and name.rpartition(".")[0] in hit_names) or match(name, mod):
+            hit_names.add(name)
+            if isinstance(mod, TARGETS):
+                out.append((name, mod))
+    return out, bool(hit_names)
+
+
+def _on_cuda(t) -> bool:
+    return t is not None and t.device.type == "cuda"
+
+
+def experts_fp4_on_cuda(experts: Experts) -> bool:
+    """Every expert projection NVFP4 (or every one MXFP4, the official experts) and on CUDA."""
+    fmts = set()
+    for e in range(len(experts)):
+        for p in ("w1", "w3", "w2"):
+            qw = getattr(getattr(experts[e], p, None), "qweight", None)
+            if qw is None or qw.format not in ("nvfp4", "mxfp4") or not _on_cuda(qw.packed):
+                return False
+            fmts.add(qw.format)
+    return len(fmts) == 1
+
+
+def _kernel_slots(mod: nn.Module) -> tuple[str, ...]:
+    return ("kernel", "act_kernel") if isinstance(mod, QLinear) else ("kernel",)
+
+
+def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool:
+    if isinstance(mod, QLinear):
+        qw = mod.qweight
+        if qw is None or not have_triton or qw.format not in KERNEL_FORMATS or not weight_on_cuda(qw):
+            return False
+        mod.kernel = quant_linear
+        mod.act_kernel = act_quant_nvfp4  # bit-exact with fake_quant_nvfp4; used in w4a4 only
+        return True
+    if isinstance(mod, Experts):
+        if not (have_triton and experts_fp4_on_cuda(mod)):
+            return False
+        mod.kernel = moe_decode
+        return True
+    if not (have_cute and _on_cuda(mod.ape)):  # Compressor
+        return False
+    mod.kernel = compressor_pool
+    return True
+
+
+def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, strict: bool = False,
+                    linear: Callable | None = None, experts: Callable | None = None) -> int:
+    """Install (``enable=True``) or remove (``False``) the kernels of the components matching
+    ``pattern`` (their own name or an enclosing component's: ``"layers.3"`` = every linear, expert
+    block and compressor of layer 3). Returns how many components were set (enable) or put back on
+    the reference (disable; only those that had a kernel). ``strict``: KeyError when nothing matches.
+
+    Defaults: ``quant_linear`` as ``QLinear.kernel`` (NVFP4, MXFP4, FP8-block weights) with
+    ``act_quant_nvfp4`` as its ``act_kernel``, ``moe_decode`` as ``Experts.kernel`` (NVFP4 or MXFP4
+    experts), ``compressor_pool`` as ``Compressor.kernel``, each only where it runs (see the module
+    docstring). ``linear=`` / ``experts=`` install another callable with the same signature on
+    every matching quantised QLinear / Experts whatever the device (e.g. a reference-equal fake on
+    CPU in tests)."""
+    targets, any_match = kernel_targets(model, pattern)
+    if not any_match and strict:
+        names = [n for n, _ in model.named_modules() if n]
+        pats = unmatched(pattern, names) or [str(pattern)]
+        raise no_match_error("component", "pattern", pats[0], names, "see model.components()")
+    n = 0
+    if not enable:
+        for _, mod in targets:
+            had = False
+            for slot in _kernel_slots(mod):
+                if getattr(mod, slot, None) is not None:
+                    setattr(mod, slot, None)
+                    had = True
+            n += had
+        return n
+    have_triton = have_triton_cuda()
+    have_cute = pool_cute.have_cute()
+    for _, mod in targets:
+        if isinstance(mod, QLinear) and linear is not None:
+            if mod.qweight is None:
+                continue
+            mod.kernel = linear
+        elif isinstance(mod, Experts) and experts is not None:
+            mod.kernel = experts
+        elif not _install_default(mod, have_triton, have_cute):
+            continue
+        n += 1
+    return n
+
+
+def kernel_state(model: nn.Module) -> dict:
+    """name -> (kernel slot -> installed callable, None = reference) for every target; give it
+    back to :func:`restore_kernels` to put that exact assignment back."""
+    return {name: {s: getattr(mod, s, None) for s in _kernel_slots(mod)} for name, mod in kernel_targets(model)[0]}
+
+
+def restore_kernels(model: nn.Module, saved: dict) -> None:
+    for name, mod in kernel_targets(model)[0]:
+        for slot, fn in saved.get(name, {}).items():
+            setattr(mod, slot, fn)

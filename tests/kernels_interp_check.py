@@ -1,0 +1,230 @@
+"""The Triton kernels through Triton's interpreter on CPU tensors (tiny shapes): run by
+tests/test_kernels.py in a subprocess with TRITON_INTERPRET=1, which must be set before triton is
+imported. Prints one line ``RESULT{json}`` with what the tests assert on.
+
+    TRITON_INTERPRET=1 python tests/kernels_interp_check.py
+"""
+import os
+import sys
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("run with TRITON_INTERPRET=1 (set before triton is imported)")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import os, json
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from dsv4lab.quant.weights import quantize_nvfp4, NVFP4Weight
+from dsv4lab.quant.activations import fake_quant_nvfp4, nvfp4_global_scale
+from dsv4lab.quant.fp4 import nvfp4_quantize_blocks, pack_fp4
+from dsv4lab.kernels.linear_nvfp4 import nvfp4_matmul, nvfp4_matmul_ref
+from dsv4lab.kernels.act_quant_nvfp4 import nvfp4_act_quant
+from dsv4lab.kernels.moe_decode import moe_decode_triton
+from dsv4lab.kernels.moe_decode_ref import moe_decode_ref
+from dsv4lab.quant.stacked import StackedNVFP4
+
+res = {}
+g = torch.Generator().manual_seed(0)
+
+def rnd(*s):
+    return torch.randn(*s, generator=g)
+
+def random_nvfp4(n, k):
+    # random codes (all 16, negatives included) and random e4m3 scales incl. subnormal ones
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    sc = (torch.rand(n, k // 16, generator=g) * 4 + 2 ** -9).to(torch.float8_e4m3fn)
+    return NVFP4Weight(packed, sc, torch.tensor(0.37))
+
+def err(y, r):
+    y, r = y.float(), r.float()
+    bad = (y - r).abs() > (1e-2 * r.abs() + 1e-2 * r.abs().max())
+    return {"max_abs": (y - r).abs().max().item(), "ref_max": r.abs().max().item(), "bad": int(bad.sum())}
+
+N, K = 40, 96
+for name, w in (("quantized", quantize_nvfp4(rnd(N, K) * torch.rand(N, 1, generator=g) * 3)),
+                ("random_codes", random_nvfp4(N, K))):
+    for M in (1, 2, 3, 20):
+        x = rnd(M, K).to(torch.bfloat16)
+        ref = nvfp4_matmul_ref(x, w)
+        res[f"mm_{name}_M{M}"] = err(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale), ref)
+        if M <= 16:  # split-K fix-up path
+            cfg = {"BN": 16, "G": 2 if M == 1 else 16, "SPLIT": 3, "num_warps": 1}
+            Kb = 512 if M > 1 else K  # the dot path needs >= 16 groups per split
+            w2 = random_nvfp4(N, Kb) if M > 1 else w
+            x2 = rnd(M, Kb).to(torch.bfloat16)
+            res[f"mm_{name}_M{M}_splitk"] = err(nvfp4_matmul(x2, w2.packed, w2.block_scale, w2.global_scale, config=cfg),
+                                              nvfp4_matmul_ref(x2, w2))
+        if M == 1:  # the fp32-FMA variant (the default M=1 path is the f16x2 one) and f16x2 with split-K
+            for h2, xp, pf in ((False, False, 1), (True, False, 1), (True, True, 1), (True, True, 2)):
+                cfg = {"BN": 16, "G": 2, "SPLIT": 3, "num_warps": 1, "H2": h2, "XP": xp, "PF": pf}
+                res[f"mm_{name}_M1_h2{h2}_xp{xp}_pf{pf}"] = err(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config=cfg), ref)
+        if M > 16:  # prefill GEMM with split-K (3 splits of 32 over K=96)
+            cfg = {"BM": 32, "BN": 16, "BK": 32, "SPLIT": 3, "num_warps": 1}
+            res[f"mm_{name}_M{M}_gemm_split"] = err(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config=cfg), ref)
+    x = rnd(1, K).to(torch.float16)
+    res[f"mm_{name}_fp16"] = err(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale), nvfp4_matmul_ref(x, w))
+    x = rnd(2, 3, K)
+    res[f"mm_{name}_fp32_3d"] = err(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale), nvfp4_matmul_ref(x, w))
+
+x = rnd(3, 64) * 3
+x[0, :16] *= 1e-3  # a block with a tiny scale
+for mode, gs in (("runtime", None), ("input_scale", torch.tensor(0.004)), ("input_scale_small", torch.tensor(1e-4))):
+    for dt in (torch.float32, torch.bfloat16):
+        xx = x.to(dt)
+        y, packed, scale, gsk = nvfp4_act_quant(xx, gs)
+        gref = nvfp4_global_scale(xx) if gs is None else gs
+        ref = fake_quant_nvfp4(xx, gref)
+        codes, sref = nvfp4_quantize_blocks(xx.float().reshape(3, 4, 16), gref)
+        res[f"act_{mode}_{str(dt)[6:]}"] = {
+            "dq_exact": bool(torch.equal(y, ref)), "dq_rel": ((y.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-30)).max().item(),
+            "nonzero": int((ref != 0).sum()),
+            "packed_exact": bool(torch.equal(packed, pack_fp4(codes.reshape(3, 64)))),
+            "scale_exact": bool(torch.equal(scale.view(torch.uint8), sref.view(torch.uint8).reshape(3, 4))),
+            "gs_exact": bool(torch.equal(gsk.float(), torch.as_tensor(gref).float().reshape(()))),
+        }
+
+E, H, I, T, k = 4, 64, 32, 3, 2
+mk = lambda n, kk: StackedNVFP4.from_weights([quantize_nvfp4(rnd(n, kk)) for _ in range(E)])
+w1, w3, w2 = mk(I, H), mk(I, H), mk(H, I)
+x = rnd(T, H).to(torch.bfloat16)
+ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+wt = torch.rand(T, k, generator=g)
+for lim in (None, 1.5):
+    y = moe_decode_triton(x, ids, wt, w1, w3, w2, lim)
+    ref = moe_decode_ref(x, ids, wt, w1, w3, w2, lim)
+    res[f"moe_lim{lim}"] = {"max_abs": (y.float() - ref.float()).abs().max().item(), "ref_max": ref.abs().max().item()}
+# TMA-fed batch-1 GEMV (dsv4lab.kernels.linear_nvfp4_tma): K = 512 -> 32 groups = 2 TMA boxes, N = 40 (a
+# partial row tile), x stressing the per-group scaling; and its x-pairs prelude bit-exact
+from dsv4lab.kernels.linear_nvfp4_tma import x_pairs
+wt = random_nvfp4(40, 512)
+for kind in ("bf16", "fp16", "fp32", "outliers", "tiny"):
+    x = rnd(1, 512)
+    if kind == "outliers":
+        x[0, ::97] = 1e4
+    elif kind == "tiny":
+        x = x * 1e-30
+    x = x.to({"fp16": torch.float16, "fp32": torch.float32}.get(kind, torch.bfloat16))
+    for split in (1, 2):
+        # 1/xs in the pair rows (XINV) without split, through its own pointer with split
+        cfg = {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": split, "num_warps": 1, "XINV": split == 1}
+        y = nvfp4_matmul(x, wt.packed, wt.block_scale, wt.global_scale, out_dtype=torch.float32, config=cfg)
+        res[f"tma_{kind}_split{split}"] = err(y, nvfp4_matmul_ref(x.float(), wt))
+wt2 = random_nvfp4(40, 1024)  # 32-group boxes (cfg G): 64 groups = 2 boxes, split across them
+x = rnd(1, 1024).to(torch.bfloat16)
+for split in (1, 2):
+    cfg = {"TMA": True, "BN": 16, "G": 32, "STAGES": 2, "SPLIT": split, "num_warps": 1, "XINV": split == 1}
+    y = nvfp4_matmul(x, wt2.packed, wt2.block_scale, wt2.global_scale, out_dtype=torch.float32, config=cfg)
+    res[f"tma_G32_split{split}"] = err(y, nvfp4_matmul_ref(x.float(), wt2))
+x = rnd(512).to(torch.bfloat16)
+x[:16] *= 1e3
+x[16:32] *= 1e-3
+xp, inv = x_pairs(x)
+xf = x.float().reshape(32, 16)
+e = (xf.abs().amax(1).view(torch.int32) >> 23) & 0xFF
+b = (268 - e).clamp(1, 253)
+xs = (b << 23).view(torch.float32)
+h = (xf * xs[:, None]).half().view(torch.int16).to(torch.int32) & 0xFFFF
+idx = torch.tensor([0, 4, 1, 5, 8, 12, 9, 13])   # pair 4h + j: elements 8h + (0, 4, 1, 5)[j] and +2
+ref_pairs = h[:, idx] | (h[:, idx + 2] << 16)
+res["tma_pairs"] = {"pairs_exact": bool(torch.equal(xp[:, :8], ref_pairs)),
+                    "inv_exact": bool(torch.equal(inv, ((254 - b) << 23).view(torch.float32)))
+                    and bool(torch.equal(xp[:, 8].view(torch.float32), inv))}
+for M in (2, 5, 16):  # the tl.dot loop on the same weight ring
+    x = rnd(M, 512).to(torch.bfloat16)
+    for split in (1, 2):
+        cfg = {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": split, "num_warps": 1}
+        y = nvfp4_matmul(x, wt.packed, wt.block_scale, wt.global_scale, out_dtype=torch.float32, config=cfg)
+        res[f"tmadot_M{M}_split{split}"] = err(y, nvfp4_matmul_ref(x.float(), wt))
+try:
+    nvfp4_matmul(rnd(17, 512).to(torch.bfloat16), wt.packed, wt.block_scale, wt.global_scale,
+                 config={"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": 1, "num_warps": 1})
+    res["tma_rejects_m17"] = False
+except ValueError:
+    res["tma_rejects_m17"] = True
+# official formats (dsv4lab.kernels.linear_official): MXFP4 (quantised and random codes with exponents
+# 2^-20..2^20) and FP8-block (fp32 and E8M0 scales, 2 row blocks, a partial K block)
+from dsv4lab.quant.weights import quantize_mxfp4, quantize_fp8_block, MXFP4Weight
+from dsv4lab.kernels.linear_official import official_matmul, verified_official_matmul, _VERIFIED
+import dsv4lab.kernels.linear_official as om
+mx_q = quantize_mxfp4(rnd(40, 512) * torch.rand(40, 1, generator=g) * 3)
+mx_r = MXFP4Weight(torch.randint(0, 256, (40, 256), generator=g, dtype=torch.uint8),
+                   torch.randint(107, 148, (40, 16), generator=g, dtype=torch.uint8))
+fp_a = quantize_fp8_block(rnd(150, 320) * 0.1)
+fp_b = quantize_fp8_block(rnd(150, 320) * 30, scale_format="e8m0")
+for wname, wq in (("mxq", mx_q), ("mxr", mx_r), ("fp8", fp_a), ("fp8e8m0", fp_b)):
+    for M in (1, 3, 20):
+        x = rnd(M, wq.shape[1]).to(torch.bfloat16)
+        for split in (1, 2):
+            y = official_matmul(x, wq, config={"SPLIT": split})  # MXFP4 M <= 16: the TMA GEMV (K % 512 == 0)
+            res[f"off_{wname}_M{M}_split{split}"] = err(y, torch.nn.functional.linear(x.float(), wq.dequantize(torch.float32)))
+            if wname.startswith("mx") and M <= 16:  # and the tiled MXFP4 kernel it replaces there
+                y = official_matmul(x, wq, config={"SPLIT": split, "TMA": False})
+                res[f"off_{wname}_M{M}_split{split}_tiled"] = err(y, torch.nn.functional.linear(x.float(), wq.dequantize(torch.float32)))
+# MXFP4 through the TMA GEMV over 3 boxes of 32 groups, split 2 (boxes 2 + 1), M = 1 and 4
+from dsv4lab.kernels.linear_official import mx_tma_supported
+mx_3 = MXFP4Weight(torch.randint(0, 256, (40, 768), generator=g, dtype=torch.uint8),
+                   torch.randint(117, 138, (40, 48), generator=g, dtype=torch.uint8))
+for M in (1, 4):
+    x = rnd(M, 1536).to(torch.bfloat16)
+    y = official_matmul(x, mx_3, config={"SPLIT": 2})
+    res[f"off_mx3_M{M}_split2"] = err(y, torch.nn.functional.linear(x.float(), mx_3.dequantize(torch.float32)))
+res["off_mx_tma_choice"] = [mx_tma_supported(x, mx_3), mx_tma_supported(x, quantize_mxfp4(rnd(24, 1280)))]
+# uneven splits: MXFP4 K=1280 (80 words: splits of 32/32/16), FP8 N=130 (a 2-row second row block), K=700
+for wname, wq in (("mxodd", quantize_mxfp4(rnd(24, 1280))), ("fp8odd", quantize_fp8_block(rnd(130, 700)))):
+    x = rnd(2, wq.shape[1]).to(torch.bfloat16)
+    y = official_matmul(x, wq, config={"SPLIT": 3})
+    res[f"off_{wname}_M2_split3"] = err(y, torch.nn.functional.linear(x.float(), wq.dequantize(torch.float32)))
+x = rnd(2, 512).to(torch.bfloat16)
+y = verified_official_matmul(x, mx_q)
+res["off_verified_ok"] = {"kept": list(_VERIFIED.values()) == [True], "equal": bool(torch.equal(y, official_matmul(x, mx_q)))}
+_VERIFIED.clear()
+real = om.official_matmul
+om.official_matmul = lambda x, w, config=None: torch.zeros(*x.shape[:-1], w.shape[0], dtype=x.dtype)  # a broken kernel
+import warnings
+with warnings.catch_warnings(record=True) as wl:
+    warnings.simplefilter("always")
+    y = verified_official_matmul(x, mx_q)
+    y2 = verified_official_matmul(x, mx_q)
+om.official_matmul = real
+ref = torch.nn.functional.linear(x, mx_q.dequantize(x.dtype))
+res["off_verified_guard"] = {"warned": len(wl) == 1, "ref_first": bool(torch.equal(y, ref)), "ref_after": bool(torch.equal(y2, ref)),
+                             "state": list(_VERIFIED.values()) == [False]}
+
+# TMA-fed MoE decode (dsv4lab.kernels.moe_decode_tma): H = I = 256 (one TMA box of groups), 4 experts
+E, H, I, T, k = 4, 256, 256, 3, 2
+w1, w3, w2 = mk(I, H), mk(I, H), mk(H, I)
+x = rnd(T, H).to(torch.bfloat16)
+ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+wt = torch.rand(T, k, generator=g)
+for lim in (None, 1.5):
+    y = moe_decode_triton(x, ids, wt, w1, w3, w2, lim, tma=True)
+    y2 = moe_decode_triton(x, ids, wt, w1, w3, w2, lim, tma=True)
+    ref = moe_decode_ref(x, ids, wt, w1, w3, w2, lim)
+    res[f"moetma_lim{lim}"] = {"max_abs": (y.float() - ref.float()).abs().max().item(), "ref_max": ref.abs().max().item(),
+                               "repeat_equal": bool(torch.equal(y, y2))}
+try:
+    moe_decode_triton(rnd(T, 64).to(torch.bfloat16), ids, wt, mk(32, 64), mk(32, 64), mk(64, 32), None, tma=True)
+    res["moetma_rejects"] = False
+except ValueError:
+    res["moetma_rejects"] = True
+# the same kernels on MXFP4 stacks (official experts: E8M0 per 32, no global scale): H = I = 512
+from dsv4lab.quant.stacked import StackedMXFP4
+from dsv4lab.quant.weights import quantize_mxfp4
+from dsv4lab.kernels import dispatch
+mkx = lambda n, kk: StackedMXFP4.from_weights([quantize_mxfp4(rnd(n, kk) * (1 + e)) for e in range(E)])
+H = I = 512
+m1, m3, m2 = mkx(I, H), mkx(I, H), mkx(H, I)
+x = rnd(2, H).to(torch.bfloat16)
+ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(2)])
+wt = torch.rand(2, k, generator=g)
+y = moe_decode_triton(x, ids, wt, m1, m3, m2, 1.5)
+ref = moe_decode_ref(x, ids, wt, m1, m3, m2, 1.5)
+res["moetma_mx"] = {"max_abs": (y.float() - ref.float()).abs().max().item(), "ref_max": ref.abs().max().item(),
+                    "dispatch_cpu_is_ref": bool(torch.equal(dispatch.moe_decode(x, ids, wt, m1, m3, m2, 1.5), ref))}
+try:  # MXFP4 has no pointer-load variant
+    moe_decode_triton(x, ids, wt, m1, m3, m2, 1.5, tma=False)
+    res["moetma_mx_rejects_pointer"] = False
+except ValueError:
+    res["moetma_mx_rejects_pointer"] = True
+print("RESULT" + json.dumps(res))
