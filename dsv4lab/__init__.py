@@ -4,7 +4,7 @@ Importing does no GPU work; heavy submodules load on first use.
 """
 from __future__ import annotations
 
-from .config import DSV4Config, ConfigError, load_config
+from .config import ConfigError, DSV4Config, load_config
 
 __all__ = ["DSV4Config", "ConfigError", "load_config", "load", "plan"]
 

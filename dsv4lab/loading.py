@@ -13,6 +13,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from dsv4lab.kernels.device import have_triton_cuda, triton_importable
+
+from .analysis.components import use_kernels
 from .checkpoint.locate import TINY_DIR, resolve_path
 from .checkpoint.reader import CheckpointReader
 from .config import DSV4Config
@@ -131,8 +134,6 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
 
 def kernels_unavailable(devices: list[torch.device]) -> str | None:
     """Why the Triton kernels cannot run on a model placed on ``devices`` (None: they can)."""
-    from dsv4lab.kernels.device import have_triton_cuda, triton_importable
-
     on_cuda = any(torch.device(d).type == "cuda" for d in devices)
     if on_cuda and have_triton_cuda():
         return None
@@ -157,6 +158,5 @@ def install_kernels_for_load(model: WorkbenchModel, kernels: bool | str, devices
         if kernels == "auto":
             return 0
         raise RuntimeError(f"load(kernels=True) needs the model on CUDA with triton: {why}")
-    from .analysis.components import use_kernels
 
     return use_kernels(model, "**", True, strict=False)

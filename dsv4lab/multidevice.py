@@ -16,10 +16,14 @@ on its layer's device (``dsv4lab.load(path, device_map=...)``). This module adds
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 from torch import nn
+
+from .analysis.cache import ActivationCache
+from .model.state import CompressorState, DecodeState, LayerState
+from .quant.weights import QuantWeight
 
 
 def normalize_device_map(device_map: Any, n_layers: int, check_contiguous: bool = True) -> list[torch.device]:
@@ -91,9 +95,6 @@ def gather_to(obj: Any, device: str | torch.device = "cpu", dtype: torch.dtype |
     position counters collapse to one on ``device``) and :class:`ActivationCache`.
     """
     dev = torch.device(device)
-    from .analysis.cache import ActivationCache
-    from .model.state import CompressorState, DecodeState, LayerState
-    from .quant.weights import QuantWeight
 
     def g(x):
         if isinstance(x, torch.Tensor):
@@ -134,9 +135,6 @@ def gather_to(obj: Any, device: str | torch.device = "cpu", dtype: torch.dtype |
 
 def devices_of(obj: Any) -> set[torch.device]:
     """Every device a tensor inside ``obj`` (as :func:`gather_to` walks it) lives on."""
-    from .analysis.cache import ActivationCache
-    from .model.state import DecodeState
-
     out: set[torch.device] = set()
 
     def walk(x):

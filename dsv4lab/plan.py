@@ -99,8 +99,6 @@ def fmt_bytes(n: float) -> str:
 
 
 def _parse_dtype(d):
-    import torch
-
     if isinstance(d, torch.dtype):
         return d
     name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}.get(str(d), str(d))
@@ -135,12 +133,8 @@ def _resolve(config_or_path: Any):
     if s.lower() in NAMED_CONFIGS:
         return named_config(s), None, s.lower()
     if s in ("tiny", "tiny-nvfp4"):
-        from .checkpoint.locate import resolve_path
-
         s = str(resolve_path(s))
     if _is_checkpoint(s):
-        from .checkpoint.reader import CheckpointReader
-
         reader = CheckpointReader(s, strict=True)
         if reader.config is None:
             raise ValueError(f"{s}: checkpoint has no config.json; pass the config instead")
@@ -166,17 +160,12 @@ def _kind(base: str, cache: dict) -> str:
         return "experts"
     k = cache.get(base)
     if k is None:
-        from .checkpoint.names import component_kind
-
         k = cache[base] = component_kind(base)
     return k
 
 
 def weights_from_checkpoint(reader) -> WeightBytes:
     """Stored bytes per layer / kind from a :class:`CheckpointReader`'s headers (no tensor data)."""
-    from .checkpoint import CheckpointError
-    from .checkpoint.names import layer_of
-
     n = reader.config.num_hidden_layers
     items: list[dict[str, int]] = [dict() for _ in range(n + 2)]
     dense: list[dict[str, int]] = [dict() for _ in range(n + 2)]
@@ -210,10 +199,6 @@ def _signature(c: DSV4Config, i: int) -> tuple:
 
 @functools.lru_cache(maxsize=16)
 def _weights_from_config_cached(cfg_json: str, fmt: str) -> WeightBytes:
-    from .checkpoint.fake import tensor_specs
-    from .checkpoint.names import layer_of, split_name
-    from .checkpoint.safetensors_index import FLOAT_DTYPES, nbytes_of
-
     c = config_from_dict(json.loads(cfg_json))
     n = c.num_hidden_layers
     # layers with the same (attention type, MoE type, ratio) have the same tensors: compute one
@@ -280,8 +265,6 @@ def normalize_format(fmt: str) -> str:
 # ---------------------------------------------------------------------------- state bytes
 def state_bytes(config: DSV4Config, context: int, batch: int = 1, kv_dtype="bf16") -> list[int]:
     """Decode-state bytes per layer: the buffers ``DecodeState.allocate`` makes (built on meta)."""
-    from .model.state import DecodeState
-
     st = DecodeState.allocate(config, batch, max(int(context), 1), dtype=_parse_dtype(kv_dtype), devices="meta")
     out = []
     for ls in st.layers:
@@ -476,14 +459,10 @@ class MemoryPlan:
 
     def table(self):
         """pandas DataFrame: one row per layer (+ embed, final), bytes per component group."""
-        import pandas as pd
-
         return pd.DataFrame(self.rows()).set_index("layer")
 
     def gpu_table(self):
         """pandas DataFrame: one row per GPU (layers, weights, state, total, usable, headroom)."""
-        import pandas as pd
-
         rows = []
         for g in range(self.gpus):
             ls = self.layers_on(g)
@@ -682,5 +661,16 @@ class _CallableModule(type(json)):
 
 
 import sys as _sys  # noqa: E402
+
+import pandas as pd
+import torch
+
+from .checkpoint import CheckpointError
+from .checkpoint.fake import tensor_specs
+from .checkpoint.locate import resolve_path
+from .checkpoint.names import component_kind, layer_of, split_name
+from .checkpoint.reader import CheckpointReader
+from .checkpoint.safetensors_index import FLOAT_DTYPES, nbytes_of
+from .model.state import DecodeState
 
 _sys.modules[__name__].__class__ = _CallableModule

@@ -20,10 +20,12 @@ import math
 import re
 from dataclasses import dataclass, field
 
+import pandas as pd
 import torch
 
 from ..quant.modes import ACT_SCALES, MODES
 from .cache import run_with_cache
+from .components import replace
 from .hooks import hooks, name_filter
 
 _ROUTER_IDS = re.compile(r"^layers\.(\d+)\.mlp\.router\.hook_ids$")
@@ -49,8 +51,6 @@ def applied(model, intervention):
         raise TypeError(f"{intervention!r} looks like a precision policy: pass it as a callable, "
                         "lambda m: dsv4lab.precision.using_precision(m, policy)")
     if isinstance(intervention, dict):
-        from .components import replace
-
         handles = []
         try:
             for pat, impl in intervention.items():
@@ -171,8 +171,6 @@ class CompareResult:
         return None
 
     def table(self):
-        import pandas as pd
-
         return pd.DataFrame(self.rows, columns=["order", "name", "firing", "shape", "cos", "rel_err", "max_abs", "status", "diverged"])
 
     def to_dict(self) -> dict:

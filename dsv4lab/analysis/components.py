@@ -26,11 +26,14 @@ import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
+import pandas as pd
 from torch import nn
 
 from ..checkpoint.names import layer_of, module_kind
 from ..handles import Restorable
 from ..kernels.install import install_kernels, kernel_state, restore_kernels  # noqa: F401  (re-exported)
+from ..model.hooks import HookPoint
+from ..model.linear import QLinear
 from ..patterns import component_matcher, no_match_error, unmatched
 
 # class name -> component kind (QLinear kinds come from the canonical naming, docs/naming.md)
@@ -54,8 +57,6 @@ def _base_class(mod: nn.Module) -> type:
 
 
 def kind_of(name: str, mod: nn.Module) -> str:
-    from ..model.linear import QLinear
-
     cls = _base_class(mod)
     for klass in cls.__mro__:
         if klass.__name__ == "Compressor":
@@ -80,8 +81,6 @@ def impl_label(mod: nn.Module) -> str:
 
 
 def iter_components(model, pattern=None):
-    from ..model.hooks import HookPoint
-
     match = component_matcher(pattern) if pattern is not None else None
     for name, mod in model.named_modules():
         if not name or isinstance(mod, (HookPoint, nn.ModuleList)):
@@ -92,8 +91,6 @@ def iter_components(model, pattern=None):
 
 def components(model, pattern=None):
     """DataFrame: name, kind, class, impl, layer (and mode/format for linears)."""
-    import pandas as pd
-
     rows = []
     for name, mod in iter_components(model, pattern):
         rows.append({"name": name, "kind": kind_of(name, mod), "class": type(mod).__name__,
@@ -263,8 +260,6 @@ def restore(model) -> int:
 def owner_of(model, name: str) -> str:
     """The nearest enclosing component (itself included) that holds hook points: where a change
     made inside ``name`` first becomes visible (``layers.0.attn.wq_a`` -> ``layers.0.attn``)."""
-    from ..model.hooks import HookPoint
-
     parts = name.split(".")
     for i in range(len(parts), 0, -1):
         cand = ".".join(parts[:i])
@@ -284,8 +279,6 @@ def hook_inside(model, hook_name: str, component: str) -> bool:
     if hook_name.startswith(owner + "."):
         return True
     if "." not in hook_name and "." not in owner:
-        from ..model.hooks import HookPoint
-
         mod = model.get_submodule(owner)
         return not any(isinstance(m, HookPoint) for m in mod.modules())
     return False

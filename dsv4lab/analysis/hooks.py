@@ -8,11 +8,13 @@ module's dotted path (``layers.1.attn.hook_probs``). Name filters are the one pa
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator
 
+import pandas as pd
 import torch
 
 from ..checkpoint.names import layer_of
+from ..model.hooks import HookPoint
 from ..patterns import name_matcher, no_match_error, unmatched
 
 NameFilter = "str | Sequence[str] | Callable[[str], bool] | None"
@@ -32,8 +34,6 @@ def check_hook_names(model, names, argument: str = "names") -> None:
 
 
 def hook_points(model) -> list[tuple[str, object]]:
-    from ..model.hooks import HookPoint
-
     return [(n, m) for n, m in model.named_modules() if isinstance(m, HookPoint)]
 
 
@@ -103,8 +103,6 @@ def hook_schema(model, ids: torch.Tensor | None = None, decode: bool = False):
     ``decode=True`` a second column set ``decode_shape`` comes from one decode step after it.
     Hook points that did not fire show shape ``None`` (e.g. indexer hooks before any entry).
     """
-    import pandas as pd
-
     if ids is None:
         ids = default_prompt(model.config).to(model.device)
     seen: dict[str, tuple] = {}
@@ -158,8 +156,6 @@ def schema_markdown(df) -> str:
 
 
 def pd_isna(v) -> bool:
-    import pandas as pd
-
     try:
         return bool(pd.isna(v))
     except (TypeError, ValueError):

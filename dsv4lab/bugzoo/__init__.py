@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from . import variants as V
 from ..handles import Restorable
+from . import variants as V
 
 SEEDS = {
     "000": "seeds/000_132ad209e9be1d42 (fix: compressor pos bias on KV + SwiGLU clamp ordering)",

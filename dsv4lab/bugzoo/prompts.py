@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from ..text import corpus
+from ..text.tokenizer import load_tokenizer
+
 
 def clamp_liveness(model, ids: torch.Tensor) -> dict[str, bool]:
     """Whether any routed / shared expert GATE pre-activation passes ``swiglu_limit`` on ``ids``
@@ -40,9 +43,6 @@ def clamp_liveness(model, ids: torch.Tensor) -> dict[str, bool]:
 
 def live_prompt(model, tokenizer=None, seed: int = 1234, max_docs: int = 48) -> torch.Tensor:
     """A [1, S] natural prompt (corpus retrieval documents) on which the clamp bugs are live."""
-    from ..text.tokenizer import load_tokenizer
-    from ..text import corpus
-
     tok = tokenizer or load_tokenizer()
     docs = [list(p[0]) for p in corpus.eval_sets(tok, seed=seed)["retrieval"][:max_docs]]
     chosen: list[list[int]] = []

@@ -17,6 +17,9 @@ from ..model.mhc import HyperConnection, sinkhorn
 from ..model.moe import Expert, Router, SharedExpert, score_fn
 from ..model.norms import unweighted_rms_norm
 from ..model.rope import apply_rope
+from ..model.swiglu import clamped_swiglu
+from ..quant.activations import NVFP4_GS_DENOM, fake_quant_nvfp4
+from ..quant.fp4 import NVFP4_BLOCK, nvfp4_dequantize_blocks
 
 
 # ------------------------------------------------------------------------------ compressor
@@ -31,10 +34,9 @@ class CompressorApeOnKV(Compressor):
 # ------------------------------------------------------------------------------ experts
 def _swiglu(mod, x, clamp_after_silu=False, swap_w1_w3=False):
     gate_lin, up_lin = (mod.w3, mod.w1) if swap_w1_w3 else (mod.w1, mod.w3)
-    if clamp_after_silu:
-        act = F.silu(gate_lin(x)).clamp(max=mod.limit)  # BUG: clamps silu(gate), not gate
-    else:
-        act = F.silu(gate_lin(x).clamp(max=mod.limit))
+    if not clamp_after_silu:
+        return mod.w2(clamped_swiglu(gate_lin(x), up_lin(x), mod.limit))
+    act = F.silu(gate_lin(x)).clamp(max=mod.limit)  # BUG: clamps silu(gate), not gate
     up = up_lin(x).clamp(min=-mod.limit, max=mod.limit)
     return mod.w2(act * up)
 
@@ -203,7 +205,6 @@ class WeightScale2DroppedMixin:
         qw = self.qweight
         if qw is None or getattr(qw, "format", None) != "nvfp4":
             return super().dense_weight(dtype)
-        from ..quant.fp4 import NVFP4_BLOCK, nvfp4_dequantize_blocks
 
         out, inn = qw.shape
         codes = qw.codes().view(out, inn // NVFP4_BLOCK, NVFP4_BLOCK)
@@ -219,8 +220,6 @@ class ActInputScaleMixin:
     calibrated_amax = 1.0
 
     def quantize_input(self, x):
-        from ..quant.activations import NVFP4_GS_DENOM, fake_quant_nvfp4
-
         scale = getattr(self.qweight, "input_scale", None) if self.qweight is not None else None
         if scale is None:
             scale = torch.tensor(self.calibrated_amax / NVFP4_GS_DENOM)

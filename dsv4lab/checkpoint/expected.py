@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..config import CSA, HCA, HASH_MOE, SLIDING, DSV4Config, load_config
+from ..config import CSA, HASH_MOE, HCA, SLIDING, DSV4Config, load_config
 
 
 class Expected(NamedTuple):

@@ -12,6 +12,8 @@ import json
 import os
 from typing import Any, Sequence
 
+import torch
+
 from ..config import CSA, HCA, DSV4Config, config_from_dict, load_config
 from .expected import expected_tensors
 from .formats import stored_shapes
@@ -64,8 +66,6 @@ def tiny_config(n_experts: int = 4, **changes: Any) -> DSV4Config:
 
 def random_state(config: Any, seed: int = 0, dtype=None, scale: float = 0.05) -> dict:
     """A random canonical state (name -> tensor) with every tensor ``config`` implies."""
-    import torch
-
     cfg = load_config(config)
     dtype = dtype or torch.float32
     g = torch.Generator().manual_seed(seed)

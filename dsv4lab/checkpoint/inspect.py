@@ -11,9 +11,7 @@ from collections import Counter
 from typing import Any
 
 from .errors import CheckpointError
-from .names import component_kind, is_linear, layer_of
-from .names import KIND_GROUPS
-from .names import natural_key
+from .names import KIND_GROUPS, component_kind, is_linear, layer_of, natural_key
 from .reader import CheckpointReader
 
 # per-layer byte columns of the text table

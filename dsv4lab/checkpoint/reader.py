@@ -23,7 +23,17 @@ from typing import Any, Iterable
 from .errors import CheckpointError
 from .expected import expected_tensors
 from .formats import FormatInfo, detect_format, shape_matches, stored_shapes
-from .names import FAST_EXPERT_RE, WEIGHT_SUFFIX_SET, NormKey, natural_key, SliceSpec, layer_of, normalize_key, split_name, to_raw_key
+from .names import (
+    FAST_EXPERT_RE,
+    WEIGHT_SUFFIX_SET,
+    NormKey,
+    SliceSpec,
+    layer_of,
+    natural_key,
+    normalize_key,
+    split_name,
+    to_raw_key,
+)
 from .safetensors_index import DTYPE_BITS, SafetensorsIndex, scan_checkpoint, torch_dtype
 
 HF_QUANT_CONFIG = "hf_quant_config.json"

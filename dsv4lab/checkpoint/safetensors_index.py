@@ -16,6 +16,8 @@ import os
 import struct
 from dataclasses import dataclass, field
 
+import torch
+
 from .errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -38,8 +40,6 @@ FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 
 def torch_dtype(st_dtype: str):
     """torch dtype of a safetensors dtype string (``None`` if this torch lacks it)."""
-    import torch
-
     name = _TORCH_NAMES.get(st_dtype)
     return getattr(torch, name, None) if name else None
 

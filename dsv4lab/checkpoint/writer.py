@@ -11,8 +11,15 @@ import fnmatch
 import glob
 import json
 import os
+import re
 from typing import Any, Mapping, Sequence
 
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from ..config import load_config
+from ..quant.weights import QuantWeight, quantize_nvfp4
 from .formats import detect_format
 from .names import AUX_SUFFIXES, component_kind, fused_key, is_linear, layer_of, natural_key, split_name, to_raw_key
 from .safetensors_index import INDEX_NAME, st_dtype_of
@@ -27,8 +34,6 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
 
 
 def _order_key(name: str):
-    import re
-
     layer = layer_of(name)
     parts = [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
     # embed first, layers in order, then norm / hc_head / head
@@ -55,12 +60,6 @@ def save_checkpoint(
     tensors (not quantised data or scales). Existing ``model*.safetensors`` / index files in
     ``path`` are replaced. Returns a summary (files, tensors, bytes, quantised modules).
     """
-    import torch
-    from safetensors.torch import save_file
-
-    from ..config import load_config
-    from ..quant.weights import QuantWeight, quantize_nvfp4
-
     if layout not in ("official", "transformers", "modules", "canonical"):
         raise ValueError(f"layout must be 'official', 'transformers', 'modules' or 'canonical', got {layout!r}")
     cfg = load_config(config)
@@ -188,8 +187,6 @@ def save_checkpoint(
     show = progress if progress is not None else len(tensors) > 512
     bar = None
     if show:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=len(tensors), desc=f"writing {os.path.basename(os.path.abspath(path))}", unit="tensor")
     weight_map = {}
     for fname, keys in zip(names, shards):

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .graphs import GraphDecoder
+
 
 @dataclass
 class DecodeCheck:
@@ -84,8 +86,6 @@ def decode_check(model, prompt_ids: torch.Tensor, steps: int = 64) -> DecodeChec
     state = model.new_state(B, S + steps + 1)
     first = model.prefill(prompt_ids, state)[:, -1].argmax(-1, keepdim=True)
     if dev.type == "cuda":
-        from .graphs import GraphDecoder
-
         base = state.clone()
         mem0 = torch.cuda.memory_allocated(dev)
         toks_a, lg_a, lat_a = run_steps(model, state, first, steps, model.decode_step)

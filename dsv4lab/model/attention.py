@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import DSV4Config, SLIDING, CSA
+from ..config import CSA, SLIDING, DSV4Config
 from .compressor import Compressor
 from .hooks import HookPoint
 from .indexer import Indexer

@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from ..config import DSV4Config
-from .linear import QLinear
 
 
 @torch.no_grad()

@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..quant import activations as A
 from ..quant.modes import LINEAR_MODES, ActScale, Mode, as_act_scale, as_mode
+from ..quant.weights import NVFP4Weight, PlainWeight, QuantWeight
 
 MODES = LINEAR_MODES
 ACT_FOR_MODE = {Mode.BF16: "none", Mode.W4A16: "none", Mode.W4A4: "nvfp4", Mode.W4A8: "fp8"}
@@ -49,8 +51,6 @@ class QLinear(nn.Module):
 
     def set_weight(self, w) -> None:
         """Install a plain tensor (as Parameter) or a QuantWeight (kept quantised)."""
-        from ..quant.weights import PlainWeight, QuantWeight
-
         if isinstance(w, PlainWeight):
             w = w.data
         if isinstance(w, QuantWeight):
@@ -98,7 +98,6 @@ class QLinear(nn.Module):
         act = ACT_FOR_MODE[self.mode]
         if act == "none":
             return x
-        from ..quant import activations as A
 
         if act == "fp8":
             return A.fake_quant_fp8_block(x)
@@ -126,8 +125,6 @@ class QLinear(nn.Module):
 
     def _group_weights(self, groups: int) -> list:
         """The weight's G row blocks as NVFP4 weights (views of the stored tensors, cached)."""
-        from ..quant.weights import NVFP4Weight
-
         c = getattr(self, "_groups_cache", None)
         if c is None or c[0] is not self.qweight or c[1] != groups:
             w, rows = self.qweight, self.out_features // groups

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import DSV4Config, HASH_MOE
+from ..config import HASH_MOE, DSV4Config
 from ..quant.modes import Mode
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
+from .expert_stack import ExpertStack
 from .hooks import HookPoint
 from .linear import QLinear
 from .swiglu import clamped_swiglu
@@ -121,8 +122,6 @@ class Experts(nn.Module):
         """The stacked view of the expert weights (built once, rebuilt if a weight was swapped);
         None when the experts cannot share one stack (mixed formats or modes, or a replaced
         expert implementation)."""
-        from .expert_stack import ExpertStack
-
         modes = {(getattr(self[e], p).mode, getattr(self[e], p).act_scale) for e in range(self.n_experts) for p in ExpertStack.PROJ}
         if len(modes) != 1 or any(type(self[e]) is not Expert for e in range(self.n_experts)):
             return None

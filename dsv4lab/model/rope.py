@@ -16,8 +16,10 @@ def inverse_frequencies(config: DSV4Config, kind: str) -> torch.Tensor:
     dim = config.qk_rope_head_dim
     base = config.rope_theta if kind == "main" else config.compress_rope_theta
     if kind == "compress" and config.rope_scaling and config.rope_scaling.get("rope_type", config.rope_scaling.get("type")) == "yarn":
-        from transformers import DeepseekV4Config
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        from transformers import DeepseekV4Config  # lazy: heavy optional dependency
+        from transformers.modeling_rope_utils import (
+            ROPE_INIT_FUNCTIONS,  # lazy: heavy optional dependency
+        )
 
         hf = DeepseekV4Config(**{k: v for k, v in config.to_transformers_dict().items()
                                  if k not in ("architectures", "model_type")})

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import DSV4Config, SLIDING, CSA
+from ..config import CSA, SLIDING, DSV4Config
 
 
 @dataclass

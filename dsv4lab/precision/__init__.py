@@ -12,8 +12,19 @@
 from __future__ import annotations
 
 from ..quant.modes import ACT_SCALES, LINEAR_MODES, MODES, ActScale, Mode, UnknownChoiceError
-from .apply import (ModelOriginals, Originals, PrecisionState, UnknownTargetError, apply_precision, check_targets,
-                    linear_kinds, model_memory, precision_state, restore_precision, using_precision)
+from .apply import (
+    ModelOriginals,
+    Originals,
+    PrecisionState,
+    UnknownTargetError,
+    apply_precision,
+    check_targets,
+    linear_kinds,
+    model_memory,
+    precision_state,
+    restore_precision,
+    using_precision,
+)
 from .policy import PrecisionPolicy, Rule, linear_kind, linear_layer
 from .quantize import dequantize_linears, quantize_linears, select_linears
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
 from ..analysis.cache import ActivationCache, run_with_cache
 from ..analysis.compare import CompareResult, compare_against
@@ -81,7 +83,6 @@ def _originals(originals, reference_model):
 def _progress(iterable, enabled: bool, desc: str):
     if not enabled:
         return iterable
-    from tqdm.auto import tqdm  # optional, heavy: only for a progress bar
 
     return tqdm(iterable, desc=desc, leave=False)
 
@@ -108,8 +109,6 @@ def precision_sweep(model, ids: torch.Tensor, kinds=None, reference=Mode.BF16, b
     the base policy itself, and then ``kl_change_vs_base`` is added. ``reference``: a policy spec
     run on ``reference_model`` (default the model itself) or a :class:`ReferenceRun`. The
     model's precision is restored afterwards."""
-    import pandas as pd  # heavy: only for the table
-
     base = reference if base is None and not isinstance(reference, ReferenceRun) else base
     base_pol = PrecisionPolicy.parse(Mode.BF16 if base is None else base)
     all_kinds = linear_kinds(model)
@@ -170,8 +169,6 @@ def precision_floor(model, ids: torch.Tensor, threshold: float, base=Mode.W4A16,
     """Greedy: starting from ``base``, repeatedly switch to ``fix`` the kind that lowers KL (vs the
     reference) the most, until KL < threshold, nothing is left or ``max_steps`` kinds were added.
     ``reference`` as in :func:`precision_sweep`. The model's precision is restored afterwards."""
-    import pandas as pd  # heavy: only for the table
-
     candidates = linear_kinds(model) if kinds is None else list(kinds)
     _check_kinds(model, candidates)
     originals = _originals(originals, reference_model)

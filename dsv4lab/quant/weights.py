@@ -31,16 +31,7 @@ from .fp4 import (
     pack_fp4,
     unpack_fp4,
 )
-from .fp8 import (
-    E4M3_MAX,
-    as_e4m3,
-    as_e8m0,
-    ceil_log2,
-    e8m0_from_exponent,
-    e8m0_to_float,
-    floor_log2,
-    to_e4m3,
-)
+from .fp8 import E4M3_MAX, as_e4m3, as_e8m0, ceil_log2, e8m0_from_exponent, e8m0_to_float, floor_log2, to_e4m3
 
 MXFP4_BLOCK = 32
 FP8_BLOCK = 128

@@ -65,6 +65,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
+import torch
+import torch.utils.data as tud
+
 from .chat import ASSISTANT, BOS, EOS, PAD, THINK_END, THINK_START, USER, encode_messages
 
 __all__ = [
@@ -873,8 +876,6 @@ def training_stream(tokenizer, seq_len: int = 512, seed: int = 0, mix: dict[str,
     ``curriculum_steps`` sequences (default: 40% of ``total_steps``, the number of sequences the
     run will draw, when given; no curriculum otherwise).
     """
-    import torch
-
     world = world or ToyWorld()
     mix = dict(DEFAULT_MIX if mix is None else mix)
     bad = set(mix) - set(DEFAULT_MIX)
@@ -927,8 +928,6 @@ def training_stream(tokenizer, seq_len: int = 512, seed: int = 0, mix: dict[str,
 def training_dataset(tokenizer, seq_len: int = 512, seed: int = 0, **kwargs):
     """A ``torch.utils.data.IterableDataset`` over :func:`training_stream` (same keyword
     arguments); each DataLoader worker gets its own seed, ``seed * 1000 + worker_id``."""
-    import torch.utils.data as tud
-
     class _TrainingStream(tud.IterableDataset):
         def __iter__(self):
             info = tud.get_worker_info()

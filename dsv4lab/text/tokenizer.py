@@ -27,6 +27,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
 from .chat import ASSISTANT, BOS, EOS, PAD, SPECIAL_TOKENS, THINK_END, THINK_START, USER, encode_messages
 from .corpus import required_words, tokenizer_training_texts
 
@@ -47,8 +49,6 @@ DEFAULT_DIR = REPO_ROOT / "data" / "tiny-dsv4"
 
 
 def _train_bpe(texts: Sequence[str], vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -66,8 +66,6 @@ def _train_bpe(texts: Sequence[str], vocab_size: int):
 def _force_single_tokens(tok, words: Iterable[str]):
     """Append merges so that each of ``words`` (one pre-token each) becomes one token.
     Returns (new Tokenizer, number of tokens added)."""
-    from tokenizers import Tokenizer
-
     data = json.loads(tok.to_str())
     model = data["model"]
     vocab: dict[str, int] = model["vocab"]
@@ -94,8 +92,6 @@ def _force_single_tokens(tok, words: Iterable[str]):
 
 
 def _finish(tok):
-    from tokenizers import processors
-
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
@@ -160,7 +156,7 @@ def load_tokenizer(path_or_dir: str | Path | None = None):
     """A transformers ``PreTrainedTokenizerFast``: the shipped tiny tokenizer by default, else
     the one in ``path_or_dir`` (a directory with ``tokenizer.json``, e.g. a DSV4 checkpoint, or
     the ``tokenizer.json`` file itself)."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # lazy: heavy optional dependency
 
     p = Path(path_or_dir) if path_or_dir is not None else DEFAULT_DIR
     file = p / "tokenizer.json" if p.is_dir() else p

@@ -11,7 +11,6 @@ from typing import Iterable, Sequence
 
 import torch
 
-
 Probe = tuple[Sequence[int], int, dict]
 
 

@@ -16,7 +16,9 @@ import os
 import shutil
 
 import torch
+from safetensors.torch import load_file
 
+from ..checkpoint.writer import save_checkpoint
 from .tiny_config import tiny_dsv4_config
 
 FP32_KEEP = ("_hc.fn", "_hc.base", "_hc.scale", "hc_head.fn", "hc_head.base", "hc_head.scale", "attn.sink",
@@ -25,8 +27,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def load_run_state(run_dir: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     files = sorted(glob.glob(os.path.join(run_dir, "state-*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{run_dir}: no state-*.safetensors (train_tiny output)")
@@ -37,8 +37,6 @@ def load_run_state(run_dir: str) -> dict[str, torch.Tensor]:
 
 
 def export(state: dict[str, torch.Tensor], out: str, vocab_size: int | None = None, tokenizer_dir: str | None = None) -> dict:
-    from ..checkpoint.writer import save_checkpoint
-
     cfg = tiny_dsv4_config(vocab_size or state["embed.weight"].shape[0])
     sd = {k: (v.float() if k.endswith(FP32_KEEP) else v.to(torch.bfloat16)) if v.is_floating_point() else v
           for k, v in state.items()}

@@ -22,8 +22,12 @@ import time
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from ..model import DSV4Model
+from ..text import corpus
+from ..text.tokenizer import load_tokenizer
+from .evaluate import accuracy, compressed_branch_off
 from .tiny_config import tiny_dsv4_config
 
 
@@ -54,8 +58,6 @@ def init_for_training(model: DSV4Model, seed: int) -> DSV4Model:
 
 def save_state(model: DSV4Model, out_dir: str, shard_bytes: int = 12 * 2**20) -> list[str]:
     """bf16 canonical-name shards (plain linears: ``X.weight``)."""
-    from safetensors.torch import save_file
-
     sd = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() and not k.endswith(("_hc.fn", "_hc.base", "_hc.scale", "hc_head.fn", "hc_head.base", "hc_head.scale", "attn.sink", ".ape", "router.bias")) else v.detach()).contiguous().cpu()
           for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
     files, cur, size = [], {}, 0
@@ -76,8 +78,6 @@ def save_state(model: DSV4Model, out_dir: str, shard_bytes: int = 12 * 2**20) ->
 
 
 def load_state(model: DSV4Model, files: list[str]) -> DSV4Model:
-    from safetensors.torch import load_file
-
     sd = {}
     for f in files:
         sd.update(load_file(f))
@@ -111,9 +111,6 @@ def main(argv=None) -> dict:
                          "and training ends when either reaches 1 (0: steps only)")
     args = ap.parse_args(argv)
 
-    from ..text.tokenizer import load_tokenizer
-    from ..text import corpus
-    from .evaluate import accuracy, compressed_branch_off
 
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)

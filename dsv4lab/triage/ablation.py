@@ -17,9 +17,20 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..precision import MODES, Mode, Originals, PrecisionPolicy, linear_kind, linear_kinds, linear_layer, using_precision
+from ..precision import (
+    MODES,
+    Mode,
+    Originals,
+    PrecisionPolicy,
+    linear_kind,
+    linear_kinds,
+    linear_layer,
+    using_precision,
+)
 from ..precision import sweep as engine
 from ..quant.modes import as_mode
+from .logits import topk_table
+from .plots import bar, lines, show
 from .session import quantized_twin, reference_of
 
 DEFAULT = "default"  # the panel's word for "no rule: inherit"
@@ -92,8 +103,6 @@ def floor(setup: Setup, threshold: float, base: str = Mode.W4A4, fix: str = Mode
 
 # ------------------------------------------------------------------------------ figures
 def sweep_figure(df, title: str):
-    from .plots import bar
-
     d = df[df["kind"] != "(base)"]
     labels = d["kind"] if d["layers"].isna().all() else \
         [k if ls is None else f"{k} " + ",".join(f"L{l}" for l in ls) for k, ls in zip(d["kind"], d["layers"])]
@@ -107,8 +116,6 @@ def sweep_figure(df, title: str):
 
 def layer_cos_figure(results: dict):
     """results: label -> evaluate() output; one line per policy."""
-    from .plots import lines
-
     any_r = next(iter(results.values()))
     layers = list(any_r["layer_cos"])
     fig = lines([f"L{l}" for l in layers], {lab: [1 - r["layer_cos"][l] for l in layers] for lab, r in results.items()},
@@ -118,8 +125,6 @@ def layer_cos_figure(results: dict):
 
 
 def kl_per_pos_figure(results: dict, tokens=None):
-    from .plots import lines
-
     any_r = next(iter(results.values()))
     x = tokens if tokens is not None else list(range(len(any_r["kl_per_pos"])))
     fig = lines(x, {lab: r["kl_per_pos"] for lab, r in results.items()},
@@ -128,8 +133,6 @@ def kl_per_pos_figure(results: dict, tokens=None):
 
 
 def floor_figure(steps):
-    from .plots import bar
-
     return bar([f"{i}: +{a}" for i, a in zip(steps["step"], steps["added"])], steps["kl"],
                "Greedy precision floor: KL after each component is restored", "step: component restored",
                "next-token KL vs original BF16 (nats)", text=[f"{v:.2e}" for v in steps["kl"]])
@@ -175,7 +178,7 @@ class AblationPanel:
 
     # widgets
     def widget(self):
-        import ipywidgets as W
+        import ipywidgets as W  # lazy: heavy optional dependency
 
         opts = [DEFAULT, *MODES]
         self._default = W.Dropdown(options=list(MODES), value=self.policy.default, description="all linears")
@@ -215,9 +218,8 @@ class AblationPanel:
         return self._widgets
 
     def redraw(self) -> None:
-        from IPython.display import display
+        from IPython.display import display  # lazy: heavy optional dependency
 
-        from .plots import show
 
         r = self.run()
         out = self._out if self._widgets is not None else None
@@ -228,8 +230,6 @@ class AblationPanel:
             print(self.readout())
             show(layer_cos_figure({r["policy"]: r}))
             if self.session is not None:
-                from .logits import topk_table
-
                 display(topk_table(self.session, r["result"] and self._last_logits(), 8))
 
     def _last_logits(self):

@@ -1,10 +1,13 @@
 """Bug-zoo glue for notebooks 6 and 7 (on top of :mod:`dsv4lab.bugzoo`)."""
 from __future__ import annotations
 
+from ..analysis.components import owner_of
+from ..bugzoo import inject as _inject
+from ..bugzoo import list_bugs
+from .plots import style
+
 
 def bug_table():
-    from ..bugzoo import list_bugs
-
     return list_bugs()
 
 
@@ -12,7 +15,6 @@ def inject(model, bug: str | None, layers=None):
     """Inject ``bug`` (None / "" -> nothing); returns the handle (``.names``, ``.restore()``) or None."""
     if not bug:
         return None
-    from ..bugzoo import inject as _inject
 
     if isinstance(layers, int):
         layers = [layers]
@@ -24,8 +26,6 @@ def inject(model, bug: str | None, layers=None):
 
 def injected_components(model, handle) -> list[str]:
     """The components the bug went into, as the hook owners where it first shows."""
-    from ..analysis.components import owner_of
-
     return sorted({owner_of(model, n) for n in handle.names}) if handle is not None else []
 
 
@@ -38,9 +38,8 @@ def component_of_hook(hook: str | None) -> str | None:
 
 def divergence_figure(table, title: str):
     """rel_err per hook point in execution order (first firing), log scale."""
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # lazy: heavy optional dependency
 
-    from .plots import style
 
     t = table[table["firing"] == 0].copy()
     t = t[t["status"] == "ok"]

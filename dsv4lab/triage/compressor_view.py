@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..text.corpus import make_retrieval_samples
+from .plots import heatmap, style
+
 HOOKS = ["layers.*.attn.compressor.hook_weights", "layers.*.attn.indexer.hook_scores",
          "layers.*.attn.indexer.hook_indices", "layers.*.attn.indexer.compressor.hook_weights"]
 
@@ -50,8 +53,6 @@ def window_weights(model, layer: int, cache, seq_len: int, indexer: bool = False
 
 
 def weights_figure(session, ids, layer: int, cache, last_positions: int | None = 64, indexer: bool = False):
-    from .plots import heatmap
-
     S = ids.shape[1]
     ww = window_weights(session.model, layer, cache, S, indexer)
     comp = session.model.layers[layer].attn.compressor
@@ -83,9 +84,8 @@ def overlap_stats(model, layer: int, cache, seq_len: int) -> dict:
 def indexer_figure(session, ids, layer: int, cache, last_queries: int | None = 96, mark=None):
     """Index scores (query x compressed entry) with the chosen top-k marked by white x's;
     ``mark`` = entry indices to outline (e.g. the planted block)."""
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # lazy: heavy optional dependency
 
-    from .plots import style
 
     scores = cache[f"layers.{layer}.attn.indexer.hook_scores"][0].float()   # [S,T]
     idx = cache[f"layers.{layer}.attn.indexer.hook_indices"][0]             # [S,k]
@@ -129,8 +129,6 @@ class Retrieval:
 def retrieval_example(session, seq_len: int = 320, min_distance: int = 128, max_distance: int = 220, seed: int = 0) -> Retrieval:
     """A plain-text document with a planted ``key -> value`` pair far beyond the sliding window;
     the prompt stops right before the value is asked back."""
-    from ..text.corpus import make_retrieval_samples
-
     s = make_retrieval_samples(1, seq_len=seq_len, min_distance=min_distance, max_distance=max_distance, seed=seed,
                                tokenizer=session.tokenizer, modes=("plain",), n_queries=(1, 1))[0]
     q = s.meta["queries"][0]

@@ -9,7 +9,13 @@ from __future__ import annotations
 import os
 import time
 
+import pandas as pd
+
+from ..checkpoint.fake import make_sparse_checkpoint, v4_flash_config, v4_pro_config
+from ..checkpoint.inspect import inspect_checkpoint
 from ..checkpoint.names import KIND_GROUPS
+from ..plan import plan
+from .plots import style
 
 # the shared kind groups of the inspect / plan tables, under labels a reader scans faster
 _LABELS = {"attn": "attention", "experts": "routed experts", "shared": "shared expert"}
@@ -18,8 +24,6 @@ GROUPS = {_LABELS.get(g, g): kinds for g, kinds in KIND_GROUPS.items()}
 
 def inspect(path) -> dict:
     """The JSON-able report of :func:`dsv4lab.checkpoint.inspect.inspect_checkpoint`, timed."""
-    from ..checkpoint.inspect import inspect_checkpoint
-
     t0 = time.perf_counter()
     rep = inspect_checkpoint(os.fspath(path))
     rep["inspect_seconds"] = time.perf_counter() - t0
@@ -27,8 +31,6 @@ def inspect(path) -> dict:
 
 
 def overview_table(rep: dict):
-    import pandas as pd
-
     c = rep.get("config") or {}
     rows = [("path", rep["path"]), ("layout", rep["layout"]), ("shards", rep["n_shards"]),
             ("stored tensors", rep["n_raw_tensors"]), ("logical tensors", rep["n_logical_tensors"]),
@@ -40,8 +42,6 @@ def overview_table(rep: dict):
 
 
 def formats_table(rep: dict):
-    import pandas as pd
-
     rows = [{"format": f, "tensors": d["tensors"], "linears": rep["linear_formats"].get(f, 0), "bytes": d["bytes"],
              "size": gb(d["bytes"]), "share %": round(100 * d["bytes"] / max(rep["tensor_bytes"], 1), 2)}
             for f, d in rep["formats"].items()]
@@ -49,8 +49,6 @@ def formats_table(rep: dict):
 
 
 def kinds_table(rep: dict):
-    import pandas as pd
-
     tot = max(rep["tensor_bytes"], 1)
     rows = [{"component kind": k, "bytes": n, "size": gb(n), "share %": round(100 * n / tot, 2)} for k, n in rep["bytes_by_kind"].items()]
     return pd.DataFrame(rows)
@@ -58,8 +56,6 @@ def kinds_table(rep: dict):
 
 def layers_table(rep: dict):
     """Bytes per layer and component group (rows: layers, 'global' = embed / head / final norm)."""
-    import pandas as pd
-
     rows = []
     for lk, kinds in rep["bytes_by_layer_kind"].items():
         row = {"layer": lk}
@@ -74,9 +70,8 @@ def layers_table(rep: dict):
 
 
 def layer_bytes_figure(rep: dict, title: str | None = None):
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # lazy: heavy optional dependency
 
-    from .plots import style
 
     df = layers_table(rep)
     fig = go.Figure()
@@ -93,16 +88,13 @@ def layer_bytes_figure(rep: dict, title: str | None = None):
 def memory_plan(path_or_config, gpus: int = 8, gpu_memory="141GB", context: int = 65536, batch: int = 1, **kw):
     """:func:`dsv4lab.plan.plan` (headers only for a checkpoint) without raising when it does not
     fit: the plan says ``fits`` and where it overflows."""
-    from ..plan import plan
-
     return plan(path_or_config, gpus=gpus, gpu_memory=gpu_memory, context=context, batch=batch, check=False, **kw)
 
 
 def plan_figure(p, title: str | None = None):
     """Stacked bars per GPU: weights, decode state, reserve, headroom (GB)."""
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # lazy: heavy optional dependency
 
-    from .plots import style
 
     t = p.gpu_table()
     fig = go.Figure()
@@ -117,8 +109,6 @@ def plan_figure(p, title: str | None = None):
 def sparse_v4_checkpoint(path, which: str = "pro") -> dict:
     """A header-only (sparse, nothing written but headers) V4-Pro / V4-Flash NVFP4 checkpoint of
     the real size, to show inspection and planning at scale without the data."""
-    from ..checkpoint.fake import make_sparse_checkpoint, v4_flash_config, v4_pro_config
-
     cfg = v4_pro_config() if which == "pro" else v4_flash_config()
     t0 = time.perf_counter()
     info = make_sparse_checkpoint(path, cfg)

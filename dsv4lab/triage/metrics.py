@@ -20,6 +20,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 METRICS_ENV = "DSV4LAB_METRICS_OUT"
 
 
@@ -102,8 +104,6 @@ class MetricsRecorder:
         os.replace(tmp, self.path)
 
     def table(self):
-        import pandas as pd
-
         rows = [{"metric": k, "value": short_value(m["value"]), "tolerance": tolerance_text(m["tolerance"]), "note": m.get("note", "")}
                 for k, m in self.metrics.items()]
         return pd.DataFrame(rows, columns=["metric", "value", "tolerance", "note"])
@@ -155,8 +155,6 @@ def load_metrics(path: str | os.PathLike) -> dict:
 
 def portable_path(source) -> str | None:
     """A checkpoint path relative to the repo when inside it (clones live anywhere)."""
-    from pathlib import Path
-
     if source is None:
         return None
     root = Path(__file__).resolve().parents[2]

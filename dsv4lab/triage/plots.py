@@ -38,7 +38,7 @@ def to_html(fig, include_plotlyjs: bool | str = True) -> str:
 def show(fig) -> None:
     """Display ``fig`` in a notebook as self-contained HTML (plotly.js inline once per kernel)."""
     global _PLOTLYJS_SENT
-    from IPython.display import HTML, display
+    from IPython.display import HTML, display  # lazy: heavy optional dependency
 
     html = to_html(fig, include_plotlyjs=not _PLOTLYJS_SENT)
     _PLOTLYJS_SENT = True
@@ -52,7 +52,7 @@ def write_html(fig, path) -> str:
 
 # ------------------------------------------------------------------------------ builders
 def bar(x: Sequence, y: Sequence, title: str, xlabel: str, ylabel: str, text=None, color=None, horizontal: bool = False):
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # lazy: heavy optional dependency
 
     if horizontal:
         fig = go.Figure(go.Bar(x=list(y), y=list(x), orientation="h", text=text, marker_color=color))
@@ -67,7 +67,7 @@ def bar(x: Sequence, y: Sequence, title: str, xlabel: str, ylabel: str, text=Non
 
 def lines(x: Sequence, series: dict, title: str, xlabel: str, ylabel: str, log_y: bool = False, markers: bool = True,
           legend: str | None = None):
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # lazy: heavy optional dependency
 
     fig = go.Figure()
     for name, ys in series.items():
@@ -80,7 +80,7 @@ def lines(x: Sequence, series: dict, title: str, xlabel: str, ylabel: str, log_y
 
 def heatmap(z, title: str, xlabel: str, ylabel: str, x=None, y=None, colorbar: str = "", colorscale: str = "Viridis",
             zmin=None, zmax=None, height: int | None = None, hover: str | None = None):
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # lazy: heavy optional dependency
 
     fig = go.Figure(go.Heatmap(z=z, x=x, y=y, colorscale=colorscale, zmin=zmin, zmax=zmax,
                                colorbar={"title": {"text": colorbar}}, hovertemplate=hover))

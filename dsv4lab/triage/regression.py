@@ -16,15 +16,19 @@ computation first changed.
 """
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 import torch
 
-from .metrics import flatten, normalize_tolerance, portable_path
+from . import ablation, compressor_view, decode_view, logits
+from .bugs import component_of_hook, inject, injected_components
+from .metrics import flatten, normalize_tolerance, portable_path, short_value, tolerance_text
 
 REPO = Path(__file__).resolve().parents[2]
 BASELINE_DIR = REPO / "data" / "baselines"
@@ -76,9 +80,6 @@ def nightly_metrics(session, rec, prompt: str, chat_prompt: str, answer: str | N
                     bug: str | None = None, bug_layers=None) -> dict:
     """Record, on ``rec``, the metrics the notebooks record (compact versions) plus the
     fingerprint, with ``bug`` injected when given. Returns {"injected": [...components]}."""
-    from . import ablation, compressor_view, decode_view, logits
-    from .bugs import inject, injected_components
-
     model = session.model
     h = inject(model, bug, bug_layers)
     injected = injected_components(model, h)
@@ -180,8 +181,6 @@ class RegressionResult:
         return s
 
     def text(self, max_rows: int = 40) -> str:
-        from .metrics import short_value, tolerance_text
-
         reg = self.regressed
         is_fp = reg["metric"].str.contains("/fp.", regex=False)
         rows = pd_concat(reg[is_fp], reg[~is_fp]).head(max_rows)
@@ -200,8 +199,6 @@ class RegressionResult:
 
 
 def pd_concat(a, b):
-    import pandas as pd
-
     return pd.concat([a, b])
 
 
@@ -209,8 +206,6 @@ def compare(current: dict, baseline: dict, tolerances: dict | None = None, only_
     """Compare two merged metrics dicts (``{"notebooks": {nb: {metric: {value, tolerance}}}}``).
     Metrics of notebooks absent from ``current`` are not compared (a notebook not run is not a
     regression); a metric the baseline has but the current run lacks is ``MISSING`` (fails)."""
-    import pandas as pd
-
     tolerances = tolerances or {}
     cur, base = flatten(current), flatten(baseline)
     nbs = set(current.get("notebooks", {})) if only_notebooks is None else set(only_notebooks)
@@ -238,7 +233,6 @@ def compare(current: dict, baseline: dict, tolerances: dict | None = None, only_
         if r["status"] == "REGRESSED" and "/fp." in r["metric"] and not r["metric"].endswith("/fp.order"):
             first_hook = r["metric"].split("/fp.", 1)[1]
             break
-    from .bugs import component_of_hook
 
     return RegressionResult(df, component_of_hook(first_hook), first_hook)
 
@@ -274,8 +268,6 @@ def bless(metrics_json: str | Path, directory: str | Path = BASELINE_DIR) -> Pat
 
 
 def main(argv=None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m dsv4lab.triage.regression",
                                  description="compare a report's metrics.json with the baselines, or bless it")
     ap.add_argument("metrics", help="a report's merged metrics.json")
