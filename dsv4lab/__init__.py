@@ -4,9 +4,16 @@ Importing does no GPU work; heavy submodules load on first use.
 """
 from __future__ import annotations
 
+from importlib import metadata
+
 from .config import DSV4Config, ConfigError, load_config
 
-__all__ = ["DSV4Config", "ConfigError", "load_config", "load", "plan"]
+__all__ = ["DSV4Config", "ConfigError", "load_config", "load", "plan", "__version__"]
+
+try:
+    __version__: str = metadata.version("dsv4lab")
+except metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 
 def load(path=None, **kwargs):

@@ -23,6 +23,7 @@ import torch
 
 from . import variants as V
 from ..handles import Restorable
+from ..patterns import no_match_error
 
 SEEDS = {
     "000": "seeds/000_132ad209e9be1d42 (fix: compressor pos bias on KV + SwiGLU clamp ordering)",
@@ -93,6 +94,24 @@ _LIST = [
 BUGS: dict[str, Bug] = {b.name: b for b in _LIST}
 
 
+class UnknownBugError(KeyError):
+    """A bug name not in :data:`BUGS`; the message names ``bug=`` and the closest names."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+def bug_named(bug: "str | Bug", argument: str = "bug") -> Bug:
+    """The :class:`Bug` called ``bug`` (a Bug passes through); UnknownBugError with did-you-mean."""
+    if isinstance(bug, Bug):
+        return bug
+    if not isinstance(bug, str) or bug not in BUGS:
+        err = no_match_error("known bug", argument, bug if isinstance(bug, str) else repr(bug), BUGS,
+                             "dsv4lab.bugzoo.BUGS or `python -m dsv4lab bugzoo --list` lists them")
+        raise UnknownBugError(err.args[0])
+    return BUGS[bug]
+
+
 def list_bugs():
     import pandas as pd
 
@@ -150,7 +169,7 @@ def inject(model, bug: str | Bug, layers=None) -> BugHandle:
     plain weights."""
     from ..analysis.components import iter_components, replace
 
-    b = BUGS[bug] if isinstance(bug, str) else bug
+    b = bug_named(bug)
     if isinstance(layers, int):
         layers = [layers]
     layers = None if layers is None else set(layers)
@@ -242,7 +261,7 @@ def triage(clean_model, bug: str | Bug, ids: torch.Tensor, layers=None, tol: flo
     from ..analysis.compare import compare_runs
     from ..analysis.components import hook_inside, owner_of
 
-    b = BUGS[bug] if isinstance(bug, str) else bug
+    b = bug_named(bug)
     model, quantized = clean_model, False
     if _needs_quant(model, b, layers):
         if not quantize:

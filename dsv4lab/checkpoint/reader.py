@@ -20,7 +20,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .errors import CheckpointError
+import torch
+
+from .errors import CheckpointError, DeviceUnavailableError
 from .expected import expected_tensors
 from .formats import FormatInfo, detect_format, shape_matches, stored_shapes
 from .names import FAST_EXPERT_RE, WEIGHT_SUFFIX_SET, NormKey, natural_key, SliceSpec, layer_of, normalize_key, split_name, to_raw_key
@@ -381,6 +383,10 @@ class CheckpointReader:
 
     def _load(self, e: Entry, device="cpu"):
         dev = f"cuda:{device}" if isinstance(device, int) else str(device)
+        if torch.device(dev).type == "cuda" and not torch.cuda.is_available():
+            # safetensors pins host memory for a CUDA read, which fails without CUDA: say so, not "cannot read"
+            raise DeviceUnavailableError(f"device={dev!r}: CUDA is not available on this machine, so no tensor "
+                                         f"can be read to it (read with device='cpu')")
         h = self._handle(e.file, dev)
         try:
             if e.slice is not None:

@@ -10,12 +10,14 @@ import argparse
 import json
 import sys
 
+from .args import positive_int
+
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("decode-check", help="compare CUDA-graph and eager decode (CPU: decode buffers vs full forwards)")
     p.add_argument("--model", default=None, help="checkpoint path (default: the embedded tiny model)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--steps", type=positive_int, default=64, help="decode steps (a positive int, default 64)")
     p.add_argument("--prompt", default="The capital of France is")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

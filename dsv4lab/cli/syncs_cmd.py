@@ -10,12 +10,14 @@ import argparse
 import json
 import sys
 
+from .args import positive_int
+
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("syncs", help="list host syncs inside a decode step (CUDA)")
     p.add_argument("--model", default=None, help="checkpoint path (default: the embedded tiny model)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=positive_int, default=3, help="decode steps (a positive int, default 3)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
     return p
