@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, nargs="?", default=None, const=RESULTS / "multi_gpu.json",
                     help="write the results here (bare --json: benchmarks/results/multi_gpu.json)")
     args = ap.parse_args(argv)
-    from dsv4lab.cli.decode_check_cmd import _prompt_ids
+    from dsv4lab.cli.decode_check_cmd import prompt_ids as encode_prompt_ids
     from dsv4lab.config import load_config
     from dsv4lab.checkpoint.locate import resolve_path
 
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     cpu = all(torch.device(d).type == "cpu" for d in devices)
     dtype = torch.float32 if cpu else torch.bfloat16
     n_layers = load_config(path).num_hidden_layers
-    prompt_ids = _prompt_ids(args.model, args.prompt)
+    prompt_ids = encode_prompt_ids(args.model, args.prompt)
     from dsv4lab.loading import load
 
     load(path, device=devices[0], dtype=dtype, progress=False)  # warm-up (imports, allocator, CUDA context), dropped

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import sys
 
+from .cli import build_parser, dispatch
+
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import build_parser
-
     parser = build_parser()
     args = parser.parse_args(argv)
-    rc = args.func(args)
-    return 0 if rc is None else int(rc)
+    return dispatch(args)
 
 
 if __name__ == "__main__":

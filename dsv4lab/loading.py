@@ -13,12 +13,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from dsv4lab.kernels.device import have_triton_cuda, triton_importable
-
 from .analysis.components import use_kernels
+from .checkpoint.errors import DeviceUnavailableError
 from .checkpoint.locate import TINY_DIR, resolve_path
 from .checkpoint.reader import CheckpointReader
 from .config import DSV4Config
+from .kernels.device import have_triton_cuda, triton_importable
 from .model.rope import Rotary, inverse_frequencies
 from .multidevice import normalize_device_map
 from .precision import apply_precision
@@ -120,6 +120,9 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
     config = reader.config
     # one CUDA graph / position counter per contiguous run of layers: the normaliser refuses others
     layer_devices = normalize_device_map(device if device_map is None else device_map, config.num_hidden_layers)
+    if any(d.type == "cuda" for d in layer_devices) and not torch.cuda.is_available():
+        raise DeviceUnavailableError(f"device={device if device_map is None else device_map!r}: CUDA is not available "
+                                     f"on this machine (load with device='cpu')")
     reader.check()
     if kernels is True and (why := kernels_unavailable(layer_devices)) is not None:  # fail before reading weights
         raise RuntimeError(f"load(kernels=True) needs the model on CUDA with triton: {why}")

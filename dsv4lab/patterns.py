@@ -72,8 +72,8 @@ def close_names(word: str, names: Iterable[str], n: int = 3) -> list[str]:
     names = list(names)
     pool = list(dict.fromkeys(names + [generalise(x) for x in names]))
     if "." not in word:  # a bare word: compare with last segments too
-        pool += list(dict.fromkeys(x.rsplit(".", 1)[-1] for x in names))
-    return difflib.get_close_matches(word, pool, n=n, cutoff=0.6)
+        pool += [x.rsplit(".", 1)[-1] for x in names]
+    return difflib.get_close_matches(word, list(dict.fromkeys(pool)), n=n, cutoff=0.6)
 
 
 def no_match_error(what: str, argument: str, pattern: str, names: Iterable[str], fix: str) -> KeyError:

@@ -33,12 +33,22 @@ import json
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .checkpoint.names import KIND_GROUPS
+import pandas as pd
+import torch
+
+from .checkpoint import CheckpointError
+from .checkpoint.fake import tensor_specs
+from .checkpoint.locate import resolve_path
+from .checkpoint.names import KIND_GROUPS, component_kind, layer_of, split_name
+from .checkpoint.reader import CheckpointReader
+from .checkpoint.safetensors_index import FLOAT_DTYPES, nbytes_of
 from .config import DSV4Config, config_from_dict, load_config
+from .model.state import DecodeState
 
 FORMATS = ("nvfp4", "fp8_mxfp4", "bf16")
 _FAKE_FMT = {"nvfp4": "nvfp4", "fp8_mxfp4": "official", "bf16": "plain"}
@@ -653,24 +663,12 @@ __all__ = ["plan", "MemoryPlan", "PlanError", "FORMATS", "state_bytes", "weights
            "weights_from_config", "place", "parse_bytes", "named_config"]
 
 
-# ``import dsv4lab.plan`` rebinds the package attribute ``dsv4lab.plan`` (the lazy function in
-# dsv4lab/__init__.py) to this module; make the module callable so ``dsv4lab.plan(...)`` keeps working.
+# ``dsv4lab.plan`` is this module (the package attribute a submodule import binds); make it
+# callable so ``dsv4lab.plan(...)`` is the plan function too.
 class _CallableModule(type(json)):
     def __call__(self, *args, **kwargs):
         return plan(*args, **kwargs)
 
 
-import sys as _sys  # noqa: E402
 
-import pandas as pd
-import torch
-
-from .checkpoint import CheckpointError
-from .checkpoint.fake import tensor_specs
-from .checkpoint.locate import resolve_path
-from .checkpoint.names import component_kind, layer_of, split_name
-from .checkpoint.reader import CheckpointReader
-from .checkpoint.safetensors_index import FLOAT_DTYPES, nbytes_of
-from .model.state import DecodeState
-
-_sys.modules[__name__].__class__ = _CallableModule
+sys.modules[__name__].__class__ = _CallableModule

@@ -103,3 +103,67 @@ def test_tap_under_graph_replay():
         m.decode_step(tok, ref_state)  # eager on a copy of the state: the tap fires eagerly too
         ref_state.pos += 1
         assert torch.equal(got, tap.value())
+
+
+def _flags(m):
+    """(module name, attribute) of every plain-valued public switch on the model's modules."""
+    from dsv4lab.decode.graphs import PER_RUN_ATTRIBUTES
+
+    for name, mod in m.named_modules():
+        for key, value in vars(mod).items():
+            if not key.startswith("_") and key not in PER_RUN_ATTRIBUTES and isinstance(value, (bool, int, float, str)):
+                yield name, key
+
+
+def _toggled(value):
+    return (not value) if isinstance(value, bool) else value + 1 if isinstance(value, (int, float)) else value + "x"
+
+
+def test_signature_tracks_every_switch():
+    """Flipping any module flag after capture changes the signature (-> recapture): named ones first."""
+    m = _model()
+    s0 = model_signature(m)
+    attn = m.layers[1].attn
+    named = [(attn, "use_compressed"), (attn.indexer, "enabled"), (attn.indexer, "train_dense"),
+             (attn.wq_a, "act_scale"), (m.layers[1].mlp.experts, "gather_in_decode"), (m.layers[1].mlp.router, "top_k")]
+    for mod, key in named:
+        old = getattr(mod, key)
+        setattr(mod, key, _toggled(old))
+        assert model_signature(m) != s0, key
+        setattr(mod, key, old)
+        assert model_signature(m) == s0, key
+    flags = list(_flags(m))
+    assert len(flags) > 100
+    for name, key in flags:
+        mod = m.get_submodule(name)
+        old = getattr(mod, key)
+        setattr(mod, key, _toggled(old))
+        changed = model_signature(m) != s0
+        setattr(mod, key, old)
+        assert changed, f"{name}.{key}"
+    h = m.layers[0].attn.register_forward_pre_hook(lambda mod, args: None)
+    assert model_signature(m) != s0
+    h.remove()
+    m.layers[0].attn.wq_a.kernel = lambda *a: None
+    assert model_signature(m) != s0
+
+
+def test_graph_decoder_recaptures_after_a_toggle(monkeypatch):
+    """ensure_current (called by every replay) recaptures once the signature moved; CPU: capture stubbed."""
+    from dsv4lab.decode.graphs import GraphDecoder
+
+    m = _model()
+    dec = object.__new__(GraphDecoder)  # __init__ insists on CUDA; only the bookkeeping is tested here
+    dec.model, dec.segments, dec.captures = m, [], 0
+
+    def capture():
+        dec.segments, dec.signature = ["graph"], model_signature(m)
+        dec.captures += 1
+
+    monkeypatch.setattr(dec, "capture", capture)
+    dec.ensure_current()
+    dec.ensure_current()
+    assert dec.captures == 1
+    m.layers[1].attn.use_compressed = False
+    dec.ensure_current()
+    assert dec.captures == 2

@@ -19,9 +19,16 @@ import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
+import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
+from ..analysis.compare import compare_runs
+from ..analysis.components import component_matcher, hook_inside, iter_components, owner_of, replace
 from ..handles import Restorable
+from ..model.linear import QLinear
+from ..patterns import no_match_error
+from ..precision import quantize_linears
 from . import variants as V
 
 SEEDS = {
@@ -49,8 +56,6 @@ class Bug:
 
 
 def _is_linear(name, mod):
-    from ..model.linear import QLinear
-
     return isinstance(mod, QLinear)
 
 
@@ -93,9 +98,25 @@ _LIST = [
 BUGS: dict[str, Bug] = {b.name: b for b in _LIST}
 
 
-def list_bugs():
-    import pandas as pd
+class UnknownBugError(KeyError):
+    """A bug name not in :data:`BUGS`; the message names ``bug=`` and the closest names."""
 
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+def bug_named(bug: "str | Bug", argument: str = "bug") -> Bug:
+    """The :class:`Bug` called ``bug`` (a Bug passes through); UnknownBugError with did-you-mean."""
+    if isinstance(bug, Bug):
+        return bug
+    if not isinstance(bug, str) or bug not in BUGS:
+        err = no_match_error("known bug", argument, bug if isinstance(bug, str) else repr(bug), BUGS,
+                             "dsv4lab.bugzoo.BUGS or `python -m dsv4lab bugzoo --list` lists them")
+        raise UnknownBugError(err.args[0])
+    return BUGS[bug]
+
+
+def list_bugs():
     return pd.DataFrame([b.to_dict() for b in BUGS.values()])
 
 
@@ -128,8 +149,6 @@ def _layer_ok(name: str, layers) -> bool:
 
 
 def _matcher(bug: Bug, layers) -> Callable:
-    from ..analysis.components import component_matcher
-
     preds = []
     for t in bug.targets:
         if callable(t):
@@ -148,9 +167,7 @@ def inject(model, bug: str | Bug, layers=None) -> BugHandle:
     implementation. Returns a handle (``restore()``, context manager); ``handle.applicable`` is
     False (and nothing changes) when the model has no such component, e.g. an NVFP4-only bug on
     plain weights."""
-    from ..analysis.components import iter_components, replace
-
-    b = BUGS[bug] if isinstance(bug, str) else bug
+    b = bug_named(bug)
     if isinstance(layers, int):
         layers = [layers]
     layers = None if layers is None else set(layers)
@@ -223,7 +240,6 @@ class TriageResult:
 def _needs_quant(model, b: Bug, layers) -> bool:
     if b.requires != "nvfp4":
         return False
-    from ..analysis.components import iter_components
 
     match = _matcher(b, None if layers is None else set([layers] if isinstance(layers, int) else layers))
     return not any(match(n, m) and _is_nvfp4(m) for n, m in iter_components(model))
@@ -239,15 +255,11 @@ def triage(clean_model, bug: str | Bug, ids: torch.Tensor, layers=None, tol: flo
     ``quantize``: for NVFP4-only bugs on a plain model, triage a copy whose linears are
     quantised in memory (``dsv4lab.precision.quantize_linears``) instead of reporting n/a.
     """
-    from ..analysis.compare import compare_runs
-    from ..analysis.components import hook_inside, owner_of
-
-    b = BUGS[bug] if isinstance(bug, str) else bug
+    b = bug_named(bug)
     model, quantized = clean_model, False
     if _needs_quant(model, b, layers):
         if not quantize:
             return TriageResult(b.name, b.kind, False, "needs NVFP4 weights (pass quantize=True to use an in-memory quantised copy)")
-        from ..precision import quantize_linears
 
         model = copy.deepcopy(clean_model)
         quantize_linears(model)
@@ -274,8 +286,6 @@ def triage_all(model, ids: torch.Tensor, bugs=None, quantize: bool = True, progr
     names = list(BUGS) if bugs is None else list(bugs)
     it = names
     if progress:
-        from tqdm.auto import tqdm
-
         it = tqdm(names, desc="bug zoo", leave=False)
     return [triage(model, n, ids, quantize=quantize) for n in it]
 

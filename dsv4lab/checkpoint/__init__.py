@@ -6,7 +6,7 @@ unless asked for one tensor (:meth:`CheckpointReader.weight` / :meth:`Checkpoint
 """
 from __future__ import annotations
 
-from .errors import CheckpointError
+from .errors import CheckpointError, DeviceUnavailableError
 from .expected import expected_tensors
 from .inspect import inspect_checkpoint, render_inspect
 from .names import component_kind, layer_of, normalize_key
@@ -15,6 +15,6 @@ from .safetensors_index import scan_checkpoint
 from .writer import save_checkpoint
 
 __all__ = [
-    "CheckpointError", "CheckpointReader", "save_checkpoint", "inspect_checkpoint", "render_inspect",
+    "CheckpointError", "DeviceUnavailableError", "CheckpointReader", "save_checkpoint", "inspect_checkpoint", "render_inspect",
     "expected_tensors", "normalize_key", "component_kind", "layer_of", "scan_checkpoint",
 ]

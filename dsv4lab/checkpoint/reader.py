@@ -20,7 +20,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .errors import CheckpointError
+import torch
+from safetensors import safe_open
+
+from ..config import load_config
+from ..quant.weights import FP8BlockWeight, MXFP4Weight, NVFP4Weight, PlainWeight
+from .errors import CheckpointError, DeviceUnavailableError
 from .expected import expected_tensors
 from .formats import FormatInfo, detect_format, shape_matches, stored_shapes
 from .names import (
@@ -173,8 +178,6 @@ class CheckpointReader:
     """
 
     def __init__(self, path: str | os.PathLike, config: Any = None, strict: bool = True, max_open: int = 4):
-        from ..config import load_config
-
         self.path = os.path.abspath(os.fspath(path))
         self.index: SafetensorsIndex = scan_checkpoint(self.path, strict=strict)
         self.root = self.index.root
@@ -373,8 +376,6 @@ class CheckpointReader:
 
     # ------------------------------------------------------------------------ reading
     def _handle(self, file: str, device: str):
-        from safetensors import safe_open
-
         key = (file, device)
         h = self._handles.get(key)
         if h is not None:
@@ -391,6 +392,10 @@ class CheckpointReader:
 
     def _load(self, e: Entry, device="cpu"):
         dev = f"cuda:{device}" if isinstance(device, int) else str(device)
+        if torch.device(dev).type == "cuda" and not torch.cuda.is_available():
+            # safetensors pins host memory for a CUDA read, which fails without CUDA: say so, not "cannot read"
+            raise DeviceUnavailableError(f"device={dev!r}: CUDA is not available on this machine, so no tensor "
+                                         f"can be read to it (read with device='cpu')")
         h = self._handle(e.file, dev)
         try:
             if e.slice is not None:
@@ -405,8 +410,6 @@ class CheckpointReader:
 
     def weight(self, name: str, device="cpu"):
         """QuantWeight (Plain/NVFP4/MXFP4/FP8Block) of a 2-D linear, e.g. ``layers.0.attn.wq_a``."""
-        from ..quant.weights import FP8BlockWeight, MXFP4Weight, NVFP4Weight, PlainWeight
-
         base = name[:-len(".weight")] if name.endswith(".weight") else name
         parts = self.groups.get(base)
         if not parts or "weight" not in parts and None not in parts:

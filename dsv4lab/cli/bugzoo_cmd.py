@@ -9,6 +9,12 @@ import argparse
 import json
 import sys
 
+import torch
+
+import dsv4lab
+
+from ..bugzoo import BUGS, bug_named, triage
+
 # fallback when the embedded model is unavailable: the 4-layer test layout (sliding, CSA, HCA, CSA)
 _TINY = dict(vocab_size=97, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
              head_dim=16, partial_rotary_factor=0.5, q_lora_rank=16, num_experts_per_tok=2, n_routed_experts=4,
@@ -39,8 +45,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def _model(path):
     """(model, note): the checkpoint / embedded model, or a random tiny model if none loads."""
-    import dsv4lab
-
     try:
         return dsv4lab.load(path, progress=False), None
     except Exception as e:  # noqa: BLE001
@@ -60,10 +64,6 @@ def prompt_len(config) -> int:
 
 
 def run(args) -> int:
-    import torch
-
-    from ..bugzoo import BUGS, triage
-
     if args.list:
         rows = [b.to_dict() for b in BUGS.values()]
         if args.json:
@@ -73,6 +73,9 @@ def run(args) -> int:
             for b in rows:
                 print(f"{b['name']:32s} [{b['kind']}] {b['description']}  <- {b['seed'] or '-'}")
         return 0
+    names = list(BUGS) if not args.bugs else [b.strip() for b in args.bugs.split(",") if b.strip()]
+    for b in names:
+        bug_named(b, "--bugs")
     try:
         model, note = _model(args.model)
     except Exception as e:  # noqa: BLE001
@@ -92,11 +95,6 @@ def run(args) -> int:
         n = args.seq_len or prompt_len(cfg)
         ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(args.seed)).to(model.device)
     n = ids.shape[1]
-    names = list(BUGS) if not args.bugs else [b.strip() for b in args.bugs.split(",") if b.strip()]
-    unknown = [b for b in names if b not in BUGS]
-    if unknown:
-        print(f"dsv4lab bugzoo: unknown bugs {unknown}; see --list", file=sys.stderr)
-        return 1
     results = [triage(model, b, ids, quantize=not args.no_quantize) for b in names]
     bad = [r for r in results if r.applicable and not r.localized]
     if args.json:

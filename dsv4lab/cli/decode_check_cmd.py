@@ -10,12 +10,20 @@ import argparse
 import json
 import sys
 
+import torch
+
+from ..checkpoint.locate import resolve_path
+from ..decode.check import decode_check
+from ..loading import load
+from ..text.tokenizer import load_tokenizer
+from .args import positive_int
+
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("decode-check", help="compare CUDA-graph and eager decode (CPU: decode buffers vs full forwards)")
     p.add_argument("--model", default=None, help="checkpoint path (default: the embedded tiny model)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--steps", type=positive_int, default=64, help="decode steps (a positive int, default 64)")
     p.add_argument("--prompt", default="The capital of France is")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
@@ -23,11 +31,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def prompt_ids(model_path, prompt: str):
-    import torch
-
-    from ..checkpoint.locate import resolve_path
-    from ..text.tokenizer import load_tokenizer
-
     try:
         tok = load_tokenizer(resolve_path(model_path))
         ids = tok(prompt, return_tensors="pt").input_ids
@@ -37,11 +40,6 @@ def prompt_ids(model_path, prompt: str):
 
 
 def run(args) -> int:
-    import torch
-
-    from ..decode.check import decode_check
-    from ..loading import load
-
     model = load(args.model, device=args.device, dtype=torch.float32 if args.device == "cpu" else torch.bfloat16,
                  progress=not args.json)
     res = decode_check(model, prompt_ids(args.model, args.prompt), steps=args.steps)

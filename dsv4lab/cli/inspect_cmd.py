@@ -9,6 +9,10 @@ import argparse
 import json
 import sys
 
+from ..checkpoint import CheckpointError
+from ..checkpoint.inspect import inspect_checkpoint, render_inspect
+from ..config import ConfigError
+
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -24,10 +28,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from ..checkpoint import CheckpointError
-    from ..checkpoint.inspect import inspect_checkpoint, render_inspect
-    from ..config import ConfigError
-
     try:
         rep = inspect_checkpoint(args.path, config=args.config, limit=args.limit)
     except (CheckpointError, ConfigError) as e:

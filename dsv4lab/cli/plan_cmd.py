@@ -11,6 +11,12 @@ import argparse
 import json
 import sys
 
+import pandas as pd
+
+from ..checkpoint import CheckpointError
+from ..config import ConfigError
+from ..plan import PlanError, plan, refusal_message
+
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -36,10 +42,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from ..checkpoint import CheckpointError
-    from ..config import ConfigError
-    from ..plan import PlanError, plan
-
     mem = args.gpu_memory.split(",") if "," in str(args.gpu_memory) else args.gpu_memory
     gpus = len(mem) if isinstance(mem, list) else args.gpus
     dense = [d.strip() for d in args.dense.split(",") if d.strip()]
@@ -55,8 +57,6 @@ def run(args) -> int:
     else:
         print(p.summary())
         if args.layers:
-            import pandas as pd
-
             with pd.option_context("display.width", 250, "display.max_rows", 500, "display.max_columns", 50):
                 t = p.table()
                 cols = [c for c in t.columns if c not in ("gpu", "type", "moe")]
@@ -66,8 +66,6 @@ def run(args) -> int:
         runs = ", ".join(f"{_r(p.layers_on(g))} -> cuda:{g}" for g in range(p.gpus) if p.layers_on(g))
         print(f"device_map (dsv4lab.load(..., device_map=plan.device_map())): layers {runs}")
     if not p.fits:
-        from ..plan import refusal_message
-
         print("dsv4lab plan: " + str(PlanError(refusal_message(p, args.fmt, p.weight_source == "checkpoint", args.reserve, dense))),
               file=sys.stderr)
         return 2

@@ -8,6 +8,10 @@ regressed), 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import json
+
+from ..triage.regression import bless
+from ..triage.report import run_report
 
 
 def build(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -32,8 +36,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def _params(items) -> dict:
-    import json
-
     out = {}
     for it in items:
         k, _, v = it.partition("=")
@@ -46,11 +48,8 @@ def _params(items) -> dict:
 
 def run(args) -> int:
     if args.bless:
-        from ..triage.regression import bless
-
         print(f"blessed {args.bless} -> {bless(args.bless)}")
         return 0
-    from ..triage.report import run_report
 
     s = run_report(args.out, model=args.model, device=args.device, only=args.only, parameters=_params(args.param),
                    html_export=not args.no_html)

@@ -10,24 +10,25 @@ import argparse
 import json
 import sys
 
+import torch
+
+from ..decode.check import sync_inventory
+from ..loading import load
+from .args import positive_int
+from .decode_check_cmd import prompt_ids
+
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("syncs", help="list host syncs inside a decode step (CUDA)")
     p.add_argument("--model", default=None, help="checkpoint path (default: the embedded tiny model)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=positive_int, default=3, help="decode steps (a positive int, default 3)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
     return p
 
 
 def run(args) -> int:
-    import torch
-
-    from ..decode.check import sync_inventory
-    from ..loading import load
-    from .decode_check_cmd import prompt_ids
-
     if not torch.cuda.is_available() or not args.device.startswith("cuda"):
         print("dsv4lab syncs: needs a CUDA device (CPU ops never sync with a host)", file=sys.stderr)
         return 1

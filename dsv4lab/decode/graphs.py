@@ -15,26 +15,33 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.hooks import HookPoint
 from ..model.state import DecodeState
+
+# attributes a forward writes (results, statistics), not switches a captured graph baked in
+PER_RUN_ATTRIBUTES = frozenset({"aux_loss", "load_stats"})
+PLAIN = (bool, int, float, str, type(None))
+
+
+def module_switches(mod: torch.nn.Module) -> tuple:
+    """Every public attribute of ``mod`` that can steer its forward: plain values (flags such as
+    ``Attention.use_compressed``, ``Indexer.enabled``, ``QLinear.mode``) by value, objects
+    (weights, kernels, sub-configs) by identity. Listed generically so a new flag cannot be missed."""
+    out = []
+    for key, value in vars(mod).items():
+        if key.startswith("_") or key in PER_RUN_ATTRIBUTES:
+            continue
+        out.append((key, value if isinstance(value, PLAIN) else id(value)))
+    return tuple(out)
 
 
 def model_signature(model) -> tuple:
-    """What a captured graph depends on besides the state: modules, modes and hooks."""
+    """What a captured graph depends on besides the state: modules, their switches and hooks."""
     sig = []
     for name, mod in model.named_modules():
-        entry = (name, type(mod).__qualname__, id(mod))
-        mode = getattr(mod, "mode", None)
-        if mode is not None:
-            entry += (mode, getattr(mod, "act_scale", None), getattr(mod, "quantized", None))
-        if hasattr(mod, "kernel"):  # QLinear / Experts fast paths (dsv4lab.analysis.components.use_kernels)
-            entry += (id(mod.kernel),)
-        if hasattr(mod, "gather_in_decode"):
-            entry += (mod.gather_in_decode,)
-        if isinstance(mod, HookPoint):
-            entry += (tuple(id(h) for h in mod._forward_hooks.values()),)
-        if hasattr(mod, "enabled"):
-            entry += (mod.enabled,)
+        entry = (name, type(mod).__qualname__, id(mod), module_switches(mod))
+        if mod._forward_hooks or mod._forward_pre_hooks:  # torch's hook dicts: no public accessor
+            entry += (tuple(id(h) for h in mod._forward_hooks.values()),
+                      tuple(id(h) for h in mod._forward_pre_hooks.values()))
         sig.append(entry)
     return tuple(sig)
 

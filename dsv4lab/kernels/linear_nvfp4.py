@@ -47,8 +47,17 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from .common import (INTERPRET, counters, dot_dtype, e4m3_to_f32, gemv_rows_m1, group_dot,
-                     nibble_plane_dots, num_sms, store_or_fix_up)
+from .common import (
+    INTERPRET,
+    counters,
+    dot_dtype,
+    e4m3_to_f32,
+    gemv_rows_m1,
+    group_dot,
+    nibble_plane_dots,
+    num_sms,
+    store_or_fix_up,
+)
 from .device import on_input_device
 from .linear_nvfp4_tma import launch_gemv_tma, tma_default_config, tma_supported
 

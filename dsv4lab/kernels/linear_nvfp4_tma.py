@@ -45,8 +45,22 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .common import (BOX_GROUPS, INTERPRET, block_scales, counters, dot_dtype, group_dot, nibble_plane_dots, num_sms,
-                     pairs_and_inv, pairs_descriptor, store_or_fix_up, weight_global_scale, x_pairs)
+from .common import (
+    BOX_GROUPS,
+    INTERPRET,
+    block_scales,
+    counters,
+    dot_dtype,
+    group_dot,
+    nibble_plane_dots,
+    num_sms,
+    pairs_and_inv,
+    pairs_descriptor,
+    store_or_fix_up,
+    weight_global_scale,
+    x_pairs,
+)
+
 
 @triton.jit
 def _tile_and_split(N, KG, gps, BN: tl.constexpr):

@@ -35,9 +35,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .common import INTERPRET, counters, dot_dtype, e8m0_to_f32, nibble_plane_dots, num_sms, store_or_fix_up
 from .device import on_input_device
 from .linear_nvfp4_tma import launch_gemv_tma, tma_default_config, tma_supported
-from .common import INTERPRET, counters, dot_dtype, e8m0_to_f32, nibble_plane_dots, num_sms, store_or_fix_up
 
 
 @triton.jit

@@ -27,8 +27,17 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quant.stacked import StackedMXFP4
-from .common import (BOX_GROUPS, INTERPRET, block_scales, counters, group_dot, pairs_and_inv, store_or_fix_up,
-                     weight_global_scale, x_pairs)
+from .common import (
+    BOX_GROUPS,
+    INTERPRET,
+    block_scales,
+    counters,
+    group_dot,
+    pairs_and_inv,
+    store_or_fix_up,
+    weight_global_scale,
+    x_pairs,
+)
 
 
 @triton.jit

@@ -18,6 +18,7 @@ from .linear import QLinear
 from .mhc import HyperHead
 from .norms import RMSNorm
 from .state import DecodeState
+from .validate import InputError, check_ids, check_new_tokens
 
 
 class DSV4Model(nn.Module):
@@ -74,8 +75,16 @@ class DSV4Model(nn.Module):
     def head_device(self) -> torch.device:
         return self.norm.weight.device
 
+    def check_ids(self, input_ids: torch.Tensor, argument: str = "input_ids") -> None:
+        """Raise :class:`InputError` unless ``input_ids`` is [B, S] integer ids of this model, on its device."""
+        check_ids(input_ids, self.config.vocab_size, self.device, argument)
+
     def prefill(self, input_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
         """Run a chunk of tokens against ``state`` (host-known positions); returns logits."""
+        self.check_ids(input_ids)
+        return self._prefill(input_ids, state)
+
+    def _prefill(self, input_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
         B, S = input_ids.shape
         start = state.pos
         if start + S > state.max_len:
@@ -89,9 +98,10 @@ class DSV4Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
         """Logits [B,S,V] for the whole sequence (fresh state unless one is given)."""
+        self.check_ids(input_ids)
         if state is None:
             state = self.new_state(input_ids.shape[0], input_ids.shape[1])
-        return self.prefill(input_ids, state)
+        return self._prefill(input_ids, state)
 
     def decode_segments(self) -> list[tuple[torch.device, range]]:
         """Contiguous runs of layers on one device (one CUDA graph each)."""
@@ -137,13 +147,18 @@ class DSV4Model(nn.Module):
         ``step_fn(ids, state)`` replaces ``decode_step`` (e.g. a CUDA-graph replay). The stop
         check on ``eos_token_id`` is the only host sync per step, outside the step itself.
         """
+        self.check_ids(input_ids)
+        check_new_tokens(max_new_tokens)
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise InputError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
         B, S = input_ids.shape
         if state is None:
             state = self.new_state(B, S + max_new_tokens)
         chunk = prefill_chunk or S
         logits = None
         for i in range(0, S, chunk):
-            logits = self.prefill(input_ids[:, i : i + chunk], state)
+            logits = self._prefill(input_ids[:, i : i + chunk], state)
         step = step_fn or self.decode_step
         tokens = [input_ids]
         all_logits = [logits[:, -1]]

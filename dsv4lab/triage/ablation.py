@@ -118,7 +118,7 @@ def layer_cos_figure(results: dict):
     """results: label -> evaluate() output; one line per policy."""
     any_r = next(iter(results.values()))
     layers = list(any_r["layer_cos"])
-    fig = lines([f"L{l}" for l in layers], {lab: [1 - r["layer_cos"][l] for l in layers] for lab, r in results.items()},
+    fig = lines([f"L{int(l)}" for l in layers], {lab: [1 - r["layer_cos"][l] for l in layers] for lab, r in results.items()},
                 "Per-layer damage: 1 - cosine(residual streams, original BF16)", "layer", "1 - cosine (log)", log_y=True,
                 legend="policy")
     return fig

@@ -3,7 +3,12 @@ syncs), wrapping :mod:`dsv4lab.decode.check`. On CPU there are no CUDA graphs: t
 the fixed-buffer decode step against full forwards and says what needs a GPU."""
 from __future__ import annotations
 
+import pandas as pd
 import torch
+
+from ..decode.check import decode_check
+from ..decode.check import sync_inventory as inv
+from .plots import lines
 
 GPU_ONLY = ("CUDA-graph capture and replay (eager vs graph tokens and logits, speedup)",
             "the host-sync inventory of one decode step (torch.cuda.set_sync_debug_mode)",
@@ -12,14 +17,10 @@ GPU_ONLY = ("CUDA-graph capture and replay (eager vs graph tokens and logits, sp
 
 
 def run(session, ids: torch.Tensor, steps: int = 16):
-    from ..decode.check import decode_check
-
     return decode_check(session.model, ids, steps=steps)
 
 
 def tokens_table(session, dc):
-    import pandas as pd
-
     return pd.DataFrame({"step": range(len(dc.tokens_a)), dc.mode_a: [repr(session.tok(t)) for t in dc.tokens_a],
                          dc.mode_b: [repr(session.tok(t)) for t in dc.tokens_b],
                          "same": [a == b for a, b in zip(dc.tokens_a, dc.tokens_b)],
@@ -29,8 +30,6 @@ def tokens_table(session, dc):
 
 
 def diff_figure(dc):
-    from .plots import lines
-
     ys = [max(d, 1e-12) for d in dc.max_abs_diff]
     fig = lines(list(range(len(ys))), {f"{dc.mode_a} vs {dc.mode_b}": ys},
                 f"Per-step max |logit difference|, {dc.mode_a} vs {dc.mode_b} (0 plotted as 1e-12)",
@@ -39,8 +38,6 @@ def diff_figure(dc):
 
 
 def latency_figure(dc):
-    from .plots import lines
-
     return lines(list(range(len(dc.latency_a_ms))), {dc.mode_a: dc.latency_a_ms, dc.mode_b: dc.latency_b_ms},
                  "Latency per decode step", "decode step", "milliseconds", legend="path")
 
@@ -50,7 +47,6 @@ def sync_inventory(session, ids: torch.Tensor):
     if session.device.type != "cuda":
         return None, ("needs a CUDA device: CPU ops never synchronise with a host, so there is nothing to list. "
                       "Run this notebook with DEVICE='cuda' to get one row per host sync inside decode_step.")
-    from ..decode.check import sync_inventory as inv
 
     found = inv(session.model, ids)
     return found, f"{len(found)} host sync(s) inside one decode step" + ("" if found else " -- graph-capturable")

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pandas as pd
 import torch
+
+from ..text.chat import EOS, THINK_END
+from .plots import bar, lines, style
 
 
 @dataclass
@@ -31,8 +35,6 @@ class FirstToken:
 
 
 def topk_table(session, logits: torch.Tensor, k: int = 10):
-    import pandas as pd
-
     p = torch.softmax(logits.double(), -1)
     v, i = logits.float().topk(k)
     return pd.DataFrame({"rank": range(1, k + 1), "id": i.tolist(), "token": [repr(session.tok(t)) for t in i.tolist()],
@@ -56,8 +58,6 @@ def probe_all_modes(session, prompt: str, chat_prompt: str | None = None, k: int
 
 
 def topk_figure(session, ft: FirstToken, k: int = 10, highlight: int | None = None):
-    from .plots import bar
-
     t = ft.table.head(k)
     colors = ["#d62728" if highlight is not None and i == highlight else "#1f77b4" for i in t["id"]]
     fig = bar(t["token"], t["prob"], f"Next-token probabilities, {ft.mode} encoding (top {k})", "probability",
@@ -66,8 +66,6 @@ def topk_figure(session, ft: FirstToken, k: int = 10, highlight: int | None = No
 
 
 def encoding_table(session, ft: FirstToken):
-    import pandas as pd
-
     ids = ft.ids[0].tolist()
     return pd.DataFrame({"pos": range(len(ids)), "id": ids, "token": [repr(session.tok(i)) for i in ids]})
 
@@ -85,8 +83,6 @@ def logit_lens(session, ids: torch.Tensor, answer_id: int | None = None, k: int 
     """Per layer (``embed`` = the input streams, then after each layer): top-k tokens at the
     last position, the answer's probability and rank. Returns (DataFrame, lens [L+1,S,V] fp32,
     real logits [S,V]) -- the last lens row equals the real logits."""
-    import pandas as pd
-
     model = session.model
     logits, cache = model.run_with_cache(ids, names=["layers.0.hook_resid_pre", "layers.*.hook_resid_post"], device=None)
     names = ["layers.0.hook_resid_pre"] + [f"layers.{i}.hook_resid_post" for i in range(model.config.num_hidden_layers)]
@@ -107,9 +103,8 @@ def logit_lens(session, ids: torch.Tensor, answer_id: int | None = None, k: int 
 
 def lens_figure(session, ids: torch.Tensor, lens: torch.Tensor, last: int = 16, title: str | None = None):
     """Heatmap over (layer, position) of the top-1 probability, annotated with the top-1 token."""
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # lazy: heavy optional dependency
 
-    from .plots import style
 
     S = lens.shape[1]
     lo = max(0, S - last)
@@ -128,8 +123,6 @@ def lens_figure(session, ids: torch.Tensor, lens: torch.Tensor, last: int = 16, 
 
 
 def answer_by_layer_figure(df, answer: str):
-    from .plots import lines
-
     return lines(df["layer"], {f"p({answer!r})": df["p_answer"], "p(top-1)": df["p_top1"]},
                  f"Logit lens at the last position: probability of {answer!r} after each layer", "layer", "probability")
 
@@ -140,10 +133,6 @@ def thinking_walk(session, prompt: str, answer_id: int | None = None, steps: int
     """Greedy decode from the thinking-mode prompt (ends ``<think>``); per generated token its
     probability, the probability of ``</think>`` (when the model would stop reasoning), of EOS
     and of the answer, and the runner-up. Returns (DataFrame, generated text)."""
-    import pandas as pd
-
-    from ..text.chat import EOS, THINK_END
-
     ids = session.encode(prompt, "thinking")
     out, logits = session.model.generate(ids, steps, return_logits=True, eos_token_id=session.token_id(EOS))
     think_end, eos = session.token_id(THINK_END), session.token_id(EOS)
@@ -167,8 +156,6 @@ def thinking_walk(session, prompt: str, answer_id: int | None = None, steps: int
 
 
 def thinking_figure(df, answer: str | None = None):
-    from .plots import lines
-
     series = {"p(chosen token)": df["p(token)"], "p(</think>)": df["p(</think>)"]}
     if "p(answer)" in df:
         series[f"p({answer!r})"] = df["p(answer)"]

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import os
 import re
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
+from ..checkpoint.locate import resolve_path
 from .metrics import merge
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,8 +43,8 @@ def to_html(executed: str | Path, out: str | Path) -> Path:
     template is dropped (with it loaded, plotly.js would register as an AMD module instead of
     ``window.Plotly``; offline it would just fail to load), as is the CDN MathJax (no maths here):
     the page loads nothing from the network."""
-    import nbformat
-    from nbconvert import HTMLExporter
+    import nbformat  # lazy: heavy optional dependency
+    from nbconvert import HTMLExporter  # lazy: heavy optional dependency
 
     nb = nbformat.read(str(executed), as_version=4)
     body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
@@ -50,7 +54,7 @@ def to_html(executed: str | Path, out: str | Path) -> Path:
 
 
 def _error_of(nb_path: Path) -> str:
-    import nbformat
+    import nbformat  # lazy: heavy optional dependency
 
     try:
         nb = nbformat.read(str(nb_path), as_version=4)
@@ -63,57 +67,107 @@ def _error_of(nb_path: Path) -> str:
     return ""
 
 
+class ReportError(ValueError):
+    """A report that cannot start as asked (no such notebook, no such model); names the argument."""
+
+
+def select(nb_dir: str | Path = NOTEBOOK_DIR, only=None) -> list[Path]:
+    """:func:`discover`, but an ``only`` entry that matches no notebook is an error listing the valid ones."""
+    nbs = discover(nb_dir)
+    keys = [] if not only else [str(o) for o in ([only] if isinstance(only, str) else only)]
+    unknown = [k for k in keys if not discover(nb_dir, [k])]
+    if unknown or not nbs:
+        valid = ", ".join(p.stem for p in nbs) or f"none in {nb_dir}"
+        raise ReportError(f"--only {' '.join(unknown)}: no such notebook; valid: {valid} "
+                          f"(a name, a stem or a number)")
+    return discover(nb_dir, only) if keys else nbs
+
+
+def check_model(model: str | None) -> None:
+    """Fail before any notebook runs when ``model`` names no checkpoint directory or file."""
+    path = resolve_path(model)
+    if not path.exists():
+        raise ReportError(f"--model {model}: no such checkpoint ({path} does not exist)")
+
+
 def run_report(out: str | Path = "reports", model: str | None = None, device: str = "cpu", only=None,
                parameters: dict | None = None, html_export: bool = True, nb_dir: str | Path = NOTEBOOK_DIR,
                timeout: int = 900, log=print) -> dict:
-    """Run the notebooks; returns ``{"ok", "notebooks": [{name, status, seconds, error, ...}], "metrics"}``."""
-    import logging
+    """Run the notebooks; returns ``{"ok", "notebooks": [{name, status, seconds, error, ...}], "metrics"}``.
 
-    import papermill as pm
+    The run goes into a staging directory next to ``out``. It replaces ``out`` when ``out`` holds
+    no report yet or every notebook ran; a partial run (``only``) replaces only its notebooks'
+    files and re-merges ``metrics.json``, ``summary.json`` and the index. A failed run over an
+    existing report leaves ``out`` untouched and is kept in ``<out>.failed`` to look at.
+    """
+    import papermill as pm  # lazy: heavy optional dependency
 
     logging.getLogger("papermill").setLevel(logging.ERROR)
+    nbs = select(nb_dir, only)
+    check_model(model)
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    nbs = discover(nb_dir, only)
-    if not nbs:
-        raise FileNotFoundError(f"no notebooks matching {only!r} in {nb_dir}")
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    for f in out.glob("*.metrics.json"):  # the nightly notebook reads the other notebooks' metrics
+        if f.name.removesuffix(".metrics.json") not in {nb.stem for nb in nbs}:
+            shutil.copy2(f, stage / f.name)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the kernels inherit it (see session.set_threads)
     results = []
     t_all = time.perf_counter()
     for i, nb in enumerate(nbs, 1):
         stem = nb.stem
-        mfile = out / f"{stem}.metrics.json"
-        if mfile.exists():
-            mfile.unlink()
-        params = {"MODEL": model, "DEVICE": device, "METRICS_OUT": str(mfile), "REPORT_DIR": str(out), "INTERACTIVE": False,
-                  **(parameters or {})}
+        mfile = stage / f"{stem}.metrics.json"
+        params = {"MODEL": model, "DEVICE": device, "METRICS_OUT": str(mfile), "REPORT_DIR": str(stage),
+                  "INTERACTIVE": False, **(parameters or {})}
         t0 = time.perf_counter()
         status, err = "ok", ""
         try:
-            pm.execute_notebook(str(nb), str(out / nb.name), parameters=params, kernel_name="python3", cwd=str(out),
+            pm.execute_notebook(str(nb), str(stage / nb.name), parameters=params, kernel_name="python3", cwd=str(stage),
                                 progress_bar=False, log_output=False, execution_timeout=timeout)
         except Exception as e:  # noqa: BLE001 - papermill error: keep going, report it
             status = "FAILED"
-            err = _error_of(out / nb.name) or f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            err = _error_of(stage / nb.name) or f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         secs = time.perf_counter() - t0
         n_metrics = len(json.loads(mfile.read_text())["metrics"]) if mfile.exists() else 0
-        if html_export and (out / nb.name).exists():
+        if html_export and (stage / nb.name).exists():
             try:
-                to_html(out / nb.name, out / f"{stem}.html")
+                to_html(stage / nb.name, stage / f"{stem}.html")
             except Exception as e:  # noqa: BLE001
                 err = (err + "; " if err else "") + f"html export failed: {e}"
         results.append({"name": stem, "status": status, "seconds": round(secs, 1), "metrics": n_metrics, "error": err})
         line = f"[{i}/{len(nbs)}] {stem:34s} {status:6s} {secs:6.1f}s  {n_metrics:4d} metrics"
         log(line + (f"  -- {err.splitlines()[0][:160]}" if err else ""))
-    merged = merge([out / f"{r['name']}.metrics.json" for r in results if (out / f"{r['name']}.metrics.json").exists()])
-    (out / "metrics.json").write_text(json.dumps(merged, indent=1) + "\n")
     total = time.perf_counter() - t_all
-    summary = {"ok": all(r["status"] == "ok" for r in results), "notebooks": results, "seconds": round(total, 1),
+    ok = all(r["status"] == "ok" for r in results)
+    previous = out / "summary.json"
+    if not ok and previous.exists():
+        failed = out.parent / f"{out.name}.failed"
+        shutil.rmtree(failed, ignore_errors=True)
+        stage.rename(failed)
+        log(f"report: {sum(r['status'] == 'ok' for r in results)}/{len(results)} notebooks ok; the report in {out} "
+            f"is left as it was, this run is in {failed}")
+        return {"ok": False, "notebooks": results, "seconds": round(total, 1), "model": model or "embedded",
+                "device": device, "out": str(failed)}
+    kept = json.loads(previous.read_text())["notebooks"] if previous.exists() else []
+    ran = {r["name"] for r in results}
+    for stem in ran:
+        for suffix in (".ipynb", ".html", ".metrics.json"):
+            (out / f"{stem}{suffix}").unlink(missing_ok=True)
+    for f in stage.iterdir():
+        target = out / f.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        os.replace(f, target)
+    stage.rmdir()
+    rows = sorted([r for r in kept if r["name"] not in ran] + results, key=lambda r: r["name"])
+    merged = merge(sorted(p for p in out.glob("*.metrics.json") if p.name != "metrics.json"))
+    (out / "metrics.json").write_text(json.dumps(merged, indent=1) + "\n")
+    summary = {"ok": all(r["status"] == "ok" for r in rows), "notebooks": rows, "seconds": round(total, 1),
                "model": model or "embedded", "device": device}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     write_index(out, summary, merged)
     log(f"report: {sum(r['status'] == 'ok' for r in results)}/{len(results)} notebooks ok in {total:.1f}s -> {out / 'index.html'}")
-    return summary
+    return {**summary, "ok": ok, "notebooks": results}
 
 
 def write_index(out: Path, summary: dict, merged: dict) -> Path:

@@ -1,0 +1,46 @@
+"""Checks of what a caller hands the model, so a bad input fails at the boundary with ONE error
+that names the argument, the bad value and the fix -- not deep inside torch (a reshape of 0
+elements, an index out of range on the embedding).
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+
+class InputError(ValueError):
+    """A bad argument to a public entry point; the message names the argument and the fix."""
+
+
+def check_ids(ids, vocab_size: int, device: torch.device, argument: str = "input_ids") -> None:
+    """``ids`` must be a 2-D integer tensor [B, S], S >= 1, values in [0, vocab_size), on ``device``."""
+    if not isinstance(ids, torch.Tensor):
+        raise InputError(f"{argument} must be a torch.Tensor of token ids [B, S], got {type(ids).__name__} "
+                         f"(use torch.tensor([[...]]) or the tokenizer's return_tensors='pt')")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise InputError(f"{argument} must hold integer token ids, got dtype {ids.dtype} (use {argument}.long())")
+    if ids.dim() != 2:
+        fix = f"{argument}.unsqueeze(0) for one sequence" if ids.dim() == 1 else "shape [batch, seq_len]"
+        raise InputError(f"{argument} must be 2-D [B, S], got shape {list(ids.shape)} (use {fix})")
+    if ids.shape[0] < 1 or ids.shape[1] < 1:
+        raise InputError(f"{argument} is empty (shape {list(ids.shape)}): give at least one sequence of "
+                         f"at least one token")
+    if ids.device != torch.device(device):
+        raise InputError(f"{argument} is on {ids.device} but the model's embedding is on {device} "
+                         f"(use {argument}.to(model.device))")
+    if ids.device.type == "meta":
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise InputError(f"{argument} holds token id {bad}, outside the vocabulary [0, {vocab_size}) "
+                         f"(ids come from this model's tokenizer)")
+
+
+def check_new_tokens(n, argument: str = "max_new_tokens") -> None:
+    """A count of tokens to generate: a positive int."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise InputError(f"{argument} must be a positive int, got {n!r} ({type(n).__name__})")
+    if n < 1:
+        raise InputError(f"{argument} must be >= 1, got {n}")

@@ -1,0 +1,94 @@
+"""Bad input at the library's public boundary fails with ONE error that names the argument, the
+bad value and the fix (issue 20): ids for forward / prefill / generate / run_with_cache, token
+counts, bug names, a CUDA read on a CPU-only box."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv4lab
+from dsv4lab.bugzoo import BUGS, UnknownBugError, inject
+from dsv4lab.checkpoint import CheckpointReader, DeviceUnavailableError
+from dsv4lab.checkpoint.locate import resolve_path
+from dsv4lab.config import config_from_dict
+from dsv4lab.model.validate import InputError
+from dsv4lab.workbench import random_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = dict(vocab_size=97, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+            head_dim=16, partial_rotary_factor=0.5, q_lora_rank=16, num_experts_per_tok=2, n_routed_experts=4,
+            o_groups=2, o_lora_rank=8, index_n_heads=8, index_head_dim=16, index_topk=3, sliding_window=8,
+            layer_types=["sliding_attention", "compressed_sparse_attention"],
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            mlp_layer_types=["hash_moe", "moe"], hc_sinkhorn_iters=5, swiglu_limit=1.0, routed_scaling_factor=1.5)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(config_from_dict(TINY), seed=0)
+
+
+BAD_IDS = {
+    "empty prompt": (torch.zeros(1, 0, dtype=torch.long), "empty"),
+    "1-D ids": (torch.arange(5), "unsqueeze(0)"),
+    "float ids": (torch.ones(1, 4), ".long()"),
+    "out-of-range id": (torch.tensor([[1, 2, 97]]), "97"),
+    "negative id": (torch.tensor([[1, -1]]), "-1"),
+    "not a tensor": ([[1, 2, 3]], "torch.Tensor"),
+    "wrong device": (torch.ones(1, 3, dtype=torch.long, device="meta"), ".to(model.device)"),
+}
+
+ENTRY_POINTS = {
+    "forward": lambda m, ids: m(ids),
+    "prefill": lambda m, ids: m.prefill(ids, m.new_state(1, 8)),
+    "generate": lambda m, ids: m.generate(ids, max_new_tokens=2),
+    "run_with_cache": lambda m, ids: m.run_with_cache(ids),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+@pytest.mark.parametrize("case", list(BAD_IDS))
+def test_bad_ids(model, entry, case):
+    ids, hint = BAD_IDS[case]
+    with pytest.raises(InputError) as e:
+        ENTRY_POINTS[entry](model, ids)
+    msg = str(e.value)
+    assert "input_ids" in msg and hint in msg, msg
+    assert isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("n", [-1, 0, 2.5, "4", None, True])
+def test_bad_max_new_tokens(model, n):
+    with pytest.raises(InputError, match="max_new_tokens") as e:
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=n)
+    assert repr(n) in str(e.value) or str(n) in str(e.value)
+
+
+def test_good_ids_still_work(model):
+    out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)
+    assert out.shape == (1, 5)
+    assert model(torch.tensor([[1, 2, 3]], dtype=torch.int32)).shape == (1, 3, 97)
+
+
+def test_unknown_bug_name(model):
+    with pytest.raises(UnknownBugError) as e:
+        inject(model, "sink_scald")
+    msg = str(e.value)
+    assert isinstance(e.value, KeyError)
+    assert "bug='sink_scald'" in msg and "did you mean 'sink_scaled'" in msg and "--list" in msg
+    assert "sink_scald" not in BUGS
+    with pytest.raises(UnknownBugError, match="bug="):
+        model.inject("nope")
+
+
+def test_cuda_read_without_cuda_blames_the_device():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the read would work")
+    reader = CheckpointReader(resolve_path(None))
+    with pytest.raises(DeviceUnavailableError) as e:
+        reader.tensor("embed.weight", "cuda")
+    msg = str(e.value)
+    assert "device='cuda'" in msg and "CUDA is not available" in msg and "pin_memory" not in msg
+    with pytest.raises(DeviceUnavailableError, match="device='cuda'"):
+        dsv4lab.load(device="cuda", progress=False)
