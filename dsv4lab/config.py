@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 SLIDING = "sliding_attention"
@@ -20,6 +21,11 @@ LAYER_TYPES = (SLIDING, CSA, HCA)
 HASH_MOE = "hash_moe"
 MOE = "moe"
 MLP_LAYER_TYPES = (HASH_MOE, MOE)
+# packaged configs of the released models (dsv4lab/configs/*.json), by preset name
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+NAMED_CONFIGS = {"v4-pro": "v4_pro.json", "v4_pro": "v4_pro.json", "pro": "v4_pro.json",
+                 "deepseek-v4-pro": "v4_pro.json", "v4-flash": "v4_flash.json", "v4_flash": "v4_flash.json",
+                 "flash": "v4_flash.json", "deepseek-v4-flash": "v4_flash.json"}
 
 
 class ConfigError(ValueError):
@@ -295,3 +301,11 @@ def load_config(path_or_dict: str | os.PathLike | dict | DSV4Config) -> DSV4Conf
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: not valid JSON ({e})") from None
     return config_from_dict(raw, source=p)
+
+
+def named_config(name: str) -> DSV4Config:
+    """``"v4-pro"`` / ``"v4-flash"`` -> the packaged config (dsv4lab/configs/*.json)."""
+    key = str(name).lower()
+    if key not in NAMED_CONFIGS:
+        raise KeyError(f"no packaged config {name!r}; known: {sorted(set(NAMED_CONFIGS))}")
+    return load_config(CONFIG_DIR / NAMED_CONFIGS[key])

@@ -35,7 +35,6 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 import pandas as pd
@@ -47,17 +46,13 @@ from .checkpoint.locate import resolve_path
 from .checkpoint.names import KIND_GROUPS, component_kind, layer_of, split_name
 from .checkpoint.reader import CheckpointReader
 from .checkpoint.safetensors_index import FLOAT_DTYPES, nbytes_of
-from .config import DSV4Config, config_from_dict, load_config
+from .config import NAMED_CONFIGS, DSV4Config, config_from_dict, load_config, named_config
 from .model.state import DecodeState
 
 FORMATS = ("nvfp4", "fp8_mxfp4", "bf16")
 _FAKE_FMT = {"nvfp4": "nvfp4", "fp8_mxfp4": "official", "bf16": "plain"}
 _FMT_ALIASES = {"nvfp4": "nvfp4", "fp4": "nvfp4", "modelopt": "nvfp4", "fp8_mxfp4": "fp8_mxfp4", "official": "fp8_mxfp4",
                 "fp8": "fp8_mxfp4", "mxfp4": "fp8_mxfp4", "fp8+mxfp4": "fp8_mxfp4", "bf16": "bf16", "plain": "bf16"}
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-NAMED_CONFIGS = {"v4-pro": "v4_pro.json", "v4_pro": "v4_pro.json", "pro": "v4_pro.json",
-                 "deepseek-v4-pro": "v4_pro.json", "v4-flash": "v4_flash.json", "v4_flash": "v4_flash.json",
-                 "flash": "v4_flash.json", "deepseek-v4-flash": "v4_flash.json"}
 # default per-GPU headroom kept free for the CUDA context, cuBLAS workspace and the activations of a
 # ~4k-token prefill chunk at batch 1 (V4-Pro: fp32 logits 4096x129280 = 2.1 GB, attention
 # probabilities 128 heads x 4096 x (128 + 1024) fp32 = 2.4 GB)
@@ -119,14 +114,6 @@ def _parse_dtype(d):
 
 
 # --------------------------------------------------------------------------------- inputs
-def named_config(name: str) -> DSV4Config:
-    """``"v4-pro"`` / ``"v4-flash"`` -> the packaged config (dsv4lab/configs/*.json)."""
-    key = str(name).lower()
-    if key not in NAMED_CONFIGS:
-        raise KeyError(f"no packaged config {name!r}; known: {sorted(set(NAMED_CONFIGS))}")
-    return load_config(CONFIG_DIR / NAMED_CONFIGS[key])
-
-
 def _is_checkpoint(p: str) -> bool:
     if os.path.isdir(p):
         return any(f.endswith(".safetensors") or f == "model.safetensors.index.json" for f in os.listdir(p))
