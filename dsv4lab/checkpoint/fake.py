@@ -22,6 +22,9 @@ from .safetensors_index import INDEX_NAME, nbytes_of
 
 # dtype of plain tensors by kind/name in a released-style checkpoint
 FP32_PARAMS = ("mhc", "attn.sink", "compressor.ape", "indexer.compressor.ape")
+# config.json ``quantization_config`` of the official DeepSeek release (FP8 block weights)
+OFFICIAL_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                "activation_scheme": "dynamic"}
 
 
 def v4_pro_config() -> DSV4Config:
@@ -197,8 +200,7 @@ def make_sparse_checkpoint(path: str | os.PathLike, config: Any = None, fmt: str
         cdict["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
                                         "exclude_modules": excluded}
     elif fmt == "official":
-        cdict["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
-                                        "activation_scheme": "dynamic"}
+        cdict["quantization_config"] = dict(OFFICIAL_QUANTIZATION_CONFIG)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cdict, f, indent=1)
     return {"path": os.path.abspath(path), "files": names, "n_tensors": len(specs), "total_bytes": total}

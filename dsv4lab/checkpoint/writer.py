@@ -203,13 +203,27 @@ def save_checkpoint(
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
     # ---- 5. configs
+    write_configs(path, cfg, quantized_layers, excluded)
+    return {"path": os.path.abspath(path), "layout": layout, "files": names, "n_tensors": len(tensors),
+            "total_bytes": total, "quantized": sorted(quantized_layers, key=natural_key),
+            "quantized_now": quantised_now}
+
+
+def write_configs(path: str, config: Any, quantized_layers: Mapping[str, dict], excluded: Sequence[str]) -> None:
+    """config.json, plus ModelOpt ``hf_quant_config.json`` (and the same ``quantization_config``
+    in config.json) when any module is quantised; a stale hf_quant_config.json is removed.
+
+    ``quantized_layers``: raw module -> ``{"quant_algo": ..., ["group_size": 16]}``;
+    ``excluded``: raw modules of 2-D linears kept unquantised.
+    """
+    cfg = load_config(config)
     cdict = cfg.to_transformers_dict()
     qpath = os.path.join(path, "hf_quant_config.json")
     if quantized_layers:
         algos = {v["quant_algo"] for v in quantized_layers.values()}
         algo = algos.pop() if len(algos) == 1 else "MIXED_PRECISION"
         quant = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16,
-                 "exclude_modules": sorted(excluded, key=natural_key), "quantized_layers": quantized_layers}
+                 "exclude_modules": sorted(excluded, key=natural_key), "quantized_layers": dict(quantized_layers)}
         with open(qpath, "w") as f:
             json.dump({"producer": _PRODUCER, "quantization": quant}, f, indent=2)
         cdict["quantization_config"] = {"quant_method": "modelopt", **quant}
@@ -217,9 +231,6 @@ def save_checkpoint(
         os.remove(qpath)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cdict, f, indent=2)
-    return {"path": os.path.abspath(path), "layout": layout, "files": names, "n_tensors": len(tensors),
-            "total_bytes": total, "quantized": sorted(quantized_layers, key=natural_key),
-            "quantized_now": quantised_now}
 
 
 def _kind(name: str, key: str) -> str:

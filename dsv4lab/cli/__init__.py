@@ -41,6 +41,7 @@ COMMAND_MODULES: list[str] = [
     "dsv4lab.cli.report_cmd",
     "dsv4lab.cli.decode_check_cmd",
     "dsv4lab.cli.syncs_cmd",
+    "dsv4lab.cli.synth_cmd",
 ]
 
 
