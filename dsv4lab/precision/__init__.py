@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ..quant.modes import ACT_SCALES, LINEAR_MODES, MODES, ActScale, Mode, UnknownChoiceError
 from .apply import (
+    CheckpointOriginals,
     ModelOriginals,
     Originals,
     PrecisionState,
@@ -29,7 +30,7 @@ from .policy import PrecisionPolicy, Rule, linear_kind, linear_layer
 from .quantize import dequantize_linears, quantize_linears, select_linears
 
 __all__ = ["ACT_SCALES", "LINEAR_MODES", "MODES", "ActScale", "Mode", "UnknownChoiceError",
-           "ModelOriginals", "Originals", "PrecisionState", "UnknownTargetError", "apply_precision", "check_targets",
+           "CheckpointOriginals", "ModelOriginals", "Originals", "PrecisionState", "UnknownTargetError", "apply_precision", "check_targets",
            "linear_kinds", "model_memory", "precision_state", "restore_precision", "using_precision",
            "PrecisionPolicy", "Rule", "linear_kind", "linear_layer",
            "dequantize_linears", "quantize_linears", "select_linears"]

@@ -8,11 +8,13 @@ says so. Only quantised linears are swapped: a plain weight already is the origi
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
+from ..checkpoint.reader import CheckpointReader
 from ..quant.modes import Mode, unknown_choice
 from .policy import PrecisionPolicy, linear_kind, linear_layer
 
@@ -25,10 +27,21 @@ class Originals:
     def weight(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def weight_on(self, name: str, device: torch.device | str) -> torch.Tensor:
+        """``weight(name)`` on ``device``; a source that can read straight there overrides it."""
+        return self.weight(name).to(device)
+
     @staticmethod
     def from_model(reference_model) -> "Originals":
         """The linears of a model holding the original weights (e.g. the BF16 reference)."""
         return ModelOriginals(reference_model)
+
+    @staticmethod
+    def from_checkpoint(path_or_reader: "str | os.PathLike | CheckpointReader",
+                        dtype: torch.dtype = torch.bfloat16) -> "Originals":
+        """The linears of a second checkpoint (official FP8 + MXFP4, or BF16), read one at a time
+        by name, dequantised to ``dtype`` on the asking component's device: no second model."""
+        return CheckpointOriginals(path_or_reader, dtype)
 
 
 class ModelOriginals(Originals):
@@ -40,6 +53,26 @@ class ModelOriginals(Originals):
         if name not in self.linears:
             raise KeyError(f"the originals model has no linear {name!r}")
         return self.linears[name].dense_weight(self.model.dtype).detach()
+
+
+class CheckpointOriginals(Originals):
+    """Originals read lazily from a checkpoint: only the asked linear's tensors are read."""
+
+    def __init__(self, path_or_reader: "str | os.PathLike | CheckpointReader", dtype: torch.dtype) -> None:
+        self.reader = path_or_reader if isinstance(path_or_reader, CheckpointReader) else CheckpointReader(path_or_reader)
+        self.dtype = dtype
+        self.reads: list[str] = []   # linears read so far, in order (what a flow cost in I/O)
+
+    def weight(self, name: str) -> torch.Tensor:
+        return self.weight_on(name, "cpu")
+
+    def weight_on(self, name: str, device: torch.device | str) -> torch.Tensor:
+        w = self.reader.weight(name, device)   # CheckpointError naming the file if absent
+        self.reads.append(name)
+        return w.dequantize(self.dtype)
+
+    def __repr__(self) -> str:
+        return f"CheckpointOriginals({self.reader.root}, {self.dtype})"
 
 
 class NoOriginals(Originals):
@@ -105,7 +138,7 @@ def apply_precision(model, policy, originals: Originals | None = None) -> dict:
             was = (Mode.ORIG if name in aside else ql.mode, ql.act_scale)
             if mode == Mode.ORIG:
                 if name not in aside and ql.quantized:
-                    w = originals.weight(name).to(device=ql.qweight.device, dtype=model.dtype)
+                    w = originals.weight_on(name, ql.qweight.device).to(device=ql.qweight.device, dtype=model.dtype)
                     aside[name] = ql.qweight
                     ql.set_weight(w)
                 ql.set_mode(Mode.BF16, act)
@@ -181,6 +214,6 @@ def using_precision(model, policy, originals: Originals | None = None) -> Iterat
         restore_precision(model, saved)
 
 
-__all__ = ["ModelOriginals", "Originals", "PrecisionState", "UnknownTargetError",
+__all__ = ["CheckpointOriginals", "ModelOriginals", "Originals", "PrecisionState", "UnknownTargetError",
            "apply_precision", "check_targets", "displaced", "linear_kinds", "model_memory", "precision_state",
            "restore_precision", "using_precision"]
