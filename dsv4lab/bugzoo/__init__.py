@@ -15,7 +15,6 @@ points, e.g. a linear's attention block).
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -28,7 +27,7 @@ from ..analysis.components import component_matcher, hook_inside, iter_component
 from ..handles import Restorable
 from ..model.linear import QLinear
 from ..patterns import no_match_error
-from ..precision import quantize_linears
+from ..precision import quantized_in_place
 from . import variants as V
 
 SEEDS = {
@@ -252,18 +251,20 @@ def triage(clean_model, bug: str | Bug, ids: torch.Tensor, layers=None, tol: flo
     report the first divergent hook point and whether it lies inside the injected component.
 
     ``tol`` = 0: on one device the clean and buggy runs are bitwise identical up to the bug.
-    ``quantize``: for NVFP4-only bugs on a plain model, triage a copy whose linears are
-    quantised in memory (``dsv4lab.precision.quantize_linears``) instead of reporting n/a.
+    ``quantize``: for NVFP4-only bugs on a plain model, quantise its linears in place for the
+    triage (``dsv4lab.precision.quantized_in_place``; the plain weights are put back after, also
+    on an error) instead of reporting n/a -- no copy of the model.
     """
     b = bug_named(bug)
-    model, quantized = clean_model, False
-    if _needs_quant(model, b, layers):
-        if not quantize:
-            return TriageResult(b.name, b.kind, False, "needs NVFP4 weights (pass quantize=True to use an in-memory quantised copy)")
+    if not _needs_quant(clean_model, b, layers):
+        return _triage(clean_model, b, ids, layers, tol, False)
+    if not quantize:
+        return TriageResult(b.name, b.kind, False, "needs NVFP4 weights (pass quantize=True to quantise in memory)")
+    with quantized_in_place(clean_model):
+        return _triage(clean_model, b, ids, layers, tol, True)
 
-        model = copy.deepcopy(clean_model)
-        quantize_linears(model)
-        quantized = True
+
+def _triage(model, b: Bug, ids: torch.Tensor, layers, tol: float, quantized: bool) -> TriageResult:
     holder = {}
 
     def intervention(m):

@@ -27,10 +27,10 @@ from .apply import (
     using_precision,
 )
 from .policy import PrecisionPolicy, Rule, linear_kind, linear_layer
-from .quantize import dequantize_linears, quantize_linears, select_linears
+from .quantize import dequantize_linears, quantize_linears, quantized_in_place, select_linears
 
 __all__ = ["ACT_SCALES", "LINEAR_MODES", "MODES", "ActScale", "Mode", "UnknownChoiceError",
            "CheckpointOriginals", "ModelOriginals", "Originals", "PrecisionState", "UnknownTargetError", "apply_precision", "check_targets",
            "linear_kinds", "model_memory", "precision_state", "restore_precision", "using_precision",
            "PrecisionPolicy", "Rule", "linear_kind", "linear_layer",
-           "dequantize_linears", "quantize_linears", "select_linears"]
+           "dequantize_linears", "quantize_linears", "quantized_in_place", "select_linears"]

@@ -2,7 +2,9 @@
 with those weights exists."""
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+from typing import Iterator
 
 from ..quant import weights as W
 from .policy import linear_kind
@@ -47,3 +49,18 @@ def dequantize_linears(model, dtype=None) -> list[str]:
             ql.set_weight(ql.qweight.dequantize(dtype).to(ql.qweight.device))
             done.append(name)
     return done
+
+
+@contextlib.contextmanager
+def quantized_in_place(model, kinds=None, fmt: str = "nvfp4", pattern: str | None = None,
+                       input_scale: float | None = None) -> Iterator[list[str]]:
+    """``with quantized_in_place(model) as names:`` -- :func:`quantize_linears` on the model itself
+    for the body (instead of on a copy of the whole model); the plain weights it replaced are held
+    and put back on exit, bit for bit, also on an exception."""
+    plain = {name: ql.weight for name, ql in model.qlinears() if not ql.quantized}
+    try:
+        yield quantize_linears(model, kinds, fmt, pattern, input_scale)
+    finally:
+        for name, ql in model.qlinears():
+            if name in plain and ql.quantized:
+                ql.set_weight(plain[name])

@@ -31,7 +31,7 @@ from ..precision import sweep as engine
 from ..quant.modes import as_mode
 from .logits import topk_table
 from .plots import bar, lines, show
-from .session import quantized_twin, reference_of
+from .session import quantized_twin, reference_of, reference_policy
 
 DEFAULT = "default"  # the panel's word for "no rule: inherit"
 
@@ -44,24 +44,31 @@ class Setup:
     kinds: list = field(default_factory=list)
     layers_of: dict = field(default_factory=dict)   # kind -> sorted layers (None = global)
     originals: Originals | None = None               # what ``orig`` swaps in: the reference's weights
+    reference_policy: str = Mode.BF16                # how ``reference`` runs: bf16, or orig (reference checkpoint)
     _reference_run: engine.ReferenceRun | None = field(default=None, repr=False)
 
     def reference_run(self) -> engine.ReferenceRun:
-        """The reference (original weights, ``bf16``) run on ``ids``, computed once."""
+        """The reference (original weights) run on ``ids``, computed once."""
         if self._reference_run is None:
-            self._reference_run = engine.reference_run(self.reference, self.ids, Mode.BF16)
+            self._reference_run = engine.reference_run(self.reference, self.ids, self.reference_policy, self.originals)
         return self._reference_run
 
 
 def make_setup(session, ids: torch.Tensor) -> Setup:
+    """Model under test, reference and ``orig`` source for ``session``. With a reference
+    checkpoint (``open_session(..., reference=PATH)``) the reference is the model itself under
+    ``orig``, its weights read from that checkpoint; no model is copied in any case but a plain
+    session that is not the embedded model (quantised in memory, :func:`quantized_twin`)."""
     q = quantized_twin(session)
     ref = reference_of(session, q)
     layers: dict = {}
     for name, _ in q.qlinears():
         layers.setdefault(linear_kind(name), set()).add(linear_layer(name))
+    policy = reference_policy(session, q)
+    originals = session.originals() if policy == Mode.ORIG else Originals.from_model(ref)
     return Setup(q, ref, ids.to(q.device), linear_kinds(q),
                  {k: sorted(v, key=lambda x: -1 if x is None else x) for k, v in layers.items()},
-                 Originals.from_model(ref))
+                 originals, Mode(policy))
 
 
 @torch.no_grad()

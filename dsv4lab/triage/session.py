@@ -3,7 +3,9 @@
 ``open_session(MODEL, DEVICE)``: ``None``/``"tiny"`` = the embedded model in ``data/tiny-dsv4``
 (falls back to seeded random weights of the same architecture, flagged ``trained=False``, while
 the trained checkpoint is not there); ``"random"`` = that fallback on purpose; anything else a
-checkpoint path for :func:`dsv4lab.load`.
+checkpoint path for :func:`dsv4lab.load`. ``reference=PATH``: a second checkpoint holding the
+original weights (official FP8 + MXFP4, or BF16): ``orig`` reads them from it one linear at a
+time (:meth:`Originals.from_checkpoint`), so no second model is held in memory.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 
 from ..checkpoint.locate import TINY_DIR, resolve_path
 from ..loading import load
-from ..precision import dequantize_linears, quantize_linears
+from ..precision import Originals, quantize_linears
 from ..text import load_tokenizer
 from ..text.chat import encode_prompt
 from ..text.corpus import make_filler
@@ -35,6 +37,13 @@ class Session:
     trained: bool               # the embedded trained model (behaviour metrics are meaningful)
     path: Path | None = None    # checkpoint directory when loaded from disk
     notes: list = field(default_factory=list)
+    reference: Path | None = None  # checkpoint of the original weights (``orig`` source), if given
+
+    def originals(self) -> Originals | None:
+        """The ``orig`` source read from the reference checkpoint (None without one)."""
+        if self.reference is None:
+            return None
+        return Originals.from_checkpoint(self.reference, self.model.dtype)
 
     @property
     def config(self):
@@ -98,9 +107,15 @@ def set_threads(device: str = "cpu", threads: int | None = None) -> int:
 
 
 def open_session(model=None, device: str = "cpu", dtype=torch.float32, progress: bool = False,
-                 threads: int | None = None) -> Session:
+                 threads: int | None = None, reference: str | Path | None = None) -> Session:
     set_threads(device, threads)
+    ref = None if reference is None else resolve_path(str(reference))
+    session = _open(model, device, dtype, progress)
+    session.reference = ref
+    return session
 
+
+def _open(model, device: str, dtype, progress: bool) -> Session:
     if model is not None and not isinstance(model, (str, Path)):  # an already built model
         tok = load_tokenizer()
         return Session(model, tok, getattr(model, "source", "in-memory model"), True)
@@ -125,7 +140,8 @@ def quantized_twin(session: Session):
     """The model under test in NVFP4 next to the session's (reference) model.
 
     When the session holds plain weights: the embedded NVFP4 export if the session is the
-    embedded model and the export exists, else a copy quantised in memory (ModelOpt recipe).
+    embedded model and the export exists, else a second instance (:func:`rebuilt`) quantised in
+    memory (ModelOpt recipe).
     When the session model is already quantised it is returned as is (with a dequantised copy
     as the reference: ``reference_of``)."""
     m = session.model
@@ -135,19 +151,37 @@ def quantized_twin(session: Session):
     if session.trained and session.path is not None and session.path.resolve() == embedded_dir().resolve() \
             and (nv / "config.json").is_file():
         return load("tiny-nvfp4", device=m.device, dtype=m.dtype, progress=False)
-    q = copy.deepcopy(m)
+    q = rebuilt(session)
     quantize_linears(q, fmt="nvfp4")
     return q
 
 
+def rebuilt(session: Session):
+    """A second instance of the session's model built from its source (its checkpoint again, or
+    the same seeded random weights); a copy only for a model handed in already built."""
+    m = session.model
+    if session.path is not None:
+        return load(str(session.path), device=m.device, dtype=m.dtype, progress=False)
+    if session.source.startswith("random:"):
+        return random_tiny(session.tokenizer, device=m.device, dtype=m.dtype)
+    return copy.deepcopy(m)
+
+
 def reference_of(session: Session, model_q):
-    """A BF16/fp32 reference for ``model_q``: the session model if it holds plain weights, else
-    a dequantised copy."""
+    """The model whose ``bf16`` run is the reference for ``model_q``: the session model if it
+    holds plain weights, else ``model_q`` itself (its ``bf16`` mode runs the dequantised weights:
+    what a dequantised copy would, without the copy). With a reference checkpoint the reference
+    is ``model_q`` under ``orig`` (see :func:`reference_policy`)."""
     if not any(ql.quantized for _, ql in session.model.qlinears()):
         return session.model
-    ref = copy.deepcopy(model_q)
-    dequantize_linears(ref)
-    return ref
+    return model_q
+
+
+def reference_policy(session: Session, model_q) -> str:
+    """The policy the reference model runs under: ``orig`` (weights of the reference checkpoint)
+    when the session has one and ``model_q`` is quantised, else ``bf16``."""
+    quantised = any(ql.quantized for _, ql in model_q.qlinears())
+    return "orig" if session.reference is not None and quantised and reference_of(session, model_q) is model_q else "bf16"
 
 
 def filler_prompt(session: Session, n_tokens: int = 96, seed: int = 0) -> torch.Tensor:
