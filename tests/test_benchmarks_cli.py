@@ -2,6 +2,7 @@
 the device machine): a renamed module or a broken import fails here, not during a device lease."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +35,14 @@ def test_decode_benchmark_cpu_smoke(fmt: str):
     lines = [ln.split() for ln in r.stdout.splitlines() if ln.endswith(tuple("0123456789"))]
     assert [ln[0] for ln in lines] == ["compressed_sparse_attention", "heavily_compressed_attention"], r.stdout
     assert all(ln[-2] == "True" and int(ln[-1]) > 0 for ln in lines), r.stdout  # finite output, active bytes
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "official"])
+def test_full_model_benchmark_cpu_smoke(fmt: str):
+    """benchmarks/full_model.py builds its random-weight model (no disk) and runs prefill + one
+    eager decode step, finite, on a tiny config on the CPU; the timing itself needs the GPU."""
+    r = subprocess.run([sys.executable, "benchmarks/full_model.py", "--cpu-smoke", "--format", fmt], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout)
+    assert res["prefill_finite"] and res["decode_finite"] and res["active_weight_bytes_per_token"] > 0, res
