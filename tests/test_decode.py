@@ -167,3 +167,16 @@ def test_graph_decoder_recaptures_after_a_toggle(monkeypatch):
     m.layers[1].attn.use_compressed = False
     dec.ensure_current()
     assert dec.captures == 2
+
+
+def test_decode_check_reports_first_token_and_a_speedup_of_at_least_one():
+    """Notebook 5 printed the generation without the prefill's token, and "speedup" read < 1
+    when the first path was the faster one."""
+    from dsv4lab.decode.check import DecodeCheck
+
+    dc = DecodeCheck("decode_buffers", "full_forward", 2, [5, 6], [5, 6], [0.0, 0.0], [1.0, 1.0], [4.0, 4.0], 9)
+    assert dc.generated == [9, 5, 6]
+    s = dc.summary()
+    assert s["faster_path"] == "decode_buffers" and s["speedup"] == 4.0
+    s = DecodeCheck("eager", "graph", 1, [1], [1], [0.0], [3.0], [1.5], 2).summary()
+    assert s["faster_path"] == "graph" and s["speedup"] == 2.0

@@ -26,7 +26,13 @@ class DecodeCheck:
     max_abs_diff: list[float]
     latency_a_ms: list[float]
     latency_b_ms: list[float]
+    first_token: int | None = None   # the token the prefill chose: the decode steps start from it
     extra: dict = field(default_factory=dict)
+
+    @property
+    def generated(self) -> list[int]:
+        """Every generated token of path A, the prefill's first one included."""
+        return ([] if self.first_token is None else [self.first_token]) + list(self.tokens_a)
 
     @property
     def token_agreement(self) -> float:
@@ -40,6 +46,13 @@ class DecodeCheck:
                 return i
         return None
 
+    def speedup(self, a_ms: float, b_ms: float) -> dict:
+        """``faster_path`` and ``speedup`` = slower median / faster median (>= 1 by construction):
+        a ratio below 1 read as "faster" was the old, inverted reading."""
+        fast, slow = (self.mode_a, self.mode_b) if a_ms <= b_ms else (self.mode_b, self.mode_a)
+        x = max(a_ms, b_ms) / max(min(a_ms, b_ms), 1e-9)
+        return {"faster_path": fast, "speedup": x, "speedup_note": f"{fast} is {x:.2f}x faster than {slow} (median step)"}
+
     def summary(self) -> dict:
         med = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
         return {
@@ -49,7 +62,7 @@ class DecodeCheck:
             "bitwise_equal_steps": sum(d == 0.0 for d in self.max_abs_diff),
             f"median_step_ms_{self.mode_a}": med(self.latency_a_ms),
             f"median_step_ms_{self.mode_b}": med(self.latency_b_ms),
-            "speedup": med(self.latency_a_ms) / max(med(self.latency_b_ms), 1e-9),
+            **self.speedup(med(self.latency_a_ms), med(self.latency_b_ms)),
             **self.extra,
         }
 
@@ -96,7 +109,7 @@ def decode_check(model, prompt_ids: torch.Tensor, steps: int = 64) -> DecodeChec
         toks_b, lg_b, lat_b = run_steps(model, gstate, first, steps, gd.step)
         mem2 = torch.cuda.memory_allocated(dev)
         diffs = [float((a - b).abs().max()) for a, b in zip(lg_a, lg_b)]
-        return DecodeCheck("eager", "graph", steps, toks_a, toks_b, diffs, lat_a, lat_b,
+        return DecodeCheck("eager", "graph", steps, toks_a, toks_b, diffs, lat_a, lat_b, int(first[0, 0]),
                            {"memory_growth_during_replay_bytes": mem2 - mem1, "graph_pool_bytes": mem1 - mem0,
                             "device": torch.cuda.get_device_name(dev)})
     # CPU: fixed-buffer decode path against full forwards over the same tokens
@@ -109,7 +122,7 @@ def decode_check(model, prompt_ids: torch.Tensor, steps: int = 64) -> DecodeChec
         lat_b.append((time.perf_counter() - t0) * 1e3)
     toks_b = [int(l.argmax(-1)[0]) for l in lg_b]
     diffs = [float((a - b).abs().max()) for a, b in zip(lg_a, lg_b)]
-    return DecodeCheck("decode_buffers", "full_forward", steps, toks_a, toks_b, diffs, lat_a, lat_b,
+    return DecodeCheck("decode_buffers", "full_forward", steps, toks_a, toks_b, diffs, lat_a, lat_b, int(first[0, 0]),
                        {"note": "CPU: no CUDA graphs; compares the fixed-buffer decode step with full forwards"})
 
 

@@ -167,14 +167,23 @@ def thinking_figure(df, answer: str | None = None):
 
 # ------------------------------------------------------------------------------ metrics
 # Notebook 2 and the nightly both record through these, so each metric has one key and one tolerance.
-def record_first_token(rec, session, probes: dict[str, FirstToken], answer_id: int | None) -> None:
-    """Top-1 token, its probability and the answer's, per encoding; finite logits."""
+def answer_id(session, answer: str | None, mode: str = "plain") -> int | None:
+    """The answer's token id as it follows the prompt in ``mode``: plain text continues with a
+    space (" Paris"); chat and thinking answers start right after ``</think>`` ("Paris")."""
+    if answer is None:
+        return None
+    return session.token_id(answer if mode == "plain" else answer.lstrip())
+
+
+def record_first_token(rec, session, probes: dict[str, FirstToken], answer: str | None) -> None:
+    """Top-1 token, its probability and the answer's (in each encoding's own form), finite logits."""
     for mode, ft in probes.items():
         rec.record(f"{mode}.top1", session.tok(ft.top1_id))
         rec.record(f"{mode}.p_top1", float(ft.probs.max()), {"abs": 1e-3, "rel": 0.01})
-        if answer_id is not None:
-            rec.record(f"{mode}.p_answer", float(ft.probs[answer_id]), {"abs": 1e-3, "rel": 0.02})
-    rec.record("plain.top1_is_answer", probes["plain"].top1_id == answer_id)
+        ans = answer_id(session, answer, mode)
+        if ans is not None:
+            rec.record(f"{mode}.p_answer", float(ft.probs[ans]), {"abs": 1e-3, "rel": 0.02})
+    rec.record("plain.top1_is_answer", probes["plain"].top1_id == answer_id(session, answer, "plain"))
     rec.record("logits_finite", all(bool(ft.logits.isfinite().all()) for ft in probes.values()))
 
 

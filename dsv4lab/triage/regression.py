@@ -94,7 +94,7 @@ def nightly_metrics(session, rec, prompt: str, chat_prompt: str, answer: str | N
         rec.record("inputs.chat_ids", session.encode(chat_prompt, "chat")[0].tolist(), "exact")
         # notebook 2: first-token logits in three encodings, logit lens
         probes = logits.probe_all_modes(session, prompt, chat_prompt, k=5)
-        logits.record_first_token(rec.scoped("logits."), session, probes, ans)
+        logits.record_first_token(rec.scoped("logits."), session, probes, answer)
         df, lens, real = logits.logit_lens(session, ids, ans)
         logits.record_lens(rec, df, lens, real, ans, answer)
         # notebook 3: precision (weights FP4 vs original, activations W4A4)
