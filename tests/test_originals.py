@@ -145,3 +145,28 @@ def test_quantized_twin_of_a_random_session_rebuilds_instead_of_copying(no_model
         if twin.quantized:
             want = quantize_nvfp4(ql.weight.detach().float())
             assert all(torch.equal(a, b) for a, b in zip(twin.qweight.tensors().values(), want.tensors().values())), name
+
+
+def test_nvfp4_twin_of_an_in_memory_model_shares_tensors_and_equals_a_quantised_copy():
+    """open_session(model) with a model built in memory: the NVFP4 twin is the quantised copy
+    the old code made with copy.deepcopy, without the copy (non-linear tensors are shared)."""
+    import copy
+
+    from dsv4lab.precision import quantize_linears
+    from dsv4lab.triage.session import nvfp4_twin
+    from dsv4lab.workbench import random_model
+    from oracle_util import tiny_config
+
+    plain = random_model(tiny_config(), seed=0)
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    twin = nvfp4_twin(plain)
+    expected = copy.deepcopy(plain)
+    quantize_linears(expected, fmt="nvfp4")
+    ids = torch.randint(0, plain.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(twin(ids), expected(ids))
+    assert all(ql.quantized for _, ql in twin.qlinears() if ql.in_features % 16 == 0)
+    assert twin.embed.weight.data_ptr() == plain.embed.weight.data_ptr()
+    assert twin.layers[1].attn.sink.data_ptr() == plain.layers[1].attn.sink.data_ptr()
+    assert all(torch.equal(before[k], v) for k, v in plain.state_dict().items())  # the original is untouched
+    assert not any(ql.quantized for _, ql in plain.qlinears())

@@ -9,7 +9,6 @@ time (:meth:`Originals.from_checkpoint`), so no second model is held in memory.
 """
 from __future__ import annotations
 
-import copy
 import random
 import warnings
 from dataclasses import dataclass, field
@@ -18,8 +17,10 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.locate import TINY_DIR, resolve_path
-from ..loading import load
+from ..loading import load, materialize
 from ..precision import Originals, quantize_linears
+from ..quant.fp4 import NVFP4_BLOCK
+from ..quant.weights import quantize_nvfp4
 from ..text import load_tokenizer
 from ..text.chat import encode_prompt
 from ..text.corpus import make_filler
@@ -140,10 +141,10 @@ def quantized_twin(session: Session):
     """The model under test in NVFP4 next to the session's (reference) model.
 
     When the session holds plain weights: the embedded NVFP4 export if the session is the
-    embedded model and the export exists, else a second instance (:func:`rebuilt`) quantised in
-    memory (ModelOpt recipe).
-    When the session model is already quantised it is returned as is (with a dequantised copy
-    as the reference: ``reference_of``)."""
+    embedded model and the export exists, else the checkpoint (or seeded random weights) built
+    again and quantised in memory (ModelOpt recipe); a model handed in already built gets a
+    twin that shares all its non-linear tensors (:func:`nvfp4_twin`). When the session model is
+    already quantised it is returned as is (``reference_of`` runs it in ``bf16``)."""
     m = session.model
     if any(ql.quantized for _, ql in m.qlinears()):
         return m
@@ -151,20 +152,29 @@ def quantized_twin(session: Session):
     if session.trained and session.path is not None and session.path.resolve() == embedded_dir().resolve() \
             and (nv / "config.json").is_file():
         return load("tiny-nvfp4", device=m.device, dtype=m.dtype, progress=False)
-    q = rebuilt(session)
+    if session.path is not None:
+        q = load(str(session.path), device=m.device, dtype=m.dtype, progress=False)
+    elif session.source.startswith("random:"):
+        q = random_tiny(session.tokenizer, device=m.device, dtype=m.dtype)
+    else:
+        return nvfp4_twin(m)
     quantize_linears(q, fmt="nvfp4")
     return q
 
 
-def rebuilt(session: Session):
-    """A second instance of the session's model built from its source (its checkpoint again, or
-    the same seeded random weights); a copy only for a model handed in already built."""
-    m = session.model
-    if session.path is not None:
-        return load(str(session.path), device=m.device, dtype=m.dtype, progress=False)
-    if session.source.startswith("random:"):
-        return random_tiny(session.tokenizer, device=m.device, dtype=m.dtype)
-    return copy.deepcopy(m)
+def nvfp4_twin(model):
+    """A second model whose linears are ``model``'s weights quantised to NVFP4 (ModelOpt recipe)
+    and whose every other tensor IS ``model``'s (same storage): the only new memory is the FP4
+    weights, never a copy of the model. Linears whose in_features do not block by 16 share too."""
+    linears = dict(model.qlinears())
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+    def weight(base: str, device):
+        w = linears[base].weight.detach()
+        return quantize_nvfp4(w.float()) if linears[base].in_features % NVFP4_BLOCK == 0 else w
+
+    return materialize(model.config, weight, lambda name, device: tensors[name].detach(), dtype=model.dtype,
+                       layer_devices=model.layer_devices(), progress=False)
 
 
 def reference_of(session: Session, model_q):
