@@ -104,13 +104,16 @@ def decode_check(model, prompt_ids: torch.Tensor, steps: int = 64) -> DecodeChec
         toks_a, lg_a, lat_a = run_steps(model, state, first, steps, model.decode_step)
         gstate = base
         gd = GraphDecoder(model, gstate)
+        t0 = time.perf_counter()
         gd.capture()
+        _sync(dev)
+        capture_s = time.perf_counter() - t0
         mem1 = torch.cuda.memory_allocated(dev)
         toks_b, lg_b, lat_b = run_steps(model, gstate, first, steps, gd.step)
         mem2 = torch.cuda.memory_allocated(dev)
         diffs = [float((a - b).abs().max()) for a, b in zip(lg_a, lg_b)]
         return DecodeCheck("eager", "graph", steps, toks_a, toks_b, diffs, lat_a, lat_b, int(first[0, 0]),
-                           {"memory_growth_during_replay_bytes": mem2 - mem1, "graph_pool_bytes": mem1 - mem0,
+                           {"memory_growth_during_replay_bytes": mem2 - mem1, "graph_pool_bytes": mem1 - mem0, "capture_s": capture_s,
                             "device": torch.cuda.get_device_name(dev)})
     # CPU: fixed-buffer decode path against full forwards over the same tokens
     toks_a, lg_a, lat_a = run_steps(model, state, first, steps, model.decode_step)

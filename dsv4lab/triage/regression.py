@@ -247,6 +247,20 @@ def load_baselines(directory: str | Path = BASELINE_DIR) -> tuple[dict, dict]:
     return json.loads(m.read_text()), (json.loads(t.read_text()) if t.is_file() else {})
 
 
+def baselines_model_mismatch(current: dict, baseline: dict) -> str | None:
+    """Why ``baseline`` cannot judge ``current`` (blessed on another model), or None when it can.
+
+    The packaged baselines are the embedded model's: a run on another checkpoint (a synth, the
+    release) has no baseline until one is blessed for it, and comparing across models would
+    flag every metric."""
+    cur, base = current.get("model"), baseline.get("model")
+    if cur is None or base is None or cur == base:
+        return None
+    return (f"the baselines were blessed on model {base!r}, this run is on {cur!r}: nothing compared. To start "
+            f"a history for this model: python -m dsv4lab report --model {cur} --bless REPORT/metrics.json, "
+            f"or pass BASELINES=<dir blessed on it>")
+
+
 def check(current: dict, directory: str | Path = BASELINE_DIR, only_notebooks=None) -> RegressionResult:
     """Compare with the baselines; raise :class:`RegressionError` (message = the table) if anything regressed."""
     base, tol = load_baselines(directory)

@@ -107,11 +107,22 @@ def set_threads(device: str = "cpu", threads: int | None = None) -> int:
     return torch.get_num_threads()
 
 
-def open_session(model=None, device: str = "cpu", dtype=torch.float32, progress: bool = False,
+def session_dtype(model, device: str, dtype) -> torch.dtype:
+    """``dtype="auto"``: fp32 for the embedded model and on CPU (the blessed baselines are fp32),
+    bf16 for a checkpoint on CUDA -- a full-size model's BF16 tensors (embedding, head, norms,
+    ``orig`` weights) would take twice their memory in fp32, and bf16 is what the release runs."""
+    if dtype != "auto":
+        return dtype
+    name = None if model is None or not isinstance(model, (str, Path)) else str(model)
+    embedded = name in (None, "tiny", "random", "tiny-nvfp4")
+    return torch.float32 if embedded or not str(device).startswith("cuda") else torch.bfloat16
+
+
+def open_session(model=None, device: str = "cpu", dtype="auto", progress: bool = False,
                  threads: int | None = None, reference: str | Path | None = None) -> Session:
     set_threads(device, threads)
     ref = None if reference is None else resolve_path(str(reference))
-    session = _open(model, device, dtype, progress)
+    session = _open(model, device, session_dtype(model, device, dtype), progress)
     session.reference = ref
     return session
 
