@@ -79,6 +79,7 @@ def test_clean_transformers_dump_agrees(model, dumps):
     orders = [r["order"] for r in res.rows]
     assert orders == sorted(orders)                               # execution order
     assert max(r["rel_err"] for r in res.rows) < 1e-4
+    assert not res.not_fired
 
 
 def test_clean_zoo_dump_with_tp_shards_agrees(model, dumps):
@@ -233,6 +234,11 @@ def test_mapping_layout_ops_and_shards():
     parts = {"p.rank0": torch.ones(3), "p.rank1": 2 * torch.ones(3), "t.1": torch.zeros(1)}
     assert torch.equal(mp.assemble(by["hook_p"], parts.__getitem__), 3 * torch.ones(3))
     assert by["hook_t"].names == ["t.1"]
+    cfg = type("Cfg", (), {"num_attention_heads": 8, "head_dim": 16})()
+    mp2 = load_mapping({"rules": [{"engine": "q", "hook": "hook_q",
+                                   "ops": [{"reshape": [0, 0, "num_attention_heads", "head_dim"]}]}]})
+    flat = x.transpose(1, 2).flatten(2)   # [B, S, H*Dh]
+    assert torch.equal(mp2.assemble(mp2.targets(["q"])[0][0], {"q": flat}.__getitem__, cfg), x.transpose(1, 2))
     with pytest.raises(DumpError, match="not one of"):
         load_mapping({"rules": [{"engine": "a", "hook": "b", "ops": [{"transpose_": [0, 1]}]}]})
     with pytest.raises(DumpError, match="rank"):
@@ -266,3 +272,21 @@ def test_dumper_reuses_buffers_and_writes_steps(tmp_path):
     assert torch.equal(r.steps[1].input_ids, torch.tensor([[1, 1]]))
     with pytest.raises(FileExistsError):
         Dumper(tmp_path / "d")
+
+
+def test_dumper_graph_steps_write_the_captured_buffers(tmp_path):
+    """Under CUDA graphs hooks do not run on replay: a step marked graph=label writes the buffers
+    the capture copied into (here the 'replay' is the copy the graph would do)."""
+    d = Dumper(tmp_path / "g")
+    x = torch.zeros(2, 3)
+    d.add("out", x)                       # eager warm-up allocates the buffer
+    with d.graph("decode"):
+        d.add("out", x)                   # what capture records: a copy_ into that buffer
+    buf = d._graphs["decode"]["out"]
+    for s in range(2):
+        buf.copy_(torch.full((2, 3), float(s + 1)))   # the replay refreshes the buffer
+        d.step(torch.tensor([[s]]), graph="decode")
+    r = DumpReader(tmp_path / "g")
+    assert torch.equal(r.get(1, "out"), torch.full((2, 3), 2.0)) and r.steps[1].names == ["out"]
+    with pytest.raises(ValueError, match="no capture was recorded"):
+        d.step(torch.tensor([[0]]), graph="prefill")

@@ -8,11 +8,18 @@
 No model and no dsv4lab import needed (torch and safetensors only). ``add`` copies into a buffer
 allocated on the first (eager) call for that name and shape and reuses it after, so inside a
 CUDA-graph capture it records only a ``copy_`` and every replay refreshes the buffer; ``step``
-(outside the graph) writes the buffers. A step's tensors pass through host memory once, one step
+(outside the graph) writes the buffers. Python hooks do not run on a replay, so say which
+capture a replayed step comes from::
+
+    with dumper.graph("decode"):                 # around the capture (after one eager warm-up step)
+        with torch.cuda.graph(g): logits = step_fn(static_ids)
+    g.replay(); dumper.step(static_ids, graph="decode")   # writes the buffers that capture recorded
+ A step's tensors pass through host memory once, one step
 at a time; the file is written under a temporary name and renamed, so a crash leaves no half file.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -63,6 +70,8 @@ class Dumper:
         self.n_steps = 0
         self._buffers: dict[tuple, torch.Tensor] = {}   # (name, shape, dtype, device) -> buffer
         self._current: dict[str, torch.Tensor] = {}     # name -> buffer holding this step's value
+        self._graphs: dict[str, dict[str, torch.Tensor]] = {}  # capture label -> the buffers it copies into
+        self._recording: dict[str, torch.Tensor] | None = None
 
     # ---------------------------------------------------------------- collecting
     def add(self, name: str, value) -> None:
@@ -86,6 +95,18 @@ class Dumper:
             buf = self._buffers[key] = torch.empty_like(t, memory_format=torch.contiguous_format)
         buf.copy_(t)
         self._current[name] = buf
+        if self._recording is not None:
+            self._recording[name] = buf
+
+    @contextlib.contextmanager
+    def graph(self, label: str = "graph"):
+        """Remember what ``add`` copies into while a CUDA graph is captured in this block, so that
+        ``step(ids, graph=label)`` after each replay writes those buffers."""
+        self._recording = self._graphs[label] = {}
+        try:
+            yield self
+        finally:
+            self._recording = None
 
     def hook(self, module: torch.nn.Module, name: str):
         """A forward hook on ``module`` adding its output under ``name``; returns the handle."""
@@ -97,12 +118,16 @@ class Dumper:
         return [self.hook(m, n) for n, m in model.named_modules() if n and rx.search(n)]
 
     # ---------------------------------------------------------------- writing
-    def step(self, input_ids: torch.Tensor, metadata: dict | None = None) -> Path:
-        """Write this call's tensors with ``input_ids`` (the tokens it consumed) as the next step file."""
+    def step(self, input_ids: torch.Tensor, metadata: dict | None = None, graph: str | None = None) -> Path:
+        """Write this call's tensors with ``input_ids`` (the tokens it consumed) as the next step
+        file; ``graph``: the call was a replay of the capture made under ``self.graph(graph)``."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point():
             raise ValueError("step(input_ids): the integer token ids [B, S] this forward call consumed")
+        if graph is not None and graph not in self._graphs:
+            raise ValueError(f"step(graph={graph!r}): no capture was recorded under that label "
+                             f"(recorded: {sorted(self._graphs)}); wrap the capture in dumper.graph({graph!r})")
         tensors = {INPUT_IDS: input_ids.detach().to("cpu", torch.long).contiguous()}
-        for name, buf in self._current.items():
+        for name, buf in (self._graphs[graph] if graph is not None else self._current).items():
             tensors[name] = buf.to("cpu").contiguous()
         meta = {"format": FORMAT, "version": VERSION, "step": str(self.n_steps), **self.metadata,
                 **{str(k): str(v) for k, v in (metadata or {}).items()}}
