@@ -38,10 +38,10 @@ def dumps(tmp_path_factory):
     root = tmp_path_factory.mktemp("dumps")
     made: dict[str, Path] = {}
 
-    def get(engine: str, bug: str | None = None, steps: int = 2, tp: int = 1) -> Path:
-        key = f"{engine}_{bug or 'clean'}_s{steps}_tp{tp}"
+    def get(engine: str, bug: str | None = None, steps: int = 2, tp: int = 1, prompt_len: int = 40) -> Path:
+        key = f"{engine}_{bug or 'clean'}_s{steps}_tp{tp}_p{prompt_len}"
         if key not in made:
-            args = ["--steps", str(steps), "--tp", str(tp)] + (["--bug", bug] if bug else [])
+            args = ["--steps", str(steps), "--tp", str(tp), "--prompt-len", str(prompt_len)] + (["--bug", bug] if bug else [])
             made[key] = write_dump(root / key, engine, *args)
         return made[key]
 
@@ -69,6 +69,8 @@ def test_clean_transformers_dump_agrees(model, dumps):
     hooks = {r["hook"] for r in res.rows}
     L = model.config.num_hidden_layers
     for i in range(L):  # every component the hf mapping names is compared in every layer
+        if model.config.compress_ratio(i) == 4:
+            assert f"layers.{i}.attn.indexer.hook_indices" in hooks
         for h in ("attn_hc.hook_collapsed", "attn_hc.hook_comb", "attn.hook_out", "ffn_hc.hook_post",
                   "mlp.router.hook_ids", "mlp.router.hook_weights", "mlp.experts.hook_out",
                   "mlp.shared_expert.hook_out", "mlp.hook_out", "hook_resid_post"):
@@ -80,6 +82,15 @@ def test_clean_transformers_dump_agrees(model, dumps):
     assert orders == sorted(orders)                               # execution order
     assert max(r["rel_err"] for r in res.rows) < 1e-4
     assert not res.not_fired
+
+
+def test_short_prompt_pads_the_indexer_choice(model, dumps):
+    """18 tokens: fewer closed entries than index_topk, so transformers returns fewer columns than
+    the reference's fixed-k decode; the hf mapping pads them with -1 to the reference's width."""
+    res = compare_dump(model, dumps("hf", steps=4, prompt_len=18), "hf", progress=False)
+    assert res.first_divergence is None, res.divergence_line()
+    widths = {r["step"]: r["shape"][-1] for r in res.rows if r["hook"] == "layers.2.attn.indexer.hook_indices"}
+    assert widths[0] < model.config.index_topk and len(widths) == 4
 
 
 def test_clean_zoo_dump_with_tp_shards_agrees(model, dumps):
@@ -99,15 +110,21 @@ def test_clean_zoo_dump_with_tp_shards_agrees(model, dumps):
 @pytest.mark.parametrize("bug,hook,culprit", [
     ("hf_sink_scaled", "layers.2.attn.hook_out", "layers.2.attn"),
     ("hf_silu_clamped", "layers.3.mlp.experts.hook_out", "layers.3.mlp.experts"),
+    # the indexer's inputs (queries, compressed keys) are not in a transformers dump: the verdict
+    # names the unseen components before it, and feeding its choice in clears everything after
+    ("hf_indexer_weights_sign", "layers.2.attn.indexer.hook_indices",
+     "layers.2.attn, layers.2.attn.compressor, layers.2.attn.indexer"),
 ])
 def test_transformers_engine_bugs_localised(model, dumps, bug, hook, culprit):
     res = compare_dump(model, dumps("hf", bug), "hf", progress=False, isolate=True)
     fd = res.first_divergence
     assert fd is not None and fd["hook"] == hook and fd["step"] == 0
     assert res.isolation["culprit"] == culprit
-    assert "is wrong" in res.isolation["verdict"]
+    own = hook.rsplit(".", 1)[0]
+    assert f"{own} is wrong" in res.isolation["verdict"]
+    assert ("got wrong input" in res.isolation["verdict"]) == ("," in culprit)
     assert res.isolation["propagated"]  # later points diverged only because of it
-    others = [o for o in res.isolation["origins"] if not o["hook"].startswith(culprit)]
+    others = [o for o in res.isolation["origins"] if not o["hook"].startswith(own)]
     assert not others, others          # fed the engine's tensor, everything else agrees
 
 

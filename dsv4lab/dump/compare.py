@@ -240,7 +240,7 @@ def _replay(model, reader: DumpReader, mapping: Mapping, per_step: list, tol: To
                     return None
                 replacement = None
                 for tg in by_hook[name]:
-                    eng = mapping.assemble(tg, f.get_tensor, model.config)
+                    eng = mapping.assemble(tg, f.get_tensor, model.config, tuple(t.shape))
                     if tuple(eng.shape) != tuple(t.shape):
                         bad.append((tg, tuple(eng.shape), tuple(t.shape)))
                         continue

@@ -12,8 +12,9 @@ A mapping is JSON: ``{"description": ..., "rules": [...], "ignore": [regex, ...]
 Rules are tried in order; the first that matches a name wins. Ops run after the shards are put
 together, in order: ``transpose [a,b]``, ``permute [...]``, ``reshape [...]`` (0 keeps that input
 dim, -1 infers), ``unflatten [dim, [sizes]]``, ``flatten [start, end]``, ``select [dim, index]``,
-``squeeze dim``, ``unsqueeze dim``, ``dtype NAME``; a size may be a config field name
-(``"head_dim"``). ``--mapping hf`` is :data:`BUILTIN` ``hf`` (transformers' module names), the
+``squeeze dim``, ``unsqueeze dim``, ``pad [dim, size, value]`` (pad that dim at its end up to
+size; size ``"ref"`` = the reference's size there), ``dtype NAME``; a size may be a config field
+name (``"head_dim"``). ``--mapping hf`` is :data:`BUILTIN` ``hf`` (transformers' module names), the
 worked example in ``dsv4lab/dump/mappings/hf.json``.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .reader import DumpError
 
 MAPPINGS_DIR = Path(__file__).resolve().parent / "mappings"
 BUILTIN = {p.stem: p for p in sorted(MAPPINGS_DIR.glob("*.json"))}
-OPS = ("transpose", "permute", "reshape", "unflatten", "flatten", "select", "squeeze", "unsqueeze", "dtype")
+OPS = ("transpose", "permute", "reshape", "unflatten", "flatten", "select", "squeeze", "unsqueeze", "pad", "dtype")
 _RULE_KEYS = {"engine", "hook", "item", "shards", "ops"}
 
 
@@ -155,8 +156,9 @@ class Mapping:
         return out, unmapped
 
     # ---------------------------------------------------------------- layouts
-    def assemble(self, target: Target, get, config=None) -> torch.Tensor:
-        """The engine tensor of ``target`` in dsv4lab's layout; ``get(name)`` reads one tensor."""
+    def assemble(self, target: Target, get, config=None, ref_shape=None) -> torch.Tensor:
+        """The engine tensor of ``target`` in dsv4lab's layout; ``get(name)`` reads one tensor;
+        ``ref_shape``: the reference's shape at the hook (for ``pad`` to ``"ref"``)."""
         parts = [get(n) for n in target.names]
         rule = target.rule
         if rule.shards is None or len(parts) == 1:
@@ -172,7 +174,7 @@ class Mapping:
         for op in rule.ops:
             (kind, arg), = op.items()
             try:
-                t = _apply(t, kind, arg, config)
+                t = _apply(t, kind, arg, config, ref_shape)
             except (RuntimeError, IndexError, ValueError, TypeError) as e:
                 raise DumpError(f"engine tensor {target.engine!r} -> {target.hook}: op {op} fails on shape "
                                 f"{list(t.shape)} ({' '.join(str(e).split())})") from None
@@ -187,7 +189,7 @@ def _size(v, config):
     return int(v)
 
 
-def _apply(t: torch.Tensor, kind: str, arg, config) -> torch.Tensor:
+def _apply(t: torch.Tensor, kind: str, arg, config, ref_shape=None) -> torch.Tensor:
     if kind == "transpose":
         return t.transpose(int(arg[0]), int(arg[1]))
     if kind == "permute":
@@ -204,6 +206,19 @@ def _apply(t: torch.Tensor, kind: str, arg, config) -> torch.Tensor:
         return t.squeeze(int(arg))
     if kind == "unsqueeze":
         return t.unsqueeze(int(arg))
+    if kind == "pad":
+        dim = int(arg[0]) % t.dim()
+        if arg[1] == "ref":
+            if ref_shape is None or len(ref_shape) != t.dim():
+                return t
+            size = int(ref_shape[dim])
+        else:
+            size = _size(arg[1], config)
+        value = arg[2]
+        if t.shape[dim] >= size:
+            return t
+        fill = t.new_full((*t.shape[:dim], size - t.shape[dim], *t.shape[dim + 1:]), value)
+        return torch.cat([t, fill], dim=dim)
     if kind == "dtype":
         dt = getattr(torch, str(arg), None)
         if not isinstance(dt, torch.dtype):

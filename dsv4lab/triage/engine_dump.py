@@ -24,6 +24,7 @@ HF_NAMES = {
     "layers.{L}.attn_hc.hook_post": "model.layers.{L}.attn_hc.0",
     "layers.{L}.attn_hc.hook_comb": "model.layers.{L}.attn_hc.1",
     "layers.{L}.attn_hc.hook_collapsed": "model.layers.{L}.attn_hc.2",
+    "layers.{L}.attn.indexer.hook_indices": "model.layers.{L}.self_attn.compressor.indexer",
     "layers.{L}.attn.hook_out": "model.layers.{L}.self_attn.0",
     "layers.{L}.ffn_hc.hook_post": "model.layers.{L}.ffn_hc.0",
     "layers.{L}.ffn_hc.hook_comb": "model.layers.{L}.ffn_hc.1",

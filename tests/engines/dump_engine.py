@@ -1,6 +1,7 @@
 """Stand-in engines that write dumps, run by the tests in a SEPARATE process (as a user's engine is).
 
-    python tests/engines/dump_engine.py hf DIR [--bug hf_sink_scaled|hf_silu_clamped] [--steps N]
+    python tests/engines/dump_engine.py hf DIR [--bug hf_sink_scaled|hf_silu_clamped|hf_indexer_weights_sign]
+        [--steps N] [--prompt-len N]
     python tests/engines/dump_engine.py zoo DIR --bug NAME [--tp R] [--steps N]
 
 ``hf``: transformers' DeepseekV4ForCausalLM on the embedded checkpoint (data/tiny-dsv4), forward
@@ -33,10 +34,10 @@ def prompt(vocab: int, n: int = PROMPT_LEN) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ transformers
 HF_MODULES = (r"^(model\.embed_tokens|model\.norm|lm_head|model\.layers\.\d+"
-              r"(\.(attn_hc|ffn_hc|self_attn|mlp|mlp\.gate|mlp\.experts|mlp\.shared_experts|input_layernorm))?)$")
+              r"(\.(attn_hc|ffn_hc|self_attn|self_attn\.compressor\.indexer|mlp|mlp\.gate|mlp\.experts|mlp\.shared_experts|input_layernorm))?)$")
 
 
-def hf_engine(out: str, steps: int, bug: str | None) -> None:
+def hf_engine(out: str, steps: int, bug: str | None, n: int = PROMPT_LEN) -> None:
     import torch.nn.functional as F
     from transformers import DeepseekV4ForCausalLM
 
@@ -44,6 +45,8 @@ def hf_engine(out: str, steps: int, bug: str | None) -> None:
     if bug == "hf_sink_scaled":          # layer 2's sink logits multiplied by the softmax scale
         att = model.model.layers[2].self_attn
         att.sinks.data.mul_(att.scaling)
+    elif bug == "hf_indexer_weights_sign":  # layer 2's indexer head weights with the wrong sign
+        model.model.layers[2].self_attn.compressor.indexer.scorer.weights_proj.weight.data.neg_()  # BUG
     elif bug == "hf_silu_clamped":       # layer 3's routed experts clamp silu(gate) (at 0.05), not gate
         ex = model.model.layers[3].mlp.experts
 
@@ -56,7 +59,7 @@ def hf_engine(out: str, steps: int, bug: str | None) -> None:
         raise SystemExit(f"unknown hf bug {bug}")
     dumper = Dumper(out, metadata={"engine": "transformers", "bug": bug or ""})
     dumper.hook_modules(model, HF_MODULES)
-    ids = prompt(model.config.vocab_size)
+    ids = prompt(model.config.vocab_size, n)
     with torch.no_grad():
         o = model(input_ids=ids, use_cache=True)
         dumper.step(ids)
@@ -137,10 +140,11 @@ def main() -> None:
     p.add_argument("--bug", default=None)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     a = p.parse_args()
     torch.set_num_threads(1)
     if a.engine == "hf":
-        hf_engine(a.out, a.steps, a.bug)
+        hf_engine(a.out, a.steps, a.bug, a.prompt_len)
     else:
         zoo_engine(a.out, a.steps, a.bug, a.tp)
 
