@@ -6,6 +6,7 @@ clean dumps, localise each planted bug, reassemble shards and refuse bad dumps w
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -27,8 +28,7 @@ ZOO_TOL = "1e-4,**.hook_resid_post=1e-2"   # the zoo engine stores its streams i
 
 def write_dump(out: Path, engine: str, *args: str) -> Path:
     subprocess.run([sys.executable, str(ENGINE), engine, str(out), *args], check=True, cwd=ROOT,
-                   capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
-                                                        "OMP_NUM_THREADS": "1"})
+                   capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     return out
 
 
