@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dsv4lab.checkpoint",),
     ("dsv4lab.model",),
     ("dsv4lab.kernels",),
-    ("dsv4lab.decode", "dsv4lab.analysis", "dsv4lab.text", "dsv4lab.multidevice", "dsv4lab.train",
+    ("dsv4lab.decode", "dsv4lab.analysis", "dsv4lab.dump", "dsv4lab.text", "dsv4lab.multidevice", "dsv4lab.train",
      "dsv4lab.plan"),
     ("dsv4lab.bugzoo", "dsv4lab.precision"),
     ("dsv4lab.workbench", "dsv4lab.loading"),

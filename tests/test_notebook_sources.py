@@ -64,8 +64,8 @@ def documented() -> tuple[set[str], dict[str, set[str]]]:
     return common, per_notebook
 
 
-def test_there_are_seven_notebooks():
-    assert len(NOTEBOOKS) == 7, [p.name for p in NOTEBOOKS]
+def test_there_are_eight_notebooks():
+    assert len(NOTEBOOKS) == 8, [p.name for p in NOTEBOOKS]
 
 
 @each

@@ -47,7 +47,7 @@ def report(tmp_path_factory):
 def test_notebooks_1_to_6_run(report):
     out, s, _, _ = report
     status = {r["name"]: r["status"] for r in s["notebooks"]}
-    assert len(status) == 7
+    assert len(status) == 8
     for name, st in status.items():
         if not name.startswith("07_"):
             assert st == "ok", (name, [r["error"] for r in s["notebooks"] if r["name"] == name])
@@ -122,6 +122,14 @@ def test_06_triage(report):
     m = _m(report[0], "06_bug_triage_walkthrough")
     assert m["localised"] is True and m["zoo_triage_localized"] is True
     assert m["localised_component"] == BUG_COMPONENT and m["expected_components"] == [BUG_COMPONENT]
+
+
+def test_08_engine_dump(report):
+    """The demo dump (sink_scaled planted in layer 2, transformers' names) is localised by isolation."""
+    m = _m(report[0], "08_engine_dump")
+    assert m["first_divergence"] == "layers.2.attn.hook_out" and m["first_divergence_step"] == 0
+    assert m["culprit"] == "layers.2.attn" and m["localised"] is True
+    assert m["compared"] > 0 and m["steps"] == 3
 
 
 def test_07_nightly_clean_passes(report):
