@@ -95,12 +95,12 @@ def test_fp8_pow2_scales_are_powers_of_two_and_bound_amax():
 # ------------------------------------------------------------------------------ the policy words
 def test_official_policy_and_round_trip_words():
     off = PrecisionPolicy.parse("official")
-    assert off.default == Mode.OFFICIAL and set(off.round_trips) == set(ROUND_TRIPS)
+    assert off.default == Mode.W4A16 and set(off.round_trips) == set(ROUND_TRIPS)
     assert all(v is None for v in off.round_trips.values())
     one = PrecisionPolicy.parse("kv_fp8")
     assert one.default == Mode.W4A16 and one.round_trips == {RoundTrip.KV_FP8: None}
     pol = PrecisionPolicy.parse({"default": "official", "probs_bf16": False, ("head", None): "bf16"})
-    assert RoundTrip.PROBS_BF16 not in pol.round_trips and len(pol.round_trips) == 4
+    assert RoundTrip.PROBS_BF16 not in pol.round_trips and len(pol.round_trips) == 4 and pol.default == Mode.W4A16
     pol = PrecisionPolicy.parse({"default": "w4a8", "act_fp8_pow2": True, ("indexer_fp4", 1): True, "kv_fp8": [2, 3]})
     assert pol.round_trips_for(1) == {RoundTrip.ACT_FP8_POW2, RoundTrip.INDEXER_FP4}
     assert pol.round_trips_for(3) == {RoundTrip.ACT_FP8_POW2, RoundTrip.KV_FP8}

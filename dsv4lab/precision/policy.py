@@ -8,8 +8,11 @@ words of dsv4lab.quant.modes.
 
 Round trips (``RoundTrip``: ``act_fp8_pow2``, ``weight_before_w2``, ``kv_fp8``, ``indexer_fp4``,
 ``probs_bf16``) are switches on top of the modes, each on for all layers or a layer set. The
-word ``official`` as a whole policy (or as a mapping's ``default``) means every linear in mode
-``official`` and all five round trips on: what DeepSeek's reference inference code computes.
+word ``official`` as a whole policy (or as a mapping's ``default``) means ``w4a16`` with all five
+round trips on: what DeepSeek's reference inference code computes (so ``{"default": "official",
+"kv_fp8": False}`` is the reference without one of them). As a rule's mode, ``official`` puts
+those linears in the official linear (``act_fp8_pow2`` for them; routed experts also take the
+routing weight before w2).
 """
 from __future__ import annotations
 
@@ -70,8 +73,8 @@ class PrecisionPolicy:
 
     @classmethod
     def official(cls) -> "PrecisionPolicy":
-        """What DeepSeek's reference computes: every linear ``official``, all round trips on."""
-        return cls(default=Mode.OFFICIAL, round_trips={rt: None for rt in ROUND_TRIPS})
+        """What DeepSeek's reference computes: ``w4a16`` with all five round trips on."""
+        return cls(default=Mode.W4A16, round_trips={rt: None for rt in ROUND_TRIPS})
 
     @classmethod
     def parse(cls, spec) -> "PrecisionPolicy":
@@ -94,6 +97,7 @@ class PrecisionPolicy:
             default = spec.pop("default", Mode.W4A16)
             act = spec.pop("act_scale", ActScale.AMAX)
             trips: dict = {rt: None for rt in ROUND_TRIPS} if default == Mode.OFFICIAL else {}
+            default = Mode.W4A16 if default == Mode.OFFICIAL else default
             for name in spec.pop("round_trips", ()):
                 trips[as_round_trip(name)] = None
             rules = []
