@@ -237,3 +237,12 @@ def test_softmax_scoring_keeps_the_top_k_softmax_weights():
         probs = torch.softmax(F.linear(x, router.weight).float(), dim=-1)
     assert torch.allclose(w, probs.gather(1, ids) * cfg.routed_scaling_factor, atol=1e-6)
     assert (w.sum(-1) < cfg.routed_scaling_factor - 1e-3).all()   # not renormalised to the scale
+
+
+def test_indexer_fp4_on_an_index_head_dim_it_cannot_rotate_says_so():
+    m = random_model(tiny_config(), seed=0)              # index_head_dim 16
+    saved = precision_state(m)
+    with pytest.raises(ValueError, match=r"'indexer_fp4'.*has 16.*'indexer_fp4': False"):
+        apply_precision(m, "official")
+    assert precision_state(m) == saved
+    apply_precision(m, {"default": "official", "indexer_fp4": False})   # the rest runs

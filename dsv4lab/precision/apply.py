@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from ..checkpoint.reader import CheckpointReader
-from ..quant.modes import Mode, unknown_choice
+from ..quant.modes import Mode, RoundTrip, unknown_choice
 from .policy import PrecisionPolicy, linear_kind, linear_layer
 
 
@@ -113,6 +113,17 @@ def round_trip_modules(model) -> list:
     return [(name, m) for name, m in model.named_modules() if getattr(m, "ROUND_TRIPS", None)]
 
 
+def check_round_trips(model, policy: PrecisionPolicy) -> None:
+    """ValueError naming the round trip, the size and the fix when the model cannot run one:
+    ``indexer_fp4`` rotates by a Hadamard transform (power-of-two size) and rounds per 32."""
+    d = model.config.index_head_dim
+    if any(RoundTrip.INDEXER_FP4 in policy.round_trips_for(linear_layer(n)) for n, m in round_trip_modules(model)
+           if isinstance(getattr(m, "ROUND_TRIPS", None), tuple) and RoundTrip.INDEXER_FP4 in m.ROUND_TRIPS) \
+            and (d % 32 or d & (d - 1)):
+        raise ValueError(f"round trip 'indexer_fp4' needs index_head_dim a power of two and a multiple of 32, "
+                         f"this model has {d}; switch it off (e.g. {{'default': 'official', 'indexer_fp4': False}})")
+
+
 def set_round_trips(model, policy: PrecisionPolicy) -> list:
     """Each module's ``round_trips`` = the policy's round trips on for its layer that it has.
     Returns (name, before, after) of the modules that changed."""
@@ -140,6 +151,7 @@ def apply_precision(model, policy, originals: Originals | None = None) -> dict:
     ``bf16``/``orig`` linear holds its dense copy)."""
     policy = PrecisionPolicy.parse(policy)
     check_targets(model, policy)
+    check_round_trips(model, policy)
     plan = [(name, ql, *policy.mode_for(name)) for name, ql in model.qlinears()]
     aside = displaced(model)
     if originals is None:
