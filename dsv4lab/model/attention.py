@@ -83,17 +83,19 @@ class Attention(nn.Module):
             # the reference kernel: e = exp(l - max over keys); P.V with e rounded to bf16 and
             # fp32 accumulators; then divided by sum(e) + exp(sink - max), in fp32
             m = logits.float().amax(dim=-1, keepdim=True)
-            e = torch.exp(logits.float() - m)
             e_sink = torch.exp(sinks.float() - m)
-            denom = e.sum(dim=-1, keepdim=True) + e_sink
-            e16 = e.to(torch.bfloat16).float()
-            shown = torch.cat([e16, e_sink], dim=-1) / denom
-            probs = self.hook_probs(shown)
-            self._last_probs = probs if self.training else None
-            if probs is shown:
-                out = torch.matmul(e16, keys.float().unsqueeze(1)) / denom
-            else:  # a hook replaced the probabilities: use them
-                out = torch.matmul(probs[..., :-1].float(), keys.float().unsqueeze(1))
+            e16 = torch.exp(logits.float() - m)
+            denom = e16.sum(dim=-1, keepdim=True) + e_sink   # the fp32 sum of the unrounded e
+            e16 = e16.to(torch.bfloat16).float()              # replaces e: one [B,H,S,L] fp32 transient held
+            self._last_probs = None
+            if self.hook_probs.active or self.training:       # materialise the probabilities only to show them
+                shown = torch.cat([e16, e_sink], dim=-1) / denom
+                probs = self.hook_probs(shown)
+                self._last_probs = probs if self.training else None
+                if probs is not shown:  # a hook replaced the probabilities: use them
+                    out = torch.matmul(probs[..., :-1].float(), keys.float().unsqueeze(1))
+                    return out.to(keys.dtype).transpose(1, 2)
+            out = torch.matmul(e16, keys.float().unsqueeze(1)) / denom
             return out.to(keys.dtype).transpose(1, 2)
         combined = torch.cat([logits, sinks], dim=-1)
         combined = combined - combined.amax(dim=-1, keepdim=True)
