@@ -105,8 +105,9 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
     """Load a DSV4 checkpoint (any supported layout/format) lazily, shard by shard.
 
     ``device_map``: layer index -> device (list or dict); embedding goes with layer 0, the head
-    with the last layer. ``precision``: a mode for every linear ("bf16"/"w4a16"/"w4a4"/"w4a8") or a
-    policy object (dsv4lab.precision). ``dequantize=True`` turns quantised weights dense at load.
+    with the last layer. ``precision``: a mode for every linear ("bf16"/"w4a16"/"w4a4"/"w4a8"),
+    "official" (DeepSeek's reference numerics: docs/precision.md), a round-trip name, or a policy
+    (dsv4lab.precision). ``dequantize=True`` turns quantised weights dense at load.
     ``kernels``: ``"auto"`` installs the Triton kernels (``use_kernels``: NVFP4 linears and the
     fused MoE decode) on the components placed on CUDA when ``dsv4lab.kernels.dispatch.have_triton_cuda()``
     (``DSV4LAB_NO_KERNELS=1`` turns that off), the reference elsewhere; ``True`` requires them

@@ -96,6 +96,9 @@ def test_03_precision(report):
     assert m["kl.all_w4a4"] >= m["kl.all_w4a16"] * 0.5
     assert m["floor.kl_monotone"] is True and m["floor.final_kl"] <= m["kl.all_w4a4"]
     assert set(m["sweep.rescue_kl"]) >= {"(base)", "head", "router", "experts"}
+    assert set(m["round_trips.kl"]) == {"(base)", "act_fp8_pow2", "weight_before_w2", "kv_fp8", "indexer_fp4",
+                                        "probs_bf16", "official (all five)"}
+    assert all(math.isfinite(v) and v >= 0 for v in m["round_trips.kl"].values())
 
 
 def test_04_compressor(report):

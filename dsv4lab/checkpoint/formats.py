@@ -8,6 +8,11 @@ Formats (DESIGN.md section 3):
 * ``fp8_block``: ``weight`` e4m3 ``[out, in]`` + ``scale`` (or ``weight_scale_inv``) fp32 / e8m0
   ``[ceil(out/128), ceil(in/128)]``;
 * ``mxfp4``: ``weight`` int8/uint8 ``[out, in/2]`` + e8m0 (or uint8) ``scale`` ``[out, in/32]``.
+
+Packed FP4 weights come in two encodings of the same bytes (low nibble = even element): the
+release's ``I8``/``U8`` with the BYTE shape ``[out, in/2]``, and safetensors' ``F4``
+(``float4_e2m1fn_x2``, what DeepSeek's ``convert.py`` writes) whose header gives the ELEMENT
+shape ``[out, in]`` (torch reads it back as ``[out, in/2]`` x2).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ class FormatInfo:
     format: str
     logical_shape: tuple[int, ...]          # shape of the dequantised weight
     roles: dict                             # role -> suffix in the checkpoint ("scale" may be "weight_scale_inv")
+    fp4_elements: bool = False              # packed FP4 stored as F4: the header shape counts elements
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -61,6 +67,8 @@ def detect_format(parts: Mapping[str, tuple[str, Sequence[int]]], where: str = "
     if len(ws) != 2:
         raise unknown(f"a {wd} weight must be 2-D")
     out, cols = ws
+    f4 = wd == "F4"               # header shape [out, in] (elements), not [out, in/2] (bytes)
+    packed_in = cols if f4 else cols * 2
     if wd in _PACKED and "weight_scale" in parts and "weight_scale_2" in parts:
         sd = parts["weight_scale"][0]
         if sd != "F8_E4M3":
@@ -73,7 +81,7 @@ def detect_format(parts: Mapping[str, tuple[str, Sequence[int]]], where: str = "
         extra = aux - set(roles)
         if extra:
             raise unknown(f"unexpected extra tensors {sorted(extra)} next to an NVFP4 weight")
-        return FormatInfo("nvfp4", (out, cols * 2), roles)
+        return FormatInfo("nvfp4", (out, packed_in), roles, f4)
     scale_key = "scale" if "scale" in parts else ("weight_scale_inv" if "weight_scale_inv" in parts else None)
     if wd == "F8_E4M3" and scale_key is not None:
         sd = parts[scale_key][0]
@@ -85,12 +93,13 @@ def detect_format(parts: Mapping[str, tuple[str, Sequence[int]]], where: str = "
     if wd in _PACKED and scale_key == "scale" and parts["scale"][0] in ("F8_E8M0", "U8"):
         if aux - {"scale"}:
             raise unknown(f"unexpected extra tensors {sorted(aux - {'scale'})} next to an MXFP4 weight")
-        return FormatInfo("mxfp4", (out, cols * 2), {"weight": "weight", "scale": "scale"})
+        return FormatInfo("mxfp4", (out, packed_in), {"weight": "weight", "scale": "scale"}, f4)
     raise unknown("no rule matches")
 
 
-def stored_shapes(fmt: str, logical: Sequence[int]) -> dict[str, tuple[int, ...]]:
-    """The shape each stored tensor of a linear must have for a logical ``[out, in]`` weight.
+def stored_shapes(fmt: str, logical: Sequence[int], fp4_elements: bool = False) -> dict[str, tuple[int, ...]]:
+    """The shape each stored tensor of a linear must have for a logical ``[out, in]`` weight
+    (``fp4_elements``: a packed FP4 weight stored as ``F4``, whose header shape is ``[out, in]``).
 
     Scalars (``weight_scale_2``, ``input_scale``) are ``()``; any one-element shape is accepted.
     """
@@ -98,11 +107,12 @@ def stored_shapes(fmt: str, logical: Sequence[int]) -> dict[str, tuple[int, ...]
     if fmt == "plain":
         return {"weight": logical}
     out, inp = logical
+    packed = (out, inp) if fp4_elements else (out, inp // 2)
     if fmt == "nvfp4":
-        return {"weight": (out, inp // 2), "weight_scale": (out, inp // NVFP4_GROUP),
+        return {"weight": packed, "weight_scale": (out, inp // NVFP4_GROUP),
                 "weight_scale_2": _SCALAR, "input_scale": _SCALAR}
     if fmt == "mxfp4":
-        return {"weight": (out, inp // 2), "scale": (out, inp // MXFP4_GROUP)}
+        return {"weight": packed, "scale": (out, inp // MXFP4_GROUP)}
     if fmt == "fp8_block":
         return {"weight": (out, inp), "scale": (-(-out // FP8_BLOCK), -(-inp // FP8_BLOCK))}
     raise ValueError(f"unknown format {fmt!r}")

@@ -355,7 +355,7 @@ class CheckpointReader:
         exp = self.expected.get(base + ".weight") if self.config is not None else None
         if exp is not None:
             logical = exp.shape
-        want = _stored_shapes(fi.format, logical) if len(logical) == 2 or fi.format == "plain" else {}
+        want = _stored_shapes(fi.format, logical, fi.fp4_elements) if len(logical) == 2 or fi.format == "plain" else {}
         for role, suffix in fi.roles.items():
             e = parts[suffix]
             w = want.get(role)
@@ -404,7 +404,10 @@ class CheckpointReader:
                 t = h.get_tensor(e.raw_key)
         except Exception as ex:  # noqa: BLE001
             raise CheckpointError(f"{e.where}: cannot read ({ex})") from None
-        if tuple(t.shape) != tuple(e.shape):
+        want = tuple(e.shape)
+        if e.dtype == "F4" and want:  # the header counts FP4 elements, torch two per byte
+            want = want[:-1] + (want[-1] // 2,)
+        if tuple(t.shape) != want:
             raise CheckpointError(f"{e.where}: read shape {tuple(t.shape)} but header says {e.shape}")
         return t
 
@@ -523,8 +526,8 @@ class CheckpointReader:
 
 
 @functools.lru_cache(maxsize=4096)
-def _stored_shapes(fmt: str, logical: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    return stored_shapes(fmt, logical)
+def _stored_shapes(fmt: str, logical: tuple[int, ...], fp4_elements: bool = False) -> dict[str, tuple[int, ...]]:
+    return stored_shapes(fmt, logical, fp4_elements)
 
 
 def iter_sorted(names: Iterable[str]) -> list[str]:

@@ -24,13 +24,15 @@ PLAIN = (bool, int, float, str, type(None))
 
 def module_switches(mod: torch.nn.Module) -> tuple:
     """Every public attribute of ``mod`` that can steer its forward: plain values (flags such as
-    ``Attention.use_compressed``, ``Indexer.enabled``, ``QLinear.mode``) by value, objects
+    ``Attention.use_compressed``, ``Indexer.enabled``, ``QLinear.mode``, ``round_trips``) by value, objects
     (weights, kernels, sub-configs) by identity. Listed generically so a new flag cannot be missed."""
     out = []
     for key, value in vars(mod).items():
         if key.startswith("_") or key in PER_RUN_ATTRIBUTES:
             continue
-        out.append((key, value if isinstance(value, PLAIN) else id(value)))
+        if isinstance(value, (frozenset, tuple)) and all(isinstance(v, PLAIN) for v in value):
+            value = tuple(sorted(map(str, value))) if isinstance(value, frozenset) else value  # e.g. round_trips
+        out.append((key, value if isinstance(value, (PLAIN, tuple)) else id(value)))
     return tuple(out)
 
 

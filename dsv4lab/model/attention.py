@@ -4,6 +4,11 @@ q = RoPE(rms(wq_b(q_norm(wq_a(x))))) per head; kv = RoPE(kv_norm(wkv(x))) (one h
 logits over [sliding-window keys | compressed entries] scaled by head_dim^-0.5, a learned per-head
 sink logit joins the softmax (not scaled), masked slots get -inf. The output's rope slice is
 rotated back (RoPE at -pos), then the grouped projection wo_a (per group) and wo_b.
+
+Round trips of DeepSeek's reference (``round_trips``, set by dsv4lab.precision): ``kv_fp8``
+puts the new KV's non-RoPE dims through FP8 per 64 with power-of-two scales after kv_norm and
+RoPE (the window ring stores that); ``probs_bf16`` rounds the unnormalised probabilities
+exp(l - max) to bf16 before P.V and divides by their fp32 sum (sink included) afterwards.
 """
 from __future__ import annotations
 
@@ -11,16 +16,20 @@ import torch
 from torch import nn
 
 from ..config import CSA, SLIDING, DSV4Config
+from ..quant.modes import RoundTrip
 from .compressor import Compressor
 from .hooks import HookPoint
 from .indexer import Indexer
 from .linear import QLinear
 from .norms import RMSNorm, unweighted_rms_norm
 from .rope import Rotary, apply_rope
+from .roundtrips import kv_fp8_round_trip
 from .state import LayerState
 
 
 class Attention(nn.Module):
+    ROUND_TRIPS = (RoundTrip.KV_FP8, RoundTrip.PROBS_BF16)
+
     def __init__(self, config: DSV4Config, layer: int) -> None:
         super().__init__()
         c = config
@@ -44,6 +53,7 @@ class Attention(nn.Module):
         self.compressor = None if self.layer_type == SLIDING else Compressor(c, c.head_dim, self.ratio, self.layer_type == CSA)
         self.indexer = Indexer(c, self.ratio) if self.layer_type == CSA else None
         self.use_compressed = True  # False: attend the sliding window only (ablation)
+        self.round_trips: frozenset = frozenset()  # of RoundTrip; set by dsv4lab.precision
         self.hook_q = HookPoint("queries [B,S,H,Dh] after norm and RoPE")
         self.hook_kv = HookPoint("new shared K=V [B,S,Dh] after kv_norm and RoPE")
         self.hook_probs = HookPoint("attention probabilities [B,H,S,L+1], last column = sink")
@@ -57,7 +67,10 @@ class Attention(nn.Module):
         q = unweighted_rms_norm(q, self.eps)
         cos, sin = self.rotary(positions)  # [S, rd/2]
         q = self.hook_q(apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)))
-        kv = self.hook_kv(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        if RoundTrip.KV_FP8 in self.round_trips:
+            kv = kv_fp8_round_trip(kv, cos.shape[-1] * 2)
+        kv = self.hook_kv(kv)
         return q_res, q, kv, cos, sin
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -66,6 +79,24 @@ class Attention(nn.Module):
         logits = torch.matmul(q.transpose(1, 2), keys.unsqueeze(1).transpose(-1, -2)) * self.scale  # [B,H,S,L]
         logits = logits + bias.unsqueeze(1).to(logits.dtype)
         sinks = self.sink.to(logits.dtype).view(1, H, 1, 1).expand(B, H, S, 1)
+        if RoundTrip.PROBS_BF16 in self.round_trips:
+            # the reference kernel: e = exp(l - max over keys); P.V with e rounded to bf16 and
+            # fp32 accumulators; then divided by sum(e) + exp(sink - max), in fp32
+            m = logits.float().amax(dim=-1, keepdim=True)
+            e_sink = torch.exp(sinks.float() - m)
+            e16 = torch.exp(logits.float() - m)
+            denom = e16.sum(dim=-1, keepdim=True) + e_sink   # the fp32 sum of the unrounded e
+            e16 = e16.to(torch.bfloat16).float()              # replaces e: one [B,H,S,L] fp32 transient held
+            self._last_probs = None
+            if self.hook_probs.active or self.training:       # materialise the probabilities only to show them
+                shown = torch.cat([e16, e_sink], dim=-1) / denom
+                probs = self.hook_probs(shown)
+                self._last_probs = probs if self.training else None
+                if probs is not shown:  # a hook replaced the probabilities: use them
+                    out = torch.matmul(probs[..., :-1].float(), keys.float().unsqueeze(1))
+                    return out.to(keys.dtype).transpose(1, 2)
+            out = torch.matmul(e16, keys.float().unsqueeze(1)) / denom
+            return out.to(keys.dtype).transpose(1, 2)
         combined = torch.cat([logits, sinks], dim=-1)
         combined = combined - combined.amax(dim=-1, keepdim=True)
         probs = self.hook_probs(torch.softmax(combined, dim=-1))

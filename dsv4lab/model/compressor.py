@@ -5,6 +5,10 @@ position w*ratio. The position bias ``ape`` goes into the softmax logits only, n
 HCA: the window's own ``ratio`` tokens. CSA (``overlap``): projections are 2*d wide, halves Ca|Cb;
 entry w pools Ca of window w-1 and Cb of window w over 2*ratio slots (window 0's Ca slots are
 empty: weight 0). The softmax runs per channel over the slots, in fp32.
+
+Round trips (``round_trips``, set by dsv4lab.precision): the attention's compressor takes
+``kv_fp8`` on its entries (non-RoPE dims, FP8 per 64); the indexer's (``rotate``) takes
+``indexer_fp4`` (Hadamard rotation, FP4 per 32), as DeepSeek's reference does after norm and RoPE.
 """
 from __future__ import annotations
 
@@ -12,16 +16,21 @@ import torch
 from torch import nn
 
 from ..config import DSV4Config
+from ..quant.modes import RoundTrip
 from .hooks import HookPoint
 from .linear import QLinear
 from .norms import RMSNorm
 from .rope import Rotary, apply_rope
+from .roundtrips import indexer_fp4_round_trip, kv_fp8_round_trip
 from .state import CompressorState
 
 
 class Compressor(nn.Module):
-    def __init__(self, config: DSV4Config, dim: int, ratio: int, overlap: bool) -> None:
+    def __init__(self, config: DSV4Config, dim: int, ratio: int, overlap: bool, rotate: bool = False) -> None:
         super().__init__()
+        self.rotate = rotate  # the indexer's keys: its round trip is indexer_fp4, not kv_fp8
+        self.ROUND_TRIPS = (RoundTrip.INDEXER_FP4,) if rotate else (RoundTrip.KV_FP8,)
+        self.round_trips: frozenset = frozenset()  # of RoundTrip; set by dsv4lab.precision
         self.dim = dim
         self.ratio = ratio
         self.overlap = overlap
@@ -51,7 +60,12 @@ class Compressor(nn.Module):
             pooled = (kv_slots * w.to(kv_slots.dtype)).sum(dim=2)
         entries = self.norm(pooled)
         cos, sin = self.rotary(window_idx * self.ratio)
-        return self.hook_entries(apply_rope(entries, cos, sin))
+        entries = apply_rope(entries, cos, sin)
+        if self.rotate and RoundTrip.INDEXER_FP4 in self.round_trips:
+            entries = indexer_fp4_round_trip(entries)
+        elif not self.rotate and RoundTrip.KV_FP8 in self.round_trips:
+            entries = kv_fp8_round_trip(entries, cos.shape[-1] * 2)
+        return self.hook_entries(entries)
 
     def _slots(self, kv_w: torch.Tensor, gate_w: torch.Tensor, prev_kv: torch.Tensor, prev_gate: torch.Tensor):
         """Per-window slots from window-shaped projections [B,n,m,c*d] (+ the window before)."""

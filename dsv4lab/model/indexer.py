@@ -5,6 +5,10 @@ w = weights_proj(x) / sqrt(index_n_heads), q = RoPE(wq_b(q_residual)) (compress 
 and K the indexer's own compressed keys (a CSA-style compressor at index_head_dim). Keys are one
 shared set for all heads. Entries not yet closed for a query (s >= (t+1)//ratio) are excluded;
 selections past the valid range come back as -1.
+
+``indexer_fp4`` (DeepSeek's reference): q after RoPE and the keys (the compressor's entries)
+are rotated by a normalised Walsh-Hadamard transform and round-tripped through FP4 per 32 with
+power-of-two scales; the scores use the rotated, rounded q and k.
 """
 from __future__ import annotations
 
@@ -12,13 +16,17 @@ import torch
 from torch import nn
 
 from ..config import DSV4Config
+from ..quant.modes import RoundTrip
 from .compressor import Compressor
 from .hooks import HookPoint
 from .linear import QLinear
 from .rope import Rotary, apply_rope
+from .roundtrips import indexer_fp4_round_trip
 
 
 class Indexer(nn.Module):
+    ROUND_TRIPS = (RoundTrip.INDEXER_FP4,)  # q here, k in its compressor (set together)
+
     def __init__(self, config: DSV4Config, ratio: int) -> None:
         super().__init__()
         self.n_heads = config.index_n_heads
@@ -27,7 +35,8 @@ class Indexer(nn.Module):
         self.ratio = ratio
         self.wq_b = QLinear(config.q_lora_rank, self.n_heads * self.head_dim)
         self.weights_proj = QLinear(config.hidden_size, self.n_heads)
-        self.compressor = Compressor(config, self.head_dim, ratio, overlap=True)
+        self.compressor = Compressor(config, self.head_dim, ratio, overlap=True, rotate=True)
+        self.round_trips: frozenset = frozenset()  # of RoundTrip; set by dsv4lab.precision
         self.rotary = Rotary(config, "compress")
         self.enabled = True
         self.train_dense = False  # training: attend every closed entry while the indexer distils
@@ -40,7 +49,10 @@ class Indexer(nn.Module):
         B, S, _ = x.shape
         q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
         cos, sin = self.rotary(positions)
-        q = self.hook_q(apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)))
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        if RoundTrip.INDEXER_FP4 in self.round_trips:
+            q = indexer_fp4_round_trip(q)
+        q = self.hook_q(q)
         s = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1))  # [B,S,H,T]
         s = torch.relu(s) * self.head_dim ** -0.5
         w = self.weights_proj(x).float() * self.n_heads ** -0.5

@@ -5,9 +5,15 @@ Modes (DESIGN section 4; the words are dsv4lab.quant.modes, shared with the poli
   ``w4a16``  quantised weight kept as stored, dequantised per call (Hopper's FP4 path);
   ``w4a4``   activations also fake-quantised to NVFP4 (global scale from runtime amax or the
              checkpoint ``input_scale``: ``act_scale``);
-  ``w4a8``   activations fake-quantised to FP8 per 128 block (official expert math).
+  ``w4a8``   activations fake-quantised to FP8 per 128 block, fp32 scales amax/448 (power-of-two
+             scales with the ``act_fp8_pow2`` round trip);
+  ``official`` DeepSeek's reference ``linear()``: a quantised (FP8/FP4) weight gets its input FP8
+             per 128 with power-of-two scales, a plain weight runs plain.
 A plain (unquantised) weight is an ``nn.Parameter`` and runs densely whatever the mode, except
-that ``w4a4``/``w4a8`` still quantise its activations.
+that ``w4a4``/``w4a8`` still quantise its activations. ``round_trips`` holds the policy's
+round-trip switches for this linear (only ``act_fp8_pow2`` applies: ``w4a16`` then behaves as
+``official``). The grouped use (wo_a) never takes the official activation round trip: the
+reference runs wo_a as a BF16 einsum.
 """
 from __future__ import annotations
 
@@ -18,15 +24,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quant import activations as A
-from ..quant.modes import LINEAR_MODES, ActScale, Mode, as_act_scale, as_mode
+from ..quant.modes import LINEAR_MODES, ActScale, Mode, RoundTrip, as_act_scale, as_mode
 from ..quant.weights import NVFP4Weight, PlainWeight, QuantWeight
 
 MODES = LINEAR_MODES
-ACT_FOR_MODE = {Mode.BF16: "none", Mode.W4A16: "none", Mode.W4A4: "nvfp4", Mode.W4A8: "fp8"}
+ACT_FOR_MODE = {Mode.BF16: "none", Mode.W4A16: "none", Mode.W4A4: "nvfp4", Mode.W4A8: "fp8", Mode.OFFICIAL: "fp8_pow2"}
 
 
 class QLinear(nn.Module):
     """Linear y = x W^T with a plain Parameter or a QuantWeight, under a precision mode."""
+
+    ROUND_TRIPS = (RoundTrip.ACT_FP8_POW2,)  # the round trips a policy can switch on here
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -36,6 +44,7 @@ class QLinear(nn.Module):
         self.qweight = None  # dsv4lab.quant.weights.QuantWeight when quantised
         self.mode = Mode.W4A16
         self.act_scale = ActScale.AMAX
+        self.round_trips: frozenset = frozenset()  # of RoundTrip; set by dsv4lab.precision
         self._dense_cache: torch.Tensor | None = None
         self.kernel: Callable | None = None  # optional fast path f(x, qweight) -> y
         self.act_kernel: Callable | None = None  # optional NVFP4 activation fake quant f(x, gs), bit-exact
@@ -94,13 +103,23 @@ class QLinear(nn.Module):
         return n
 
     # ---------------------------------------------------------------- compute
-    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
-        act = ACT_FOR_MODE[self.mode]
+    def act_format(self, grouped: bool = False) -> str:
+        """How this linear's input is quantised: "none", "nvfp4", "fp8" or "fp8_pow2"."""
+        pow2 = RoundTrip.ACT_FP8_POW2 in self.round_trips
+        if self.mode == Mode.W4A8:
+            return "fp8_pow2" if pow2 else "fp8"
+        if self.mode == Mode.OFFICIAL or (pow2 and self.mode == Mode.W4A16):
+            return "fp8_pow2" if self.quantized and not grouped else "none"
+        return ACT_FOR_MODE[self.mode]
+
+    def quantize_input(self, x: torch.Tensor, grouped: bool = False) -> torch.Tensor:
+        act = self.act_format(grouped)
         if act == "none":
             return x
-
         if act == "fp8":
             return A.fake_quant_fp8_block(x)
+        if act == "fp8_pow2":
+            return A.fake_quant_fp8_block(x, scale_format="e8m0")
         if self.act_scale == ActScale.INPUT_SCALE:
             scale = getattr(self.qweight, "input_scale", None) if self.qweight is not None else None
             if scale is None:
@@ -135,7 +154,7 @@ class QLinear(nn.Module):
 
     def grouped(self, x: torch.Tensor, groups: int) -> torch.Tensor:
         """Block-diagonal use (grouped output projection): x [..., G, in] -> [..., G, out/G]."""
-        x = self.quantize_input(x)
+        x = self.quantize_input(x, grouped=True)
         if self.uses_kernel() and self.qweight.format == "nvfp4":  # one kernel call per row block
             xg = x.movedim(-2, 0).contiguous()  # [G, ..., in]
             return torch.stack([self.kernel(xg[g], wg) for g, wg in enumerate(self._group_weights(groups))], dim=-2)

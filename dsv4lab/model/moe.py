@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import HASH_MOE, DSV4Config
-from ..quant.modes import Mode
+from ..quant.modes import Mode, RoundTrip
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
 from .expert_stack import ExpertStack
 from .hooks import HookPoint
@@ -59,7 +59,8 @@ class Router(QLinear):
             ids = torch.topk(scores + self.bias.float(), self.top_k, dim=-1, sorted=False).indices
         ids = self.hook_ids(ids)
         w = scores.gather(1, ids)
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.scoring != "softmax":
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return ids, self.hook_weights(w * self.scale)
 
 
@@ -73,8 +74,13 @@ class Expert(nn.Module):
         self.w3 = QLinear(config.hidden_size, config.moe_intermediate_size)
         self.w2 = QLinear(config.moe_intermediate_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """w2(swiglu); ``weight`` [T, 1] (the routing weight) multiplies the SwiGLU output
+        before w2 (the official order) when given."""
+        h = clamped_swiglu(self.w1(x), self.w3(x), self.limit)
+        if weight is not None:
+            h = h * weight.to(h.dtype)
+        return self.w2(h)
 
 
 class SharedExpert(Expert):
@@ -95,9 +101,13 @@ class Experts(nn.Module):
     over ``dsv4lab.quant.stacked.StackedNVFP4`` / ``StackedMXFP4`` stacks (``dsv4lab.kernels.dispatch.moe_decode``,
     installed by ``use_kernels``). Graph-safe decode calls it instead of the reference when every
     projection is NVFP4 (or every one MXFP4), the mode is ``w4a16`` (no activation quant), x is on one of ``kernel_devices`` and
-    ``hook_expert_out`` is not active (it needs per-expert outputs: the reference runs then)."""
+    ``hook_expert_out`` is not active (it needs per-expert outputs: the reference runs then).
+
+    ``weight_before_w2`` (the round trip of that name, or ``w4a8`` / ``official`` experts): each
+    expert gets its routing weight before w2; ``hook_expert_out`` then shows weighted outputs."""
 
     kernel_devices = ("cuda",)
+    ROUND_TRIPS = (RoundTrip.WEIGHT_BEFORE_W2,)
 
     def __init__(self, config: DSV4Config) -> None:
         super().__init__()
@@ -108,6 +118,7 @@ class Experts(nn.Module):
         self._stack = None
         self._kernel_stacks = None  # (ExpertStack, (w1, w3, w2) StackedNVFP4/StackedMXFP4 views of it)
         self.kernel = None  # optional fused decode fast path (see the class docstring)
+        self.round_trips: frozenset = frozenset()  # of RoundTrip; set by dsv4lab.precision
         self.gather_in_decode = config.n_routed_experts > 16  # small E: the masked loop is as cheap
         self.hook_expert_out = HookPoint("per-token chosen experts' outputs [T,k,D], unweighted")
         self.hook_out = HookPoint("routed sum [T,D]")
@@ -118,11 +129,19 @@ class Experts(nn.Module):
     def __len__(self) -> int:
         return self.n_experts
 
+    @property
+    def weight_before_w2(self) -> bool:
+        """Does the routing weight multiply SwiGLU(gate, up) before w2? The round trip, or
+        experts whose w2 runs ``w4a8`` / ``official`` (DeepSeek's expert order)."""
+        return (RoundTrip.WEIGHT_BEFORE_W2 in self.round_trips
+                or self[0].w2.mode in (Mode.W4A8, Mode.OFFICIAL))
+
     def stack(self):
         """The stacked view of the expert weights (built once, rebuilt if a weight was swapped);
         None when the experts cannot share one stack (mixed formats or modes, or a replaced
         expert implementation)."""
-        modes = {(getattr(self[e], p).mode, getattr(self[e], p).act_scale) for e in range(self.n_experts) for p in ExpertStack.PROJ}
+        modes = {(getattr(self[e], p).mode, getattr(self[e], p).act_scale, getattr(self[e], p).round_trips)
+                 for e in range(self.n_experts) for p in ExpertStack.PROJ}
         if len(modes) != 1 or any(type(self[e]) is not Expert for e in range(self.n_experts)):
             return None
         if self._stack is None or self._stack.key != ExpertStack.identity(self):
@@ -137,7 +156,8 @@ class Experts(nn.Module):
         checks only: no device syncs.)"""
         return (self.kernel is not None and stack is not None
                 and len({stack.formats[p] for p in stack.PROJ}) == 1 and stack.formats["w1"] in ("nvfp4", "mxfp4")
-                and self[0].w1.mode == Mode.W4A16  # stack() guarantees one mode for every projection
+                # stack() guarantees one mode for every projection; the kernel quantises nothing
+                and self[0].w1.act_format() == "none" and not self.weight_before_w2
                 and x.device.type in self.kernel_devices
                 # a replaced linear (e.g. another quantize_input) is not what the kernel computes
                 and all(type(getattr(self[e], p)) is QLinear for e in range(self.n_experts) for p in stack.PROJ))
@@ -169,9 +189,13 @@ class Experts(nn.Module):
         dt = x.dtype
         gate = torch.bmm(stack.gather("w1", flat, dt), xr).squeeze(-1)
         up = torch.bmm(stack.gather("w3", flat, dt), xr).squeeze(-1)
-        h = self[0].w2.quantize_input(clamped_swiglu(gate, up, self.limit)).unsqueeze(-1)
+        h = clamped_swiglu(gate, up, self.limit)
+        before = self.weight_before_w2
+        if before:
+            h = h * weights.reshape(-1, 1).to(h.dtype)
+        h = self[0].w2.quantize_input(h).unsqueeze(-1)
         y = torch.bmm(stack.gather("w2", flat, dt), h).squeeze(-1).view(T, k, D)
-        return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1), y
+        return (y.sum(1) if before else (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)), y
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, graph_safe: bool = False) -> torch.Tensor:
         T, D = x.shape
@@ -188,20 +212,22 @@ class Experts(nn.Module):
             if want_each:
                 self.hook_expert_out(each_g)
             return self.hook_out(out)
+        before = self.weight_before_w2
         if graph_safe:
             for e in range(self.n_experts):
                 expert = self[e]
                 hit = ids == e  # [T,k]
                 w_e = (weights * hit).sum(-1, keepdim=True)
-                y = expert(x)
-                out = out + (y * w_e.to(y.dtype))
+                y = expert(x, w_e) if before else expert(x)
+                out = out + (y if before else y * w_e.to(y.dtype))
                 if want_each:
                     each = each + hit.unsqueeze(-1).to(y.dtype) * y.unsqueeze(1)
         else:
             for e in torch.unique(ids).tolist():
                 pos_t, pos_k = torch.where(ids == e)
-                y = self[e](x[pos_t])
-                out.index_add_(0, pos_t, (y * weights[pos_t, pos_k, None].to(y.dtype)).to(out.dtype))
+                w_e = weights[pos_t, pos_k, None]
+                y = self[e](x[pos_t], w_e) if before else self[e](x[pos_t])
+                out.index_add_(0, pos_t, (y if before else y * w_e.to(y.dtype)).to(out.dtype))
                 if want_each:
                     each[pos_t, pos_k] = y.to(each.dtype)
         if want_each:

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from ..checkpoint.reader import CheckpointReader
-from ..quant.modes import Mode, unknown_choice
+from ..quant.modes import Mode, RoundTrip, unknown_choice
 from .policy import PrecisionPolicy, linear_kind, linear_layer
 
 
@@ -107,6 +107,35 @@ def check_targets(model, policy: PrecisionPolicy) -> None:
             raise UnknownTargetError(f"{err} -- the rule {r.describe()!r} matches no linear of the model{where}")
 
 
+def round_trip_modules(model) -> list:
+    """(name, module) of every module a round trip can switch (``ROUND_TRIPS`` non-empty):
+    QLinears, attentions, compressors, indexers, routed experts."""
+    return [(name, m) for name, m in model.named_modules() if getattr(m, "ROUND_TRIPS", None)]
+
+
+def check_round_trips(model, policy: PrecisionPolicy) -> None:
+    """ValueError naming the round trip, the size and the fix when the model cannot run one:
+    ``indexer_fp4`` rotates by a Hadamard transform (power-of-two size) and rounds per 32."""
+    d = model.config.index_head_dim
+    if any(RoundTrip.INDEXER_FP4 in policy.round_trips_for(linear_layer(n)) for n, m in round_trip_modules(model)
+           if isinstance(getattr(m, "ROUND_TRIPS", None), tuple) and RoundTrip.INDEXER_FP4 in m.ROUND_TRIPS) \
+            and (d % 32 or d & (d - 1)):
+        raise ValueError(f"round trip 'indexer_fp4' needs index_head_dim a power of two and a multiple of 32, "
+                         f"this model has {d}; switch it off (e.g. {{'default': 'official', 'indexer_fp4': False}})")
+
+
+def set_round_trips(model, policy: PrecisionPolicy) -> list:
+    """Each module's ``round_trips`` = the policy's round trips on for its layer that it has.
+    Returns (name, before, after) of the modules that changed."""
+    changed = []
+    for name, m in round_trip_modules(model):
+        on = policy.round_trips_for(linear_layer(name)) & frozenset(m.ROUND_TRIPS)
+        if on != m.round_trips:
+            changed.append((name, m.round_trips, on))
+            m.round_trips = on
+    return changed
+
+
 def displaced(model) -> dict:
     """name -> the quantised weight an ``orig`` swap put aside (held on the model)."""
     d = model.__dict__.get("precision_displaced")
@@ -122,6 +151,7 @@ def apply_precision(model, policy, originals: Originals | None = None) -> dict:
     ``bf16``/``orig`` linear holds its dense copy)."""
     policy = PrecisionPolicy.parse(policy)
     check_targets(model, policy)
+    check_round_trips(model, policy)
     plan = [(name, ql, *policy.mode_for(name)) for name, ql in model.qlinears()]
     aside = displaced(model)
     if originals is None:
@@ -153,25 +183,28 @@ def apply_precision(model, policy, originals: Originals | None = None) -> dict:
                 after += held.nbytes + ql.out_features * ql.in_features * model.dtype.itemsize
             else:
                 after += ql.memory_bytes()
+        trips = set_round_trips(model, policy)
     except BaseException:
         restore_precision(model, saved)
         raise
     model.precision_policy = policy
-    return {"changed": changed, "bytes_before": before, "bytes_after": after, "delta_bytes": after - before}
+    return {"changed": changed, "round_trips_changed": trips, "bytes_before": before, "bytes_after": after, "delta_bytes": after - before}
 
 
 @dataclass(eq=False)
 class PrecisionState:
     """What :func:`restore_precision` puts back: every linear's (mode, act_scale), the weights
-    ``orig`` swaps displaced (and the originals they hold) and the model's policy."""
+    ``orig`` swaps displaced (and the originals they hold), every module's round trips and the
+    model's policy."""
 
     modes: dict                                        # name -> (mode, act_scale)
     swapped: dict = field(default_factory=dict)        # name -> (displaced qweight, original weight held)
     policy: PrecisionPolicy | None = None
+    round_trips: dict = field(default_factory=dict)    # module name -> frozenset of RoundTrip
 
     def __eq__(self, other) -> bool:
         return isinstance(other, PrecisionState) and self.modes == other.modes and \
-            set(self.swapped) == set(other.swapped)
+            set(self.swapped) == set(other.swapped) and self.round_trips == other.round_trips
 
 
 def precision_state(model) -> PrecisionState:
@@ -180,7 +213,8 @@ def precision_state(model) -> PrecisionState:
     lin = dict(model.qlinears())
     return PrecisionState({name: (ql.mode, ql.act_scale) for name, ql in lin.items()},
                           {name: (qw, lin[name].weight) for name, qw in aside.items()},
-                          model.__dict__.get("precision_policy"))
+                          model.__dict__.get("precision_policy"),
+                          {name: m.round_trips for name, m in round_trip_modules(model)})
 
 
 def restore_precision(model, saved: PrecisionState) -> None:
@@ -197,6 +231,8 @@ def restore_precision(model, saved: PrecisionState) -> None:
             ql.set_weight(original.detach())
         if name in saved.modes:
             ql.set_mode(*saved.modes[name])
+    for name, m in round_trip_modules(model):
+        m.round_trips = saved.round_trips.get(name, frozenset())
     if saved.policy is None:
         model.__dict__.pop("precision_policy", None)
     else:
@@ -215,5 +251,5 @@ def using_precision(model, policy, originals: Originals | None = None) -> Iterat
 
 
 __all__ = ["CheckpointOriginals", "ModelOriginals", "Originals", "PrecisionState", "UnknownTargetError",
-           "apply_precision", "check_targets", "displaced", "linear_kinds", "model_memory", "precision_state",
+           "apply_precision", "check_targets", "displaced", "round_trip_modules", "set_round_trips", "linear_kinds", "model_memory", "precision_state",
            "restore_precision", "using_precision"]

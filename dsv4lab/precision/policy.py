@@ -5,6 +5,14 @@ component kind (``head``, ``router``, ``experts``, ``attn.wq_a``, ``compressor.*
 docs/naming.md) or a dotted-name fnmatch pattern (``layers.3.attn.*``), with an optional layer
 set (``None`` in it stands for the global linears, e.g. ``head``). Modes and act scales are the
 words of dsv4lab.quant.modes.
+
+Round trips (``RoundTrip``: ``act_fp8_pow2``, ``weight_before_w2``, ``kv_fp8``, ``indexer_fp4``,
+``probs_bf16``) are switches on top of the modes, each on for all layers or a layer set. The
+word ``official`` as a whole policy (or as a mapping's ``default``) means ``w4a16`` with all five
+round trips on: what DeepSeek's reference inference code computes (so ``{"default": "official",
+"kv_fp8": False}`` is the reference without one of them). As a rule's mode, ``official`` puts
+those linears in the official linear (``act_fp8_pow2`` for them; routed experts also take the
+routing weight before w2).
 """
 from __future__ import annotations
 
@@ -13,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping
 
 from ..checkpoint.names import layer_of, module_kind
-from ..quant.modes import ActScale, Mode, as_act_scale, as_mode
+from ..quant.modes import ROUND_TRIPS, ActScale, Mode, RoundTrip, as_act_scale, as_mode, as_round_trip
 
 
 def linear_kind(name: str) -> str:
@@ -56,26 +64,75 @@ class PrecisionPolicy:
     default: Mode = Mode.W4A16
     rules: list[Rule] = field(default_factory=list)
     act_scale: ActScale = ActScale.AMAX
+    round_trips: dict = field(default_factory=dict)   # RoundTrip -> frozenset of layers | None (all)
 
     def __post_init__(self) -> None:
         self.default = as_mode(self.default)
         self.act_scale = as_act_scale(self.act_scale)
+        self.round_trips = {as_round_trip(k): None if v is None else frozenset(v) for k, v in dict(self.round_trips).items()}
+
+    @classmethod
+    def official(cls) -> "PrecisionPolicy":
+        """What DeepSeek's reference computes: ``w4a16`` with all five round trips on."""
+        return cls(default=Mode.W4A16, round_trips={rt: None for rt in ROUND_TRIPS})
 
     @classmethod
     def parse(cls, spec) -> "PrecisionPolicy":
         """A mode string, a policy, or a mapping: ``default`` / ``act_scale`` keys, ``target: mode``
-        and ``(target, layer): mode`` entries (rules in the mapping's order)."""
+        and ``(target, layer): mode`` entries (rules in the mapping's order).
+        A round-trip name as the whole spec is ``w4a16`` plus that round trip; in a mapping,
+        ``name: True | False | [layers]`` and ``(name, layer): True`` switch round trips, and
+        ``round_trips: [names]`` switches several on. ``official`` (whole spec or default) also
+        switches all five on, unless the mapping says ``name: False``."""
         if isinstance(spec, PrecisionPolicy):
             return spec
         if isinstance(spec, str):
+            if spec == Mode.OFFICIAL:
+                return cls.official()
+            if spec in ROUND_TRIPS:
+                return cls(round_trips={spec: None})
             return cls(default=spec)
         if isinstance(spec, Mapping):
             spec = dict(spec)
             default = spec.pop("default", Mode.W4A16)
             act = spec.pop("act_scale", ActScale.AMAX)
-            rules = [Rule(k[0], v, frozenset([k[1]])) if isinstance(k, tuple) else Rule(k, v) for k, v in spec.items()]
-            return cls(default=default, rules=rules, act_scale=act)
+            trips: dict = {rt: None for rt in ROUND_TRIPS} if default == Mode.OFFICIAL else {}
+            default = Mode.W4A16 if default == Mode.OFFICIAL else default
+            for name in spec.pop("round_trips", ()):
+                trips[as_round_trip(name)] = None
+            rules = []
+            for k, v in spec.items():
+                target = k[0] if isinstance(k, tuple) else k
+                if target in ROUND_TRIPS:
+                    cls._switch(trips, RoundTrip(target), v if not isinstance(k, tuple) else ([k[1]] if v else False))
+                elif isinstance(k, tuple):
+                    rules.append(Rule(k[0], v, frozenset([k[1]])))
+                else:
+                    rules.append(Rule(k, v))
+            return cls(default=default, rules=rules, act_scale=act, round_trips=trips)
         raise TypeError(f"cannot make a precision policy from {type(spec).__name__}")
+
+    @staticmethod
+    def _switch(trips: dict, rt: RoundTrip, value) -> None:
+        """trips[rt] from a mapping value: True (all layers), False (off) or layers (added)."""
+        if value is True:
+            trips[rt] = None
+        elif value is False or value is None:
+            trips.pop(rt, None)
+        else:
+            if trips.get(rt, frozenset()) is None:  # already on everywhere
+                return
+            trips[rt] = frozenset(trips.get(rt, frozenset())) | frozenset(value)
+
+    def with_round_trip(self, name: str, on=True) -> "PrecisionPolicy":
+        """A copy with round trip ``name`` switched: True (all layers), False (off) or a layer set."""
+        trips = dict(self.round_trips)
+        self._switch(trips, as_round_trip(name), on if isinstance(on, bool) else list(on))
+        return replace(self, rules=list(self.rules), round_trips=trips)
+
+    def round_trips_for(self, layer: int | None) -> frozenset:
+        """The round trips on for ``layer`` (``None``: the global components)."""
+        return frozenset(rt for rt, ls in self.round_trips.items() if ls is None or layer in ls)
 
     def with_rule(self, target: str, mode: str, layers: Iterable | None = None) -> "PrecisionPolicy":
         """A copy with one more rule at the end (it wins over every earlier one)."""
@@ -121,7 +178,13 @@ class PrecisionPolicy:
         return self.default == mode or any(r.mode == mode for r in self.rules)
 
     def describe(self) -> str:
-        return ", ".join([f"default={self.default}"] + [r.describe() for r in self.rules])
+        trips = []
+        for rt in ROUND_TRIPS:
+            if rt in self.round_trips:
+                ls = self.round_trips[rt]
+                trips.append(str(rt) if ls is None else
+                             f"{rt}[" + ",".join("global" if l is None else f"L{l}" for l in sorted(ls, key=_layer_key)) + "]")
+        return ", ".join([f"default={self.default}"] + [r.describe() for r in self.rules] + trips)
 
 
 def _layer_key(layer):

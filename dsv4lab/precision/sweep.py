@@ -9,6 +9,9 @@ ways to read one (``reference`` = the truth, ``base`` = what everything else run
 * damage:  reference="bf16", base="bf16", flip="w4a4" -> what quantising ONE kind costs;
 * rescue:  reference="bf16", base="w4a4", flip="bf16" -> what restoring ONE kind to BF16 buys.
 
+:func:`round_trip_sweep` does the same for DeepSeek's official round trips (dsv4lab.quant.modes.
+RoundTrip): each one alone on ``base``, then all five, so a divergence can be blamed on one.
+
 ``reference_model`` measures against another model instead (the unquantised original, when the
 model under test holds FP4 weights: in fp32/bf16 compute ``bf16`` and ``w4a16`` use the same
 dequantised weights, so their KL is 0 by construction); its linears are then also the
@@ -24,7 +27,7 @@ from tqdm.auto import tqdm
 
 from ..analysis.cache import ActivationCache, run_with_cache
 from ..analysis.compare import CompareResult, compare_against
-from ..quant.modes import Mode, unknown_choice
+from ..quant.modes import ROUND_TRIPS, Mode, as_round_trip, unknown_choice
 from .apply import Originals, UnknownTargetError, linear_kinds, using_precision
 from .policy import PrecisionPolicy, linear_kind, linear_layer
 
@@ -141,6 +144,37 @@ def precision_sweep(model, ids: torch.Tensor, kinds=None, reference=Mode.BF16, b
     if include_base:
         df["kl_change_vs_base"] = df["kl"] - base_trial.result.kl_mean
     return df
+
+
+ROUND_TRIP_COLUMNS = ["round_trip", "policy", "kl", "kl_last", "kl_max", "top1", "topk", "min_layer_cos",
+                      "router_overlap", "kl_change_vs_base", "top1_change_vs_base"]
+
+
+@torch.no_grad()
+def round_trip_sweep(model, ids: torch.Tensor, base=Mode.W4A16, reference=Mode.BF16, round_trips=None,
+                     reference_model=None, originals: Originals | None = None, k: int = 5,
+                     progress: bool = True):
+    """DataFrame (ROUND_TRIP_COLUMNS) with one row per official round trip switched on ALONE on
+    top of ``base``, then all of them together (``official``), each against ``reference`` (as in
+    :func:`precision_sweep`), the first row being ``base`` itself: which of DeepSeek's round trips
+    moves KL and top-1 most. The model's precision is restored afterwards."""
+    names = list(ROUND_TRIPS) if round_trips is None else [as_round_trip(r) for r in round_trips]
+    base_pol = PrecisionPolicy.parse(base)
+    originals = _originals(originals, reference_model)
+    ref = _reference(model, ids, reference, reference_model, originals)
+    trials = [("(base)", base_pol)] + [(str(n), base_pol.with_round_trip(n)) for n in names]
+    official = base_pol
+    for n in ROUND_TRIPS:
+        official = official.with_round_trip(n)
+    trials.append(("official (all five)", official))
+    rows = []
+    for label, pol in _progress(trials, progress, "round trips"):
+        trial = evaluate(model, ids, pol, ref, originals, k)
+        rows.append(_row(trial, round_trip=label, policy=pol.describe()))
+    df = pd.DataFrame(rows)
+    df["kl_change_vs_base"] = df["kl"] - df["kl"].iloc[0]
+    df["top1_change_vs_base"] = df["top1"] - df["top1"].iloc[0]
+    return df[ROUND_TRIP_COLUMNS]
 
 
 @dataclass

@@ -17,13 +17,17 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .fp4 import NVFP4_BLOCK, nvfp4_dequantize_blocks, nvfp4_quantize_blocks
+from .fp4 import NVFP4_BLOCK, e2m1_decode, e2m1_encode, nvfp4_dequantize_blocks, nvfp4_quantize_blocks
 from .fp8 import E4M3_MAX, ceil_log2, e8m0_from_exponent, e8m0_to_float, to_e4m3
 
 NVFP4_GS_DENOM = 6.0 * E4M3_MAX
 # Official DeepSeek act_quant floors each block amax at 1e-4 before s = amax/448 (keeps tiny or
 # all-zero blocks finite); we follow it by default.
 FP8_ACT_AMAX_FLOOR = 1e-4
+# Official fp4_act_quant (the indexer's q and k): block amax floored at 6 * 2^-126 (the smallest
+# normal scale times E2M1's max), so an all-zero block gets the scale 2^-126, not 0.
+FP4_ACT_AMAX_FLOOR = 6.0 * 2.0 ** -126
+E2M1_MAX = 6.0
 
 
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
@@ -65,8 +69,26 @@ def fake_quant_fp8_block(
         xp = F.pad(xp, (0, nb * block - k))
     blocks = xp.reshape(*x.shape[:-1], nb, block)
     amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(amax_floor)
-    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     if scale_format == "e8m0":
-        s = e8m0_to_float(e8m0_from_exponent(ceil_log2(s)))  # exact 2^k, as the weight path
+        # the official kernel: s = 2^ceil(log2(amax * (1/448))) (multiplied by the fp32
+        # reciprocal, as DeepSeek's act_quant does), an exact power of two
+        s = e8m0_to_float(e8m0_from_exponent(ceil_log2(amax * (1.0 / E4M3_MAX))))
+    else:
+        s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     y = to_e4m3(blocks / s).float() * s
     return y.reshape(*x.shape[:-1], nb * block)[..., :k].to(x.dtype)
+
+
+def fake_quant_fp4_pow2(x: torch.Tensor, block: int = 32, amax_floor: float = FP4_ACT_AMAX_FLOOR) -> torch.Tensor:
+    """Per-``block`` E2M1 round trip with power-of-two scales, as DeepSeek's ``fp4_act_quant``
+    (the indexer's rotated q and k): s = 2^ceil(log2(max(amax, amax_floor) * (1/6))),
+    values E2M1(x/s) (round to nearest, ties to even, saturating at 6) times s. The last dim
+    must be a multiple of ``block``."""
+    k = x.shape[-1]
+    if k % block:
+        raise ValueError(f"FP4 activations need last dim % {block} == 0, got {k}")
+    blocks = x.float().reshape(*x.shape[:-1], k // block, block)
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(amax_floor)
+    s = e8m0_to_float(e8m0_from_exponent(ceil_log2(amax * (1.0 / E2M1_MAX))))
+    y = e2m1_decode(e2m1_encode(blocks / s)) * s
+    return y.reshape(x.shape).to(x.dtype)

@@ -5,7 +5,8 @@ Setup: ``model`` holds NVFP4 weights (the embedded NVFP4 export, or the referenc
 memory); ``reference`` holds the original BF16 weights, which are also the ``orig`` source
 (dsv4lab.precision.Originals). A policy is a dsv4lab.precision.PrecisionPolicy (or a spec it
 parses); per component kind (and layer) it picks ``orig`` (the original BF16 weights swapped in),
-``bf16`` (the FP4 weights dequantised once), ``w4a16`` / ``w4a4`` / ``w4a8``.
+``bf16`` (the FP4 weights dequantised once), ``w4a16`` / ``w4a4`` / ``w4a8`` / ``official``, and
+switches DeepSeek's official round trips (``kv_fp8``, ``indexer_fp4`` ...; ``official`` = all five).
 
 :func:`evaluate` is the one function both the widget panel and the headless cells call; it and
 :func:`sweep` / :func:`floor` run dsv4lab.precision.sweep against the reference run.
@@ -19,6 +20,7 @@ import torch
 
 from ..precision import (
     MODES,
+    ROUND_TRIPS,
     Mode,
     Originals,
     PrecisionPolicy,
@@ -98,6 +100,13 @@ def sweep(setup: Setup, flip: str, base: str = Mode.W4A16, per_layer: bool = Fal
                                   flip=flip, per_layer=per_layer, originals=setup.originals, progress=progress)
 
 
+def round_trip_sweep(setup: Setup, base: str = Mode.W4A16, progress: bool = False):
+    """Each of DeepSeek's official round trips alone on ``base``, then all five, vs the original
+    BF16 reference (dsv4lab.precision.sweep.round_trip_sweep)."""
+    return engine.round_trip_sweep(setup.model, setup.ids, base=base, reference=setup.reference_run(),
+                                   originals=setup.originals, progress=progress)
+
+
 def floor(setup: Setup, threshold: float, base: str = Mode.W4A4, fix: str = Mode.ORIG, kinds=None,
           max_steps: int | None = None) -> engine.FloorResult:
     """Greedy precision floor (dsv4lab.precision.sweep.precision_floor): from ``base`` everywhere,
@@ -118,6 +127,18 @@ def sweep_figure(df, title: str):
               text=[f"{v:.2e}" for v in d["kl"]])
     fig.add_hline(y=base_kl, line_dash="dash", annotation_text=f"base KL {base_kl:.2e}")
     fig.update_xaxes(tickangle=-40)
+    return fig
+
+
+def round_trip_figure(df):
+    """KL and top-1 of each official round trip alone (and all five) against the base."""
+    base = df.iloc[0]
+    d = df.iloc[1:]
+    fig = bar(list(d["round_trip"]), d["kl"], "Official round trips, one at a time: KL vs original BF16",
+              "round trip switched on (alone, on the base policy)", "next-token KL (nats)",
+              text=[f"{kl:.2e}, top-1 {t:.2f}" for kl, t in zip(d["kl"], d["top1"])])
+    fig.add_hline(y=float(base["kl"]), line_dash="dash", annotation_text=f"base KL {base['kl']:.2e}, top-1 {base['top1']:.2f}")
+    fig.update_xaxes(tickangle=-30)
     return fig
 
 
@@ -168,7 +189,15 @@ class AblationPanel:
             self.policy = self.policy.unset(kind, layers)
             return self
         mode = as_mode(mode)
+        if kind == "*" and mode == Mode.OFFICIAL:  # the official policy: w4a16 + all five round trips
+            self.policy = replace(PrecisionPolicy.official(), rules=list(self.policy.rules))
+            return self
         self.policy = replace(self.policy, default=mode) if kind == "*" else self.policy.set(kind, mode, layers)
+        return self
+
+    def set_round_trip(self, name: str, on=True) -> "AblationPanel":
+        """Switch one official round trip (``kv_fp8`` ...): True, False or a layer list."""
+        self.policy = self.policy.with_round_trip(name, on)
         return self
 
     def run(self) -> dict:
@@ -195,6 +224,8 @@ class AblationPanel:
         self._lk = W.Dropdown(options=self.setup.kinds, description="kind")
         self._ll = W.Dropdown(options=[l for l in self.setup.layers_of[self.setup.kinds[0]]], description="layer")
         self._lm = W.Dropdown(options=opts, value=DEFAULT, description="mode")
+        self._trips = {rt: W.Checkbox(value=rt in self.policy.round_trips, description=str(rt), indent=False,
+                                      layout=W.Layout(width="170px")) for rt in ROUND_TRIPS}
         add = W.Button(description="set layer override")
         go = W.Button(description="run", button_style="primary")
         self._out = W.Output()
@@ -206,6 +237,8 @@ class AblationPanel:
             self.set("*", self._default.value)
             for k, dd in self._kind_dd.items():
                 self.set(k, dd.value)
+            for rt, cb in self._trips.items():
+                self.set_round_trip(rt, cb.value or (self._default.value == Mode.OFFICIAL))
             if self.auto:
                 self.redraw()
 
@@ -215,13 +248,14 @@ class AblationPanel:
 
         self._lk.observe(on_kind_for_layer, names="value")
         self._default.observe(changed, names="value")
-        for dd in self._kind_dd.values():
+        for dd in [*self._kind_dd.values(), *self._trips.values()]:
             dd.observe(changed, names="value")
         add.on_click(add_override)
         go.on_click(lambda _: self.redraw())
         grid = W.GridBox(list(self._kind_dd.values()), layout=W.Layout(grid_template_columns="repeat(3, 330px)"))
         self._widgets = W.VBox([W.HTML("<b>Precision per component kind</b> (orig = original BF16 weights)"), self._default,
-                                grid, W.HBox([self._lk, self._ll, self._lm, add]), go, self._out])
+                                grid, W.HTML("official round trips (all five = the 'official' default)"),
+                                W.HBox(list(self._trips.values())), W.HBox([self._lk, self._ll, self._lm, add]), go, self._out])
         return self._widgets
 
     def redraw(self) -> None:
