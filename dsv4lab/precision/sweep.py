@@ -27,6 +27,7 @@ from ..analysis.compare import CompareResult, compare_against
 from ..quant.modes import Mode, unknown_choice
 from .apply import Originals, UnknownTargetError, linear_kinds, using_precision
 from .policy import PrecisionPolicy, linear_kind, linear_layer
+from .streaming import choose_streaming, streaming_precision
 
 SWEEP_HOOKS = ["layers.*.hook_resid_post", "layers.*.mlp.router.hook_ids"]
 SWEEP_COLUMNS = ["kind", "layers", "mode", "base", "kl", "kl_last", "kl_max", "top1", "topk", "min_layer_cos",
@@ -35,18 +36,30 @@ SWEEP_COLUMNS = ["kind", "layers", "mode", "base", "kl", "kl_last", "kl_max", "t
 
 @dataclass
 class ReferenceRun:
-    """The truth a sweep measures against: logits and the SWEEP_HOOKS captures (on the CPU)."""
+    """The truth a sweep measures against: logits and the SWEEP_HOOKS captures (on the CPU).
+    ``streamed``: computed with one dense weight at a time (dsv4lab.precision.streaming);
+    ``how``: which path ran and why, or where the cached run came from."""
 
     logits: torch.Tensor
     cache: ActivationCache
+    streamed: bool = False
+    how: str = ""
 
 
 @torch.no_grad()
-def reference_run(model, ids: torch.Tensor, policy=Mode.BF16, originals: Originals | None = None) -> ReferenceRun:
-    """Run ``model`` under ``policy`` (restored afterwards), capturing what a sweep compares."""
-    with using_precision(model, policy, originals):
-        logits, cache = run_with_cache(model, ids, names=SWEEP_HOOKS, device="cpu")
-    return ReferenceRun(logits.detach().cpu(), cache)
+def reference_run(model, ids: torch.Tensor, policy=Mode.BF16, originals: Originals | None = None,
+                  streaming="auto", free: "int | dict | None" = None, names=tuple(SWEEP_HOOKS)) -> ReferenceRun:
+    """Run ``model`` under ``policy`` (restored afterwards), capturing ``names`` (what a sweep
+    compares). ``streaming``: True streams every ``bf16`` / ``orig`` linear's dense weight one
+    call at a time (peak: the largest one), False gives them all dense weights at once (fast, and
+    the model's size again in BF16), ``"auto"`` streams when those would not fit the devices' free
+    memory (``free`` overrides what the devices report; see ``choose_streaming``). Both paths give
+    bitwise the same result; ``ReferenceRun.streamed`` / ``.how`` say which ran."""
+    stream, why = choose_streaming(model, policy, streaming, free)
+    ctx = streaming_precision if stream else using_precision
+    with ctx(model, policy, originals):
+        logits, cache = run_with_cache(model, ids, names=[names] if isinstance(names, str) else list(names), device="cpu")
+    return ReferenceRun(logits.detach().cpu(), cache, stream, ("streamed: " if stream else "dense: ") + why)
 
 
 @dataclass

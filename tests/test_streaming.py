@@ -1,0 +1,228 @@
+"""Streamed bf16 / orig reference runs (one dense weight at a time) and their on-disk cache
+(issue 19, 2b). The model is the embedded NVFP4 export; ``orig`` reads the embedded BF16
+checkpoint (the weights it was exported from) through ``Originals.from_checkpoint``."""
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+import dsv4lab
+from dsv4lab.analysis.hooks import hooks
+from dsv4lab.checkpoint.locate import TINY_DIR
+from dsv4lab.model.moe import Experts
+from dsv4lab.precision import Originals, precision_state, using_precision
+from dsv4lab.precision.streaming import choose_streaming, dequantize_rows, largest_dense_bytes, streaming_precision
+from dsv4lab.precision.sweep import reference_run
+from dsv4lab.quant.weights import FP8BlockWeight, MXFP4Weight, quantize_nvfp4
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dsv4lab.load("tiny-nvfp4", progress=False)
+
+
+@pytest.fixture(scope="module")
+def originals(model):
+    return Originals.from_checkpoint(TINY_DIR, model.dtype)
+
+
+def prompt(seed: int = 0, n: int = 20) -> torch.Tensor:
+    return torch.randint(0, 400, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def same_run(a, b) -> bool:
+    if not torch.equal(a.logits, b.logits) or set(a.cache) != set(b.cache) or a.cache.order != b.cache.order:
+        return False
+    return all(len(a.cache.all(k)) == len(b.cache.all(k)) and
+               all(torch.equal(x, y) for x, y in zip(a.cache.all(k), b.cache.all(k))) for k in a.cache)
+
+
+def snapshot(model) -> dict:
+    """Everything the precision machinery may touch, compared bit for bit."""
+    lin = {}
+    for name, ql in model.qlinears():
+        w = ql.qweight.tensors() if ql.qweight is not None else {"weight": ql.weight}
+        lin[name] = (ql.mode, ql.act_scale, ql.weight_source, id(ql.qweight), ql.memory_bytes(),
+                     {k: v.clone() for k, v in w.items()})
+    ex = {n: (m.gather_in_decode, m.kernel) for n, m in model.named_modules() if isinstance(m, Experts)}
+    return {"linears": lin, "experts": ex, "policy": model.__dict__.get("precision_policy")}
+
+
+def assert_same_snapshot(a: dict, b: dict) -> None:
+    assert a["experts"] == b["experts"] and a["policy"] == b["policy"]
+    assert a["linears"].keys() == b["linears"].keys()
+    for name, x in a["linears"].items():
+        y = b["linears"][name]
+        assert x[:5] == y[:5], name
+        assert x[5].keys() == y[5].keys() and all(torch.equal(x[5][k], y[5][k]) for k in x[5]), name
+
+
+# ------------------------------------------------------------------------------ streamed = dense
+@pytest.mark.parametrize("policy", ["bf16", "orig", {"default": "w4a4", "head": "orig", "router": "bf16"}])
+def test_streamed_run_is_bitwise_the_dense_run(model, originals, policy):
+    ids = prompt()
+    dense = reference_run(model, ids, policy, originals, streaming=False)
+    streamed = reference_run(model, ids, policy, originals, streaming=True)
+    assert not dense.streamed and streamed.streamed and streamed.how.startswith("streamed")
+    assert len(dense.cache) > 0 and same_run(dense, streamed)
+
+
+def test_orig_reads_the_original_checkpoint(model, originals):
+    """orig is not bf16 under another name: the BF16 checkpoint's weights give other logits; the
+    run read every non-expert linear from it, and of the routed experts only those it hit."""
+    ids = prompt()
+    src = Originals.from_checkpoint(TINY_DIR, model.dtype)
+    orig = reference_run(model, ids, "orig", src, streaming=True)
+    bf16 = reference_run(model, ids, "bf16", streaming=True)
+    assert not torch.equal(orig.logits, bf16.logits)
+    quantised = {n for n, ql in model.qlinears() if ql.quantized}
+    assert {n for n in quantised if ".experts." not in n} <= set(src.reads) <= quantised
+
+
+def test_orig_without_originals_says_so_before_changing_anything(model):
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="needs originals="):
+        with streaming_precision(model, "orig"):
+            pass
+    assert_same_snapshot(before, snapshot(model))
+
+
+# ------------------------------------------------------------------------------ one dense weight at a time
+class DenseCounter:
+    """Every dense weight a source hands out is tracked by a weak reference; ``peak`` is the most
+    alive at once, seen at every source call and every module entry / hook point."""
+
+    def __init__(self, model) -> None:
+        self.refs: list = []
+        self.peak = 0
+        self.calls = 0
+        self.holding_peak = 0   # QLinears holding more weight memory than they did before the run
+        self.model = model
+        self.base = {name: ql.memory_bytes() for name, ql in model.qlinears()}
+        self.base_quantized = {name for name, ql in model.qlinears() if ql.quantized}
+
+    def alive(self) -> int:
+        return sum(r() is not None for r in self.refs)
+
+    def look(self, *_) -> None:
+        self.peak = max(self.peak, self.alive())
+        holding = sum(ql.memory_bytes() > self.base[n] or ql.qweight is None and n in self.base_quantized
+                      for n, ql in self.model.qlinears())
+        self.holding_peak = max(self.holding_peak, holding)
+
+    def wrap(self, source):
+        def dense(dtype):
+            self.look()
+            w = source(dtype)
+            self.calls += 1
+            self.refs.append(weakref.ref(w))
+            self.look()
+            return w
+        return dense
+
+
+def count_dense(model, ids, run) -> DenseCounter:
+    c = DenseCounter(model)
+    handles = [m.register_forward_pre_hook(lambda mod, args: c.look()) for m in model.modules()]
+    try:
+        with torch.no_grad(), hooks(model, [("**", lambda t, name: c.look())]):
+            run(c)
+    finally:
+        for h in handles:
+            h.remove()
+    return c
+
+
+@pytest.mark.parametrize("policy", ["bf16", "orig"])
+def test_at_most_one_dense_weight_alive(model, originals, policy):
+    ids = prompt()
+
+    def streamed(c):
+        with streaming_precision(model, policy, originals) as report:
+            for _, ql in model.qlinears():
+                if ql.weight_source is not None:
+                    ql.weight_source = c.wrap(ql.weight_source)
+            model(ids)
+        c.report = report
+
+    c = count_dense(model, ids, streamed)
+    assert c.calls >= len([n for n in c.report["streamed"] if ".experts." not in n])   # every non-expert linear ran
+    assert c.peak == 1 and c.holding_peak == 0
+    assert c.report["peak_bytes"] == max(ql.out_features * ql.in_features * 4 for _, ql in model.qlinears() if ql.quantized)
+
+    def dense(c):   # the instrument can fail: the non-streamed run holds every dense weight
+        with using_precision(model, policy, originals):
+            model(ids)
+
+    assert count_dense(model, ids, dense).holding_peak > 100
+
+
+# ------------------------------------------------------------------------------ restore
+@pytest.mark.parametrize("policy", ["bf16", "orig"])
+def test_restored_bit_exactly_also_after_an_exception(model, originals, policy):
+    before = snapshot(model)
+    with streaming_precision(model, policy, originals):
+        model(prompt())
+    assert_same_snapshot(before, snapshot(model))
+
+    def boom(t, name):
+        raise RuntimeError("mid-forward")
+
+    with pytest.raises(RuntimeError, match="mid-forward"):
+        with streaming_precision(model, policy, originals), hooks(model, [("layers.1.hook_resid_post", boom)]):
+            model(prompt())
+    assert_same_snapshot(before, snapshot(model))
+
+
+def test_nested_in_an_orig_swap_puts_the_swap_back(model, originals):
+    ids = prompt()
+    with using_precision(model, "orig", originals):
+        outer = precision_state(model)
+        ref = model(ids)
+        with streaming_precision(model, "w4a16"):   # w4a16 inside: the swapped weights go back meanwhile
+            assert all(ql.weight_source is None for _, ql in model.qlinears())
+        with streaming_precision(model, "bf16"):
+            model(ids)
+        assert precision_state(model) == outer
+        assert torch.equal(model(ids), ref)
+
+
+def test_experts_take_the_per_expert_loop_while_streamed(model):
+    ex = [m for m in model.modules() if isinstance(m, Experts)]
+    ex[0].gather_in_decode, sentinel = True, object()
+    ex[0].kernel = sentinel
+    try:
+        with streaming_precision(model, {"default": "w4a16", "experts": "bf16"}):
+            assert all(not m.gather_in_decode and m.kernel is None for m in ex)
+        assert ex[0].gather_in_decode and ex[0].kernel is sentinel
+    finally:
+        ex[0].kernel, ex[0].gather_in_decode = None, False
+
+
+# ------------------------------------------------------------------------------ when to stream
+def test_auto_streams_when_dense_weights_do_not_fit(model):
+    assert choose_streaming(model, "bf16", "auto", free=0)[0] is True
+    assert choose_streaming(model, "bf16", "auto", free=1 << 40)[0] is False
+    assert choose_streaming(model, "w4a16", "auto", free=0)[0] is False      # nothing goes dense
+    run = reference_run(model, prompt(), "bf16", streaming="auto", free={"cpu": 1024})
+    assert run.streamed and "auto" in run.how
+    with pytest.raises(ValueError, match="streaming='yes'"):
+        choose_streaming(model, "bf16", "yes")
+    assert largest_dense_bytes(model, "bf16") == max(ql.out_features * ql.in_features * 4
+                                                     for _, ql in model.qlinears() if ql.quantized)
+
+
+def test_dequantize_rows_is_bitwise_dequantize():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 256, generator=g)
+    nv = quantize_nvfp4(w)
+    mx = MXFP4Weight(torch.randint(0, 256, (300, 128), dtype=torch.uint8, generator=g),
+                     torch.randint(110, 135, (300, 8), dtype=torch.uint8, generator=g))
+    fp8 = FP8BlockWeight(w.to(torch.float8_e4m3fn), torch.rand(3, 2, generator=g) + 0.5)
+    for qw in (nv, mx, fp8):
+        for dt in (torch.float32, torch.bfloat16):
+            assert torch.equal(dequantize_rows(qw, dt, rows=128), qw.dequantize(dt)), qw.format
