@@ -3,6 +3,9 @@
 checkpoint (the weights it was exported from) through ``Originals.from_checkpoint``."""
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import weakref
 
 import pytest
@@ -10,12 +13,17 @@ import torch
 
 import dsv4lab
 from dsv4lab.analysis.hooks import hooks
+from dsv4lab.checkpoint.identity import checkpoint_identity
 from dsv4lab.checkpoint.locate import TINY_DIR
 from dsv4lab.model.moe import Experts
 from dsv4lab.precision import Originals, precision_state, using_precision
+from dsv4lab.precision import reference_cache
+from dsv4lab.precision.reference_cache import cached_reference_run, reference_key
 from dsv4lab.precision.streaming import choose_streaming, dequantize_rows, largest_dense_bytes, streaming_precision
-from dsv4lab.precision.sweep import reference_run
+from dsv4lab.precision.sweep import evaluate, reference_run
 from dsv4lab.quant.weights import FP8BlockWeight, MXFP4Weight, quantize_nvfp4
+from dsv4lab.triage import ablation as AB
+from dsv4lab.triage.session import open_session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,6 +77,18 @@ def test_streamed_run_is_bitwise_the_dense_run(model, originals, policy):
     streamed = reference_run(model, ids, policy, originals, streaming=True)
     assert not dense.streamed and streamed.streamed and streamed.how.startswith("streamed")
     assert len(dense.cache) > 0 and same_run(dense, streamed)
+
+
+def test_sweep_trials_stream_too(model, originals):
+    """A sweep's trial under a policy with a big kind in orig (experts: ~3 TB on V4-Pro) streams
+    and measures the same KL and the same weight memory as the dense trial."""
+    ids = prompt()
+    ref = reference_run(model, ids, "bf16", streaming=True)
+    pol = {"default": "w4a4", "experts": "orig", "head": "bf16"}
+    a = evaluate(model, ids, pol, ref, originals, streaming=False)
+    b = evaluate(model, ids, pol, ref, originals, streaming=True)
+    assert a.result.kl_mean > 0 and a.result.kl_per_pos == b.result.kl_per_pos
+    assert a.result.layer_cos == b.result.layer_cos and a.bytes_after == b.bytes_after
 
 
 def test_orig_reads_the_original_checkpoint(model, originals):
@@ -226,3 +246,83 @@ def test_dequantize_rows_is_bitwise_dequantize():
     for qw in (nv, mx, fp8):
         for dt in (torch.float32, torch.bfloat16):
             assert torch.equal(dequantize_rows(qw, dt, rows=128), qw.dequantize(dt)), qw.format
+
+
+# ------------------------------------------------------------------------------ the cache
+def test_cache_hit_does_not_run_the_model(model, originals, tmp_path, monkeypatch):
+    ids = prompt(1)
+    first = cached_reference_run(model, ids, "orig", originals, cache=tmp_path)
+    assert "cached as" in first.how and len(list((tmp_path / "reference_runs").glob("*.safetensors"))) == 1
+
+    def no_forward(*a, **k):
+        raise AssertionError("the model ran on a cache hit")
+
+    monkeypatch.setattr(model, "forward", no_forward)
+    again = cached_reference_run(model, ids, "orig", originals, cache=tmp_path)
+    assert again.how.startswith("cache hit") and same_run(first, again)
+    assert again.streamed == first.streamed
+
+
+def test_cache_keys_differ_by_prompt_policy_checkpoint(model, originals, tmp_path, monkeypatch):
+    k = lambda m, ids, pol, orig=None, names=("layers.*.hook_resid_post",): reference_key(m, ids, pol, orig, names)[0]  # noqa: E731
+    base = k(model, prompt(0), "bf16")
+    assert base == k(model, prompt(0), "bf16")
+    assert base == k(model, prompt(0), "bf16", originals)          # bf16 does not read the originals
+    assert base != k(model, prompt(1), "bf16")
+    assert base != k(model, prompt(0), "orig", originals)
+    assert base != k(model, prompt(0), {"default": "bf16", "head": "w4a4"})
+    assert base != k(model, prompt(0), "bf16", names=("layers.*.mlp.router.hook_ids",))
+    with monkeypatch.context() as mp:                              # a change to the model code
+        mp.setattr(reference_cache, "code_digest", lambda: "edited")
+        assert base != k(model, prompt(0), "bf16")
+    plain = dsv4lab.load("tiny", progress=False)
+    assert base != k(plain, prompt(0), "bf16")
+    # the reference checkpoint is part of an orig key: a copy elsewhere, then a rewritten shard
+    copy = tmp_path / "ref"
+    shutil.copytree(TINY_DIR, copy, ignore=shutil.ignore_patterns("nvfp4", "train_logs"))
+    other = Originals.from_checkpoint(copy, model.dtype)
+    assert k(model, prompt(0), "orig", originals) != k(model, prompt(0), "orig", other)
+    ident = checkpoint_identity(copy)
+    assert checkpoint_identity(copy) == ident
+    shard = copy / "model.safetensors"
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert checkpoint_identity(copy) != ident
+
+
+def test_corrupted_entry_is_recomputed(model, tmp_path):
+    ids = prompt(2)
+    first = cached_reference_run(model, ids, "bf16", cache=tmp_path)
+    f = next((tmp_path / "reference_runs").glob("*.safetensors"))
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0xFF                                   # one flipped bit of a logit
+    f.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="digest"):
+        again = cached_reference_run(model, ids, "bf16", cache=tmp_path)
+    assert "recomputed" in again.how and same_run(first, again)
+    m = next((tmp_path / "reference_runs").glob("*.json"))
+    m.write_text(m.read_text()[:40])                   # a truncated manifest
+    with pytest.warns(UserWarning, match="unreadable"):
+        third = cached_reference_run(model, ids, "bf16", cache=tmp_path)
+    assert "recomputed" in third.how and same_run(first, third)
+    assert json.loads(m.read_text())["key"]            # rewritten whole
+    assert cached_reference_run(model, ids, "bf16", cache=tmp_path).how.startswith("cache hit")
+
+
+def test_in_memory_model_is_not_cached(model, tmp_path):
+    from dsv4lab.triage.session import random_tiny
+    m = random_tiny()
+    run = cached_reference_run(m, prompt(3), "bf16", cache=tmp_path)
+    assert "not cached: in-memory model" in run.how
+    assert not (tmp_path / "reference_runs").exists() or not any((tmp_path / "reference_runs").iterdir())
+
+
+def test_ablation_setup_reads_the_cache(tmp_path, monkeypatch):
+    """Notebook 3's flow: the second setup on the same session and prompt runs no reference."""
+    session = open_session("tiny-nvfp4", reference=TINY_DIR)
+    ids = prompt(4)
+    first = AB.make_setup(session, ids, cache=tmp_path).reference_run()
+    assert "cached as" in first.how and AB.make_setup(session, ids, cache=tmp_path).reference_policy == "orig"
+    monkeypatch.setattr(session.model, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
+    again = AB.make_setup(session, ids, cache=tmp_path).reference_run()
+    assert again.how.startswith("cache hit") and same_run(first, again)

@@ -14,9 +14,10 @@ The values are bit-for-bit those of the non-streamed run: the same dequantisatio
 ``originals.weight_on(...).to(model dtype)`` chain, computed again at each call instead of once.
 
 Peak extra memory: the largest streamed linear's dense weight plus a bounded transient. ``bf16``
-dequantises by blocks of :data:`STREAM_ROWS` rows into the output (the full-matrix dequant would
-build int8 codes + an fp32 copy: ~3.5x the BF16 size at once); ``orig`` costs what the source's
-``weight_on`` costs for one linear. V4-Pro: lm_head 129280 x 7168 BF16 = 1.85 GB (+ ~0.2 GB).
+dequantises by blocks of :data:`STREAM_ROWS` rows into the output (the full-matrix dequant builds
+codes and fp32 temporaries: measured peak 9.3x the BF16 size, 2083 MiB for a 224 MiB weight;
+by rows 298 MiB); ``orig`` costs what the source's ``weight_on`` costs for one linear. V4-Pro:
+lm_head 129280 x 7168 BF16 = 1.85 GB (+ ~0.1 GB for one block).
 
 Routed experts: the graph-safe decode path gathers experts from the stacked FP4 weights
 (``Experts.stack``), bypassing ``dense_weight``; under streaming every affected ``Experts``
@@ -45,10 +46,11 @@ from .apply import (
     displaced,
     precision_state,
     restore_precision,
+    using_precision,
 )
 from .policy import PrecisionPolicy, Rule
 
-STREAM_ROWS = 4096      # rows dequantised at once (a multiple of the FP8 block, 128)
+STREAM_ROWS = 1024      # rows dequantised at once (a multiple of the FP8 block, 128)
 DENSE_MODES = (Mode.BF16, Mode.ORIG)
 STREAMING_CHOICES = (True, False, "auto")
 FREE_FRACTION = 0.5     # "auto" streams when the dense weights need more than this share of free memory
@@ -183,7 +185,8 @@ def streaming_precision(model, policy, originals: Originals | None = None) -> It
     """``with streaming_precision(model, policy, originals=...) as report:`` -- the policy in
     place with every ``bf16`` / ``orig`` quantised linear streamed (see the module doc). Modes,
     weights, sources and the experts' decode switches are put back on exit, also on an
-    exception. The report: ``streamed`` (names), ``peak_bytes`` (largest dense weight)."""
+    exception. The report: apply_precision's (``bytes_after`` = the policy's weight memory as a
+    dense run would hold it), ``streamed`` (names) and ``peak_bytes`` (largest dense weight)."""
     policy = PrecisionPolicy.parse(policy)
     check_targets(model, policy)
     if originals is None:
@@ -194,7 +197,9 @@ def streaming_precision(model, policy, originals: Originals | None = None) -> It
     sources = {name: ql.weight_source for name, ql in model.qlinears()}
     experts: list = []
     try:
-        apply_precision(model, _without_orig(policy))  # the modes; puts back any weight an orig swap displaced
+        # the modes (and the weight memory report a dense run would give); puts back any weight
+        # an enclosing orig swap displaced
+        report = apply_precision(model, _without_orig(policy))
         model.precision_policy = policy
         plan = streamed_linears(model, policy)
         for _, ql in model.qlinears():
@@ -208,7 +213,7 @@ def streaming_precision(model, policy, originals: Originals | None = None) -> It
                                                 for q in mod.modules()):
                 experts.append((mod, mod.gather_in_decode, mod.kernel))
                 mod.gather_in_decode, mod.kernel = False, None   # the per-expert loop: see the module doc
-        yield {"streamed": [name for name, _, _ in plan], "peak_bytes": largest_dense_bytes(model, policy)}
+        yield {**report, "streamed": [name for name, _, _ in plan], "peak_bytes": largest_dense_bytes(model, policy)}
     finally:
         for mod, gather, kernel in experts:
             mod.gather_in_decode, mod.kernel = gather, kernel
@@ -217,5 +222,17 @@ def streaming_precision(model, policy, originals: Originals | None = None) -> It
         restore_precision(model, saved)
 
 
-__all__ = ["DENSE_MODES", "STREAM_ROWS", "choose_streaming", "dense_bytes", "dequantize_rows", "free_bytes",
+@contextlib.contextmanager
+def fitting_precision(model, policy, originals: Originals | None = None, streaming="auto",
+                      free: "int | dict | None" = None) -> Iterator[dict]:
+    """``policy`` in place the way that fits: :func:`streaming_precision` or ``using_precision``
+    as :func:`choose_streaming` decides (same numbers either way). The report adds ``streamed``
+    (bool) and ``how`` (which, and why)."""
+    stream, why = choose_streaming(model, policy, streaming, free)
+    ctx = streaming_precision if stream else using_precision
+    with ctx(model, policy, originals) as report:
+        yield {**report, "streamed": stream, "how": ("streamed: " if stream else "dense: ") + why}
+
+
+__all__ = ["DENSE_MODES", "fitting_precision", "STREAM_ROWS", "choose_streaming", "dense_bytes", "dequantize_rows", "free_bytes",
            "largest_dense_bytes", "streamed_linears", "streaming_precision"]

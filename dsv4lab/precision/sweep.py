@@ -25,9 +25,9 @@ from tqdm.auto import tqdm
 from ..analysis.cache import ActivationCache, run_with_cache
 from ..analysis.compare import CompareResult, compare_against
 from ..quant.modes import Mode, unknown_choice
-from .apply import Originals, UnknownTargetError, linear_kinds, using_precision
+from .apply import Originals, UnknownTargetError, linear_kinds
 from .policy import PrecisionPolicy, linear_kind, linear_layer
-from .streaming import choose_streaming, streaming_precision
+from .streaming import fitting_precision
 
 SWEEP_HOOKS = ["layers.*.hook_resid_post", "layers.*.mlp.router.hook_ids"]
 SWEEP_COLUMNS = ["kind", "layers", "mode", "base", "kl", "kl_last", "kl_max", "top1", "topk", "min_layer_cos",
@@ -55,11 +55,9 @@ def reference_run(model, ids: torch.Tensor, policy=Mode.BF16, originals: Origina
     the model's size again in BF16), ``"auto"`` streams when those would not fit the devices' free
     memory (``free`` overrides what the devices report; see ``choose_streaming``). Both paths give
     bitwise the same result; ``ReferenceRun.streamed`` / ``.how`` say which ran."""
-    stream, why = choose_streaming(model, policy, streaming, free)
-    ctx = streaming_precision if stream else using_precision
-    with ctx(model, policy, originals):
+    with fitting_precision(model, policy, originals, streaming, free) as report:
         logits, cache = run_with_cache(model, ids, names=[names] if isinstance(names, str) else list(names), device="cpu")
-    return ReferenceRun(logits.detach().cpu(), cache, stream, ("streamed: " if stream else "dense: ") + why)
+    return ReferenceRun(logits.detach().cpu(), cache, report["streamed"], report["how"])
 
 
 @dataclass
@@ -73,10 +71,11 @@ class Trial:
 
 @torch.no_grad()
 def evaluate(model, ids: torch.Tensor, policy, reference: ReferenceRun, originals: Originals | None = None,
-             k: int = 5) -> Trial:
-    """Run ``model`` under ``policy`` (restored afterwards) and compare it with ``reference``."""
+             k: int = 5, streaming="auto") -> Trial:
+    """Run ``model`` under ``policy`` (restored afterwards; streamed when its dense weights would
+    not fit, see :func:`reference_run`) and compare it with ``reference``."""
     policy = PrecisionPolicy.parse(policy)
-    with using_precision(model, policy, originals) as report:
+    with fitting_precision(model, policy, originals, streaming) as report:
         res = compare_against(reference.logits, reference.cache, model, None, ids, SWEEP_HOOKS, 0.0, k)
     return Trial(policy, res, report["bytes_after"])
 
