@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dsv4lab
+from dsv4lab.bugzoo import inject
 from dsv4lab.analysis.hooks import hooks
 from dsv4lab.checkpoint.identity import checkpoint_identity
 from dsv4lab.checkpoint.locate import TINY_DIR
@@ -89,6 +90,24 @@ def test_sweep_trials_stream_too(model, originals):
     b = evaluate(model, ids, pol, ref, originals, streaming=True)
     assert a.result.kl_mean > 0 and a.result.kl_per_pos == b.result.kl_per_pos
     assert a.result.layer_cos == b.result.layer_cos and a.bytes_after == b.bytes_after
+
+
+@pytest.mark.parametrize("policy", ["bf16", "orig"])
+def test_bug_zoo_linear_runs_the_same_streamed(model, originals, policy):
+    """A linear with a replaced dense_weight (weight_scale_2 dropped) is not streamed through a
+    source it would ignore: bf16 runs the bug per call, orig swaps it for real, as the dense run."""
+    h = inject(model, "weight_scale_2_dropped", layers=[1])
+    try:
+        ids = prompt()
+        dense = reference_run(model, ids, policy, originals, streaming=False)
+        with streaming_precision(model, policy, originals) as report:
+            pass
+        streamed = reference_run(model, ids, policy, originals, streaming=True)
+        assert same_run(dense, streamed)
+        assert bool(report["swapped"]) == (policy == "orig") and all(".1." in n for n in report["swapped"])
+        assert not set(report["swapped"]) & set(report["streamed"])
+    finally:
+        h.restore()
 
 
 def test_orig_reads_the_original_checkpoint(model, originals):

@@ -19,6 +19,10 @@ codes and fp32 temporaries: measured peak 9.3x the BF16 size, 2083 MiB for a 224
 by rows 298 MiB); ``orig`` costs what the source's ``weight_on`` costs for one linear. V4-Pro:
 lm_head 129280 x 7168 BF16 = 1.85 GB (+ ~0.1 GB for one block).
 
+A linear whose ``dense_weight`` is replaced (a bug-zoo variant such as ``weight_scale_2_dropped``)
+computes its own weight: under ``bf16`` it does so per call in both paths; under ``orig`` it is
+swapped for real, as ``apply_precision`` does (one dense weight held per such linear).
+
 Routed experts: the graph-safe decode path gathers experts from the stacked FP4 weights
 (``Experts.stack``), bypassing ``dense_weight``; under streaming every affected ``Experts``
 takes the per-expert masked loop instead (``gather_in_decode`` off, fused kernel off; restored on
@@ -101,19 +105,26 @@ def _orig_source(name: str, ql, originals: Originals, model_dtype: torch.dtype) 
     return dense
 
 
-def _without_orig(policy: PrecisionPolicy) -> PrecisionPolicy:
-    """The same policy with ``orig`` read as ``bf16``: the modes apply_precision sets while the
-    weights themselves stream (no swap, no cache)."""
+def _without_orig(policy: PrecisionPolicy, swap: dict) -> PrecisionPolicy:
+    """The same policy with ``orig`` read as ``bf16`` (the modes apply_precision sets while the
+    weights themselves stream: no swap, no cache), except for the linears in ``swap`` (name ->
+    act scale), which keep a real ``orig`` swap."""
     def m(mode):
         return Mode.BF16 if mode == Mode.ORIG else mode
 
-    return PrecisionPolicy(m(policy.default), [Rule(r.target, m(r.mode), r.layers, r.act_scale) for r in policy.rules],
-                           policy.act_scale)
+    rules = [Rule(r.target, m(r.mode), r.layers, r.act_scale) for r in policy.rules]
+    rules += [Rule(name, Mode.ORIG, None, act) for name, act in swap.items()]
+    return PrecisionPolicy(m(policy.default), rules, policy.act_scale)
 
 
-def streamed_linears(model, policy) -> list[tuple[str, object, Mode]]:
-    """(name, linear, mode) of the quantised linears whose mode under ``policy`` is ``bf16`` / ``orig``."""
-    policy = PrecisionPolicy.parse(policy)
+def _replaced(ql) -> bool:
+    """A linear whose ``dense_weight`` is overridden (a bug-zoo variant) computes its own weight
+    and may ignore a source: its ``bf16`` runs that code per call in either path, and its
+    ``orig`` keeps the real swap (one dense weight held per such linear)."""
+    return type(ql).dense_weight is not QLinear.dense_weight
+
+
+def _dense_linears(model, policy: PrecisionPolicy) -> list[tuple[str, object, Mode]]:
     aside = displaced(model)
     out = []
     for name, ql in model.qlinears():
@@ -123,12 +134,18 @@ def streamed_linears(model, policy) -> list[tuple[str, object, Mode]]:
     return out
 
 
+def streamed_linears(model, policy) -> list[tuple[str, object, Mode]]:
+    """(name, linear, mode) of the quantised linears whose mode under ``policy`` is ``bf16`` /
+    ``orig`` and whose weight streams (all but the replaced ones, see ``_replaced``)."""
+    return [t for t in _dense_linears(model, PrecisionPolicy.parse(policy)) if not _replaced(t[1])]
+
+
 def dense_bytes(model, policy) -> dict[torch.device, int]:
     """Per device: the dense weight bytes the NON-streamed run of ``policy`` would add (each
     ``bf16`` / ``orig`` quantised linear, out x in in the model dtype)."""
     item = model.dtype.itemsize
     per: dict[torch.device, int] = {}
-    for _, ql, _ in streamed_linears(model, policy):
+    for _, ql, _ in _dense_linears(model, PrecisionPolicy.parse(policy)):
         dev = ql.weight.device if ql.qweight is None else ql.qweight.device
         per[dev] = per.get(dev, 0) + ql.out_features * ql.in_features * item
     return per
@@ -186,20 +203,23 @@ def streaming_precision(model, policy, originals: Originals | None = None) -> It
     place with every ``bf16`` / ``orig`` quantised linear streamed (see the module doc). Modes,
     weights, sources and the experts' decode switches are put back on exit, also on an
     exception. The report: apply_precision's (``bytes_after`` = the policy's weight memory as a
-    dense run would hold it), ``streamed`` (names) and ``peak_bytes`` (largest dense weight)."""
+    dense run would hold it), ``streamed`` (names), ``swapped`` (replaced linears in ``orig``,
+    swapped for real) and ``peak_bytes`` (largest streamed dense weight)."""
     policy = PrecisionPolicy.parse(policy)
     check_targets(model, policy)
+    dense = _dense_linears(model, policy)
     if originals is None:
-        for name, _, mode in streamed_linears(model, policy):
+        for name, _, mode in dense:
             if mode == Mode.ORIG:
                 NoOriginals().weight(name)  # raises: say so before anything changed
+    swap = {name: policy.mode_for(name)[1] for name, ql, mode in dense if mode == Mode.ORIG and _replaced(ql)}
     saved = precision_state(model)
     sources = {name: ql.weight_source for name, ql in model.qlinears()}
     experts: list = []
     try:
         # the modes (and the weight memory report a dense run would give); puts back any weight
         # an enclosing orig swap displaced
-        report = apply_precision(model, _without_orig(policy))
+        report = apply_precision(model, _without_orig(policy, swap), originals)
         model.precision_policy = policy
         plan = streamed_linears(model, policy)
         for _, ql in model.qlinears():
@@ -213,7 +233,8 @@ def streaming_precision(model, policy, originals: Originals | None = None) -> It
                                                 for q in mod.modules()):
                 experts.append((mod, mod.gather_in_decode, mod.kernel))
                 mod.gather_in_decode, mod.kernel = False, None   # the per-expert loop: see the module doc
-        yield {**report, "streamed": [name for name, _, _ in plan], "peak_bytes": largest_dense_bytes(model, policy)}
+        yield {**report, "streamed": [name for name, _, _ in plan], "swapped": sorted(swap),
+               "peak_bytes": largest_dense_bytes(model, policy)}
     finally:
         for mod, gather, kernel in experts:
             mod.gather_in_decode, mod.kernel = gather, kernel
