@@ -345,3 +345,48 @@ def test_ablation_setup_reads_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(session.model, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
     again = AB.make_setup(session, ids, cache=tmp_path).reference_run()
     assert again.how.startswith("cache hit") and same_run(first, again)
+
+
+# ------------------------------------------------------------------------------ on the GPU
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device machine)")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("policy", ["bf16", "orig"])
+def test_streamed_peak_on_gpu(policy):
+    """On CUDA (where allocation is measured exactly): streamed == dense bitwise; the streamed
+    run's peak is at most the w4a16 run's (which dequantises every call whole) plus the largest
+    dense weight, while the dense run holds at least half of all dense weights more."""
+    m = dsv4lab.load("tiny-nvfp4", device="cuda", progress=False, kernels=False)
+    src = Originals.from_checkpoint(TINY_DIR, m.dtype)
+    ids = prompt(n=64).cuda()
+
+    def peak(fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, out
+
+    floor, _ = peak(lambda: reference_run(m, ids, "w4a16", streaming=False))
+    streamed_peak, streamed = peak(lambda: reference_run(m, ids, policy, src, streaming=True))
+    dense_peak, dense = peak(lambda: reference_run(m, ids, policy, src, streaming=False))
+    assert same_run(dense, streamed)
+    assert streamed_peak <= floor + largest_dense_bytes(m, policy)
+    from dsv4lab.precision.streaming import dense_bytes
+    assert dense_peak >= streamed_peak + sum(dense_bytes(m, policy).values()) // 2
+
+
+@pytest.mark.gpu
+@cuda
+def test_streamed_run_refuses_graph_capture():
+    m = dsv4lab.load("tiny-nvfp4", device="cuda", progress=False, kernels=False)
+    ids = prompt(n=8).cuda()
+    with streaming_precision(m, "bf16"):
+        m(ids)   # warm up outside the capture
+        g = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="CUDA graph"):
+            with torch.cuda.graph(g):
+                m(ids)

@@ -85,10 +85,17 @@ def dequantize_rows(qw: QuantWeight, dtype: torch.dtype, rows: int = STREAM_ROWS
     return out
 
 
+def _not_capturing() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a streamed precision run cannot be captured in a CUDA graph (each call builds its "
+                           "weight anew): capture under using_precision, or run eagerly")
+
+
 def _bf16_source(ql) -> Callable[[torch.dtype], torch.Tensor]:
     qw = ql.qweight
 
     def dense(dtype: torch.dtype) -> torch.Tensor:
+        _not_capturing()
         return dequantize_rows(qw, dtype)
 
     return dense
@@ -99,6 +106,7 @@ def _orig_source(name: str, ql, originals: Originals, model_dtype: torch.dtype) 
 
     def dense(dtype: torch.dtype) -> torch.Tensor:
         # the chain apply_precision runs once for an ``orig`` swap, then dense_weight's cast
+        _not_capturing()
         w = originals.weight_on(name, device).to(device=device, dtype=model_dtype)
         return w if w.dtype == dtype else w.to(dtype)
 
