@@ -49,8 +49,9 @@ def one(args) -> dict:
     peak = sum(torch.cuda.max_memory_allocated(d) for d in cuda) - base_cuda if cuda else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
     return {"mode": args.mode, "path": args.path, "device": args.device, "tokens": args.tokens,
-            "measure": "cuda max_memory_allocated" if cuda else "peak RSS", "peak_above_warmup_bytes": int(peak),
-            "dense_bytes": sum(dense_bytes(m, args.mode).values()), "largest_dense_bytes": largest_dense_bytes(m, args.mode),
+            "measure": "cuda max_memory_allocated" if cuda else "peak RSS",
+            "peak_above_warmup_bytes": int(peak), "dense_bytes": sum(dense_bytes(m, args.mode).values()),
+            "largest_dense_bytes": largest_dense_bytes(m, args.mode),
             "how": run.how}
 
 
@@ -71,8 +72,8 @@ def main() -> None:
     rows = []
     for mode in args.modes.split(","):
         for path in args.paths.split(","):
-            cmd = [sys.executable, __file__, "--model", args.model, "--reference", args.reference, "--device", args.device,
-                   "--tokens", str(args.tokens), "--mode", mode, "--path", path]
+            cmd = [sys.executable, __file__, "--model", args.model, "--reference", args.reference,
+                   "--device", args.device, "--tokens", str(args.tokens), "--mode", mode, "--path", path]
             env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}   # freed buffers leave RSS
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))

@@ -120,7 +120,8 @@ def reference_key(model, ids: torch.Tensor, policy, originals: Originals | None 
     if ident is None:
         return None, "not cached: in-memory model without a checkpoint path"
     parts = {"version": FORMAT_VERSION, "model": ident, "policy": policy.describe(),
-             "ids": {"shape": list(ids.shape), "sha256": _sha256(ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())},
+             "ids": {"shape": list(ids.shape),
+                     "sha256": _sha256(ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())},
              "names": sorted(names), "dtype": str(model.dtype),
              "devices": sorted({torch.device(d).type for d in model.layer_devices()}), "code": code_digest()}
     if policy.uses(Mode.ORIG):
@@ -216,5 +217,6 @@ def cached_reference_run(model, ids: torch.Tensor, policy=Mode.BF16, originals: 
     return run
 
 
-__all__ = ["CACHE_ENV", "cache_dir", "cached_reference_run", "code_digest", "model_identity", "originals_identity", "read_entry",
+__all__ = ["CACHE_ENV", "cache_dir", "cached_reference_run", "code_digest", "model_identity", "originals_identity",
+           "read_entry",
            "reference_key", "structure_digest", "write_entry"]

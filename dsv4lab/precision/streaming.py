@@ -38,10 +38,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..quant.modes import Mode
-from ..quant.weights import FP8BlockWeight, MXFP4Weight, NVFP4Weight, QuantWeight
 from ..model.linear import QLinear
 from ..model.moe import Experts
+from ..quant.modes import Mode
+from ..quant.weights import FP8BlockWeight, MXFP4Weight, NVFP4Weight, QuantWeight
 from .apply import (
     NoOriginals,
     Originals,
@@ -56,7 +56,6 @@ from .policy import PrecisionPolicy, Rule
 
 STREAM_ROWS = 1024      # rows dequantised at once (a multiple of the FP8 block, 128)
 DENSE_MODES = (Mode.BF16, Mode.ORIG)
-STREAMING_CHOICES = (True, False, "auto")
 FREE_FRACTION = 0.5     # "auto" streams when the dense weights need more than this share of free memory
 
 
@@ -101,7 +100,8 @@ def _bf16_source(ql) -> Callable[[torch.dtype], torch.Tensor]:
     return dense
 
 
-def _orig_source(name: str, ql, originals: Originals, model_dtype: torch.dtype) -> Callable[[torch.dtype], torch.Tensor]:
+def _orig_source(name: str, ql, originals: Originals,
+                 model_dtype: torch.dtype) -> Callable[[torch.dtype], torch.Tensor]:
     device = ql.qweight.device
 
     def dense(dtype: torch.dtype) -> torch.Tensor:
@@ -211,7 +211,7 @@ def streaming_precision(model, policy, originals: Originals | None = None) -> It
     place with every ``bf16`` / ``orig`` quantised linear streamed (see the module doc). Modes,
     weights, sources and the experts' decode switches are put back on exit, also on an
     exception. The report: apply_precision's (``bytes_after`` = the policy's weight memory as a
-    dense run would hold it), ``streamed`` (names), ``swapped`` (replaced linears in ``orig``,
+    dense run would hold it), ``streamed_names``, ``swapped`` (replaced linears in ``orig``,
     swapped for real) and ``peak_bytes`` (largest streamed dense weight)."""
     policy = PrecisionPolicy.parse(policy)
     check_targets(model, policy)
@@ -241,7 +241,7 @@ def streaming_precision(model, policy, originals: Originals | None = None) -> It
                                                 for q in mod.modules()):
                 experts.append((mod, mod.gather_in_decode, mod.kernel))
                 mod.gather_in_decode, mod.kernel = False, None   # the per-expert loop: see the module doc
-        yield {**report, "streamed": [name for name, _, _ in plan], "swapped": sorted(swap),
+        yield {**report, "streamed_names": [name for name, _, _ in plan], "swapped": sorted(swap),
                "peak_bytes": largest_dense_bytes(model, policy)}
     finally:
         for mod, gather, kernel in experts:
@@ -263,5 +263,5 @@ def fitting_precision(model, policy, originals: Originals | None = None, streami
         yield {**report, "streamed": stream, "how": ("streamed: " if stream else "dense: ") + why}
 
 
-__all__ = ["DENSE_MODES", "fitting_precision", "STREAM_ROWS", "choose_streaming", "dense_bytes", "dequantize_rows", "free_bytes",
-           "largest_dense_bytes", "streamed_linears", "streaming_precision"]
+__all__ = ["DENSE_MODES", "STREAM_ROWS", "choose_streaming", "dense_bytes", "dequantize_rows", "fitting_precision",
+           "free_bytes", "largest_dense_bytes", "streamed_linears", "streaming_precision"]

@@ -56,7 +56,8 @@ def reference_run(model, ids: torch.Tensor, policy=Mode.BF16, originals: Origina
     memory (``free`` overrides what the devices report; see ``choose_streaming``). Both paths give
     bitwise the same result; ``ReferenceRun.streamed`` / ``.how`` say which ran."""
     with fitting_precision(model, policy, originals, streaming, free) as report:
-        logits, cache = run_with_cache(model, ids, names=[names] if isinstance(names, str) else list(names), device="cpu")
+        names = [names] if isinstance(names, str) else list(names)
+        logits, cache = run_with_cache(model, ids, names=names, device="cpu")
     return ReferenceRun(logits.detach().cpu(), cache, report["streamed"], report["how"])
 
 

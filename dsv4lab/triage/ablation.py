@@ -46,7 +46,7 @@ class Setup:
     layers_of: dict = field(default_factory=dict)   # kind -> sorted layers (None = global)
     originals: Originals | None = None               # what ``orig`` swaps in: the reference's weights
     reference_policy: str = Mode.BF16                # how ``reference`` runs: bf16, or orig (reference checkpoint)
-    cache: object = True                             # reference-run cache: True (DSV4LAB_CACHE / user cache), False, a dir
+    cache: object = True                             # reference-run cache: True (DSV4LAB_CACHE), False, a dir
     _reference_run: engine.ReferenceRun | None = field(default=None, repr=False)
 
     def reference_run(self) -> engine.ReferenceRun:
