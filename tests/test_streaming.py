@@ -138,7 +138,7 @@ class DenseCounter:
     def __init__(self, model) -> None:
         self.refs: list = []
         self.peak = 0
-        self.calls = 0
+        self.called: set = set()
         self.holding_peak = 0   # QLinears holding more weight memory than they did before the run
         self.model = model
         self.base = {name: ql.memory_bytes() for name, ql in model.qlinears()}
@@ -153,11 +153,11 @@ class DenseCounter:
                       for n, ql in self.model.qlinears())
         self.holding_peak = max(self.holding_peak, holding)
 
-    def wrap(self, source):
+    def wrap(self, name, source):
         def dense(dtype):
             self.look()
             w = source(dtype)
-            self.calls += 1
+            self.called.add(name)
             self.refs.append(weakref.ref(w))
             self.look()
             return w
@@ -182,14 +182,20 @@ def test_at_most_one_dense_weight_alive(model, originals, policy):
 
     def streamed(c):
         with streaming_precision(model, policy, originals) as report:
-            for _, ql in model.qlinears():
+            for name, ql in model.qlinears():
                 if ql.weight_source is not None:
-                    ql.weight_source = c.wrap(ql.weight_source)
+                    ql.weight_source = c.wrap(name, ql.weight_source)
             model(ids)
         c.report = report
 
     c = count_dense(model, ids, streamed)
-    assert c.calls >= len([n for n in c.report["streamed_names"] if ".experts." not in n])  # all non-experts ran
+    # every path went through its source: attention (wo_a grouped too), compressor, indexer,
+    # router, shared expert, head, and the routed experts the prompt hit
+    streamed = set(c.report["streamed_names"])
+    assert {n for n in streamed if ".mlp.experts." not in n} <= c.called <= streamed
+    assert {"head", "layers.0.mlp.router", "layers.0.attn.wo_a", "layers.0.mlp.shared_expert.w2"} <= c.called
+    assert any(".compressor." in n for n in c.called) and any(".indexer." in n for n in c.called)
+    assert any(".mlp.experts." in n for n in c.called)
     assert c.peak == 1 and c.holding_peak == 0
     assert c.report["peak_bytes"] == max(ql.out_features * ql.in_features * 4
                                          for _, ql in model.qlinears() if ql.quantized)
