@@ -1,6 +1,8 @@
 """Shared test fixtures."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -13,3 +15,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reference_cache_dir(tmp_path_factory):
+    """Reference runs cached by the triage flows go to a temporary directory, not the user's
+    cache (dsv4lab.precision.reference_cache reads DSV4LAB_CACHE; notebooks inherit it)."""
+    old = os.environ.get("DSV4LAB_CACHE")
+    os.environ["DSV4LAB_CACHE"] = str(tmp_path_factory.mktemp("dsv4lab-cache"))
+    yield os.environ["DSV4LAB_CACHE"]
+    if old is None:
+        os.environ.pop("DSV4LAB_CACHE", None)
+    else:
+        os.environ["DSV4LAB_CACHE"] = old

@@ -48,6 +48,8 @@ class QLinear(nn.Module):
         self._dense_cache: torch.Tensor | None = None
         self.kernel: Callable | None = None  # optional fast path f(x, qweight) -> y
         self.act_kernel: Callable | None = None  # optional NVFP4 activation fake quant f(x, gs), bit-exact
+        # streamed precision (dsv4lab.precision.streaming): f(dtype) -> this call's dense weight, never kept
+        self.weight_source: Callable[[torch.dtype], torch.Tensor] | None = None
 
     # ---------------------------------------------------------------- weights
     @property
@@ -85,7 +87,10 @@ class QLinear(nn.Module):
             self._dense_cache = None
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as a dense matrix in ``dtype`` (cached only in ``bf16`` mode)."""
+        """The weight as a dense matrix in ``dtype`` (cached only in ``bf16`` mode, and not while a
+        ``weight_source`` streams it: then it lives for the one call that asked)."""
+        if self.weight_source is not None:
+            return self.weight_source(dtype)
         if self.qweight is None:
             return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
         if self.mode == Mode.BF16:

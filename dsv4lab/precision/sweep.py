@@ -28,8 +28,9 @@ from tqdm.auto import tqdm
 from ..analysis.cache import ActivationCache, run_with_cache
 from ..analysis.compare import CompareResult, compare_against
 from ..quant.modes import ROUND_TRIPS, Mode, as_round_trip, unknown_choice
-from .apply import Originals, UnknownTargetError, linear_kinds, using_precision
+from .apply import Originals, UnknownTargetError, linear_kinds
 from .policy import PrecisionPolicy, linear_kind, linear_layer
+from .streaming import fitting_precision
 
 SWEEP_HOOKS = ["layers.*.hook_resid_post", "layers.*.mlp.router.hook_ids"]
 SWEEP_COLUMNS = ["kind", "layers", "mode", "base", "kl", "kl_last", "kl_max", "top1", "topk", "min_layer_cos",
@@ -38,18 +39,29 @@ SWEEP_COLUMNS = ["kind", "layers", "mode", "base", "kl", "kl_last", "kl_max", "t
 
 @dataclass
 class ReferenceRun:
-    """The truth a sweep measures against: logits and the SWEEP_HOOKS captures (on the CPU)."""
+    """The truth a sweep measures against: logits and the SWEEP_HOOKS captures (on the CPU).
+    ``streamed``: computed with one dense weight at a time (dsv4lab.precision.streaming);
+    ``how``: which path ran and why, or where the cached run came from."""
 
     logits: torch.Tensor
     cache: ActivationCache
+    streamed: bool = False
+    how: str = ""
 
 
 @torch.no_grad()
-def reference_run(model, ids: torch.Tensor, policy=Mode.BF16, originals: Originals | None = None) -> ReferenceRun:
-    """Run ``model`` under ``policy`` (restored afterwards), capturing what a sweep compares."""
-    with using_precision(model, policy, originals):
-        logits, cache = run_with_cache(model, ids, names=SWEEP_HOOKS, device="cpu")
-    return ReferenceRun(logits.detach().cpu(), cache)
+def reference_run(model, ids: torch.Tensor, policy=Mode.BF16, originals: Originals | None = None,
+                  streaming="auto", free: "int | dict | None" = None, names=tuple(SWEEP_HOOKS)) -> ReferenceRun:
+    """Run ``model`` under ``policy`` (restored afterwards), capturing ``names`` (what a sweep
+    compares). ``streaming``: True streams every ``bf16`` / ``orig`` linear's dense weight one
+    call at a time (peak: the largest one), False gives them all dense weights at once (fast, and
+    the model's size again in BF16), ``"auto"`` streams when those would not fit the devices' free
+    memory (``free`` overrides what the devices report; see ``choose_streaming``). Both paths give
+    bitwise the same result; ``ReferenceRun.streamed`` / ``.how`` say which ran."""
+    with fitting_precision(model, policy, originals, streaming, free) as report:
+        names = [names] if isinstance(names, str) else list(names)
+        logits, cache = run_with_cache(model, ids, names=names, device="cpu")
+    return ReferenceRun(logits.detach().cpu(), cache, report["streamed"], report["how"])
 
 
 @dataclass
@@ -63,10 +75,11 @@ class Trial:
 
 @torch.no_grad()
 def evaluate(model, ids: torch.Tensor, policy, reference: ReferenceRun, originals: Originals | None = None,
-             k: int = 5) -> Trial:
-    """Run ``model`` under ``policy`` (restored afterwards) and compare it with ``reference``."""
+             k: int = 5, streaming="auto") -> Trial:
+    """Run ``model`` under ``policy`` (restored afterwards; streamed when its dense weights would
+    not fit, see :func:`reference_run`) and compare it with ``reference``."""
     policy = PrecisionPolicy.parse(policy)
-    with using_precision(model, policy, originals) as report:
+    with fitting_precision(model, policy, originals, streaming) as report:
         res = compare_against(reference.logits, reference.cache, model, None, ids, SWEEP_HOOKS, 0.0, k)
     return Trial(policy, res, report["bytes_after"])
 

@@ -27,9 +27,10 @@ from ..precision import (
     linear_kind,
     linear_kinds,
     linear_layer,
-    using_precision,
 )
 from ..precision import sweep as engine
+from ..precision.reference_cache import cached_reference_run
+from ..precision.streaming import fitting_precision
 from ..quant.modes import as_mode
 from .logits import topk_table
 from .plots import bar, lines, show
@@ -47,20 +48,25 @@ class Setup:
     layers_of: dict = field(default_factory=dict)   # kind -> sorted layers (None = global)
     originals: Originals | None = None               # what ``orig`` swaps in: the reference's weights
     reference_policy: str = Mode.BF16                # how ``reference`` runs: bf16, or orig (reference checkpoint)
+    cache: object = True                             # reference-run cache: True (DSV4LAB_CACHE), False, a dir
     _reference_run: engine.ReferenceRun | None = field(default=None, repr=False)
 
     def reference_run(self) -> engine.ReferenceRun:
-        """The reference (original weights) run on ``ids``, computed once."""
+        """The reference (original weights) run on ``ids``, computed once (streamed when the dense
+        weights would not fit) and kept in the on-disk cache (dsv4lab.precision.reference_cache)."""
         if self._reference_run is None:
-            self._reference_run = engine.reference_run(self.reference, self.ids, self.reference_policy, self.originals)
+            self._reference_run = cached_reference_run(self.reference, self.ids, self.reference_policy, self.originals,
+                                                       cache=self.cache)
         return self._reference_run
 
 
-def make_setup(session, ids: torch.Tensor) -> Setup:
+def make_setup(session, ids: torch.Tensor, cache=True) -> Setup:
     """Model under test, reference and ``orig`` source for ``session``. With a reference
     checkpoint (``open_session(..., reference=PATH)``) the reference is the model itself under
     ``orig``, its weights read from that checkpoint; no model is copied in any case but a plain
-    session that is not the embedded model (quantised in memory, :func:`quantized_twin`)."""
+    session that is not the embedded model (quantised in memory, :func:`quantized_twin`).
+    ``cache``: where the reference run is kept (True: ``$DSV4LAB_CACHE`` or the user cache dir;
+    False: computed every time)."""
     q = quantized_twin(session)
     ref = reference_of(session, q)
     layers: dict = {}
@@ -70,7 +76,7 @@ def make_setup(session, ids: torch.Tensor) -> Setup:
     originals = session.originals() if policy == Mode.ORIG else Originals.from_model(ref)
     return Setup(q, ref, ids.to(q.device), linear_kinds(q),
                  {k: sorted(v, key=lambda x: -1 if x is None else x) for k, v in layers.items()},
-                 originals, Mode(policy))
+                 originals, Mode(policy), cache)
 
 
 @torch.no_grad()
@@ -82,7 +88,7 @@ def evaluate(setup: Setup, policy) -> dict:
     policy = PrecisionPolicy.parse(policy)
     ref = setup.reference_run()
     res = engine.evaluate(setup.model, setup.ids, policy, ref, setup.originals).result
-    with using_precision(setup.model, policy, setup.originals):
+    with fitting_precision(setup.model, policy, setup.originals):
         last = setup.model(setup.ids)[0, -1].float().cpu()
     return {"policy": policy.describe(), "kl": res.kl_mean, "kl_last": res.kl_per_pos[-1], "kl_per_pos": res.kl_per_pos,
             "top1": res.top1, "topk": res.topk, "layer_cos": dict(sorted(res.layer_cos.items())),
@@ -274,5 +280,5 @@ class AblationPanel:
                 display(topk_table(self.session, r["result"] and self._last_logits(), 8))
 
     def _last_logits(self):
-        with using_precision(self.setup.model, self.policy, self.setup.originals), torch.no_grad():
+        with fitting_precision(self.setup.model, self.policy, self.setup.originals), torch.no_grad():
             return self.setup.model(self.setup.ids)[0, -1].float().cpu()
