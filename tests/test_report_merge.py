@@ -167,3 +167,32 @@ def test_heartbeat_names_the_running_cell():
     with R.Heartbeat("quiet", 0, lines.append):
         time.sleep(0.1)
     assert len(lines) == n
+
+
+def test_report_path_needs_no_gpu_extras():
+    """`make report` installs neither triton nor nvidia-cutlass-dsl: every triage module imports, a
+    session opens (``load`` installs kernels only on CUDA) and runs, with both made unimportable."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent('''
+        import importlib, pkgutil, sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("triton", "cutlass"):
+                    raise ImportError(f"{name} is not installed (make report)")
+        sys.meta_path.insert(0, Block())
+        import dsv4lab.triage as T
+        for m in pkgutil.iter_modules(T.__path__):
+            importlib.import_module(f"dsv4lab.triage.{m.name}")
+        from dsv4lab.triage import decode_view
+        from dsv4lab.triage.session import open_session
+        S = open_session(None, "cpu")
+        dc = decode_view.run(S, S.encode("The capital of France is"), steps=2)
+        print("ok", S.model(S.encode("Hello")).shape[-1], [k for k in sys.modules if k.split(".")[0] in ("triton", "cutlass")])
+    ''')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[0] == "ok" and r.stdout.rstrip().endswith("[]"), r.stdout
