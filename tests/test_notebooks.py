@@ -65,6 +65,20 @@ def test_outputs_offline_html(report):
     assert h4.count("Plotly.newPlot") >= 4 and "heatmap" in h4
 
 
+def test_one_plotlyjs_per_report_dir(report):
+    """Each report directory holds plotly.js once; no page or executed notebook carries a copy
+    (plotly's bundle starts with "* plotly.js v"), every page that plots loads the shared file."""
+    out = report[0]
+    for d in (out, out / "clean", out / "bug"):
+        assert [p.name for p in d.glob("*.js")] == ["plotly.min.js"], d
+        assert "* plotly.js v" in (d / "plotly.min.js").read_text(encoding="utf-8")[:200]
+        for f in [*d.glob("*.html"), *d.glob("*.ipynb")]:
+            text = f.read_text(encoding="utf-8")
+            assert "plotly.js v" not in text and len(text) < 1_000_000, (f.name, len(text))
+            if f.suffix == ".html" and "Plotly.newPlot" in text:
+                assert text.count('src="plotly.min.js"') == 1, f.name
+
+
 def test_01_inspect(report):
     m = _m(report[0], "01_load_and_inspect")
     assert m["checkpoint.ok"] is True and m["checkpoint.n_logical_tensors"] > 100
@@ -165,3 +179,25 @@ def test_ablation_widget_callback_uses_evaluate():
     assert r1["kl"] == pytest.approx(AB.evaluate(setup, "w4a4")["kl"], rel=1e-9)
     panel._kind_dd["head"].value = "orig"
     assert "head=orig" in panel.last["policy"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_interactive_never_blocks_headless(tmp_path):
+    """`report --only 03 -p INTERACTIVE=true` (issue 20: hung until the 900 s cell timeout). The panel is
+    built (its widget state is saved) and its readout and figure are plain cell outputs; the panel cell
+    takes seconds, far under its bounded timeout; the heartbeat names the cells meanwhile."""
+    import nbformat
+
+    lines = []
+    s = run_report(tmp_path, only=["03"], parameters={"INTERACTIVE": True}, timeout=240, heartbeat=5, log=lines.append)
+    assert s["ok"], s["notebooks"][0]["error"]
+    nb = nbformat.read(str(tmp_path / "03_precision_ablation.ipynb"), as_version=4)
+    [cell] = [c for c in nb.cells if "panel = AB.AblationPanel" in c.source]
+    assert cell.metadata.papermill["duration"] < 60, cell.metadata.papermill
+    text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+    assert "policy: default=w4a16" in text and "KL mean" in text
+    assert any("Plotly.newPlot" in o.get("data", {}).get("text/html", "") for o in cell.outputs)
+    models = nb.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"].values()
+    assert sum(m["model_name"] == "DropdownModel" for m in models) >= 5
+    assert any(": " in ln and ", cell " in ln for ln in lines), lines

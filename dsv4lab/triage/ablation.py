@@ -33,7 +33,7 @@ from ..precision.reference_cache import cached_reference_run
 from ..precision.streaming import fitting_precision
 from ..quant.modes import as_mode
 from .logits import topk_table
-from .plots import bar, lines, show
+from .plots import bar, headless, lines, load_plotlyjs, show
 from .session import quantized_twin, reference_of, reference_policy
 
 DEFAULT = "default"  # the panel's word for "no rule: inherit"
@@ -265,11 +265,16 @@ class AblationPanel:
         return self._widgets
 
     def redraw(self) -> None:
+        """Rerun and show the readout, the per-layer cosine and the top-k table: inside the panel's
+        Output area under a front end; as plain cell outputs headless (papermill's stand-in for an
+        Output area talks back on the kernel's shell channel and can stall the cell until its timeout,
+        jupyter/nbclient#312). plotly.js is loaded outside the Output area first, so the area holds
+        only the figure."""
         from IPython.display import display  # lazy: heavy optional dependency
 
-
         r = self.run()
-        out = self._out if self._widgets is not None else None
+        load_plotlyjs()
+        out = self._out if self._widgets is not None and not headless() else None
         ctx = out if out is not None else contextlib.nullcontext()
         if out is not None:
             out.clear_output(wait=True)

@@ -1,15 +1,35 @@
 """Plotly helpers: consistent titles / axis labels and display that works offline.
 
-``show(fig)`` emits the figure as HTML with plotly.js embedded inline the first time it is
-called in a kernel (later figures reuse ``window.Plotly``), so the executed notebook and its
-nbconvert HTML export need no CDN. ``write_html`` writes a standalone offline page.
+``show(fig)`` emits the figure as HTML and loads plotly.js once per kernel (later figures reuse
+``window.Plotly``), so the executed notebook and its nbconvert HTML export need no CDN:
+
+* under the report runner (``$DSV4LAB_PLOTLYJS`` set, e.g. ``plotly.min.js``) the first figure
+  references that one shared file of the report directory: no page carries its own 4.6 MB copy;
+* anywhere else (JupyterLab, a bare papermill run) plotly.js is embedded inline once.
+
+``headless()`` is true under the report runner (``$DSV4LAB_HEADLESS``): no front end is there to
+show a widget's Output area. ``write_html`` writes a standalone offline page.
 """
 from __future__ import annotations
 
+import os
 from typing import Sequence
+
+PLOTLYJS_ENV = "DSV4LAB_PLOTLYJS"   # URL (relative to the page) of the shared plotly.js
+HEADLESS_ENV = "DSV4LAB_HEADLESS"   # "1": no front end (papermill under the report runner)
 
 _PLOTLYJS_SENT = False
 _HEIGHT = 420
+
+
+def headless() -> bool:
+    """True when no front end renders widgets (the report runner sets ``$DSV4LAB_HEADLESS``)."""
+    return os.environ.get(HEADLESS_ENV, "") not in ("", "0")
+
+
+def plotlyjs_source() -> bool | str:
+    """``include_plotlyjs`` for the first figure: the shared file's URL, or True (inline)."""
+    return os.environ.get(PLOTLYJS_ENV) or True
 
 
 def style(fig, title: str, x: str | None = None, y: str | None = None, height: int | None = None, legend: str | None = None):
@@ -35,12 +55,31 @@ def to_html(fig, include_plotlyjs: bool | str = True) -> str:
     return fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs, config={"displaylogo": False, "responsive": True})
 
 
-def show(fig) -> None:
-    """Display ``fig`` in a notebook as self-contained HTML (plotly.js inline once per kernel)."""
+def load_plotlyjs() -> None:
+    """Display the plotly.js loader as an output of its own (once per kernel), so a figure shown
+    later inside a widget's Output area carries no 4.6 MB of script (the same tag plotly writes)."""
     global _PLOTLYJS_SENT
     from IPython.display import HTML, display  # lazy: heavy optional dependency
 
-    html = to_html(fig, include_plotlyjs=not _PLOTLYJS_SENT)
+    if _PLOTLYJS_SENT:
+        return
+    src = plotlyjs_source()
+    if src is True:
+        from plotly.offline import get_plotlyjs  # lazy: heavy optional dependency
+
+        tag = f'<script type="text/javascript">{get_plotlyjs()}</script>'
+    else:
+        tag = f'<script charset="utf-8" src="{src}"></script>'
+    display(HTML('<script type="text/javascript">window.PlotlyConfig = {MathJaxConfig: \'local\'};</script>' + tag))
+    _PLOTLYJS_SENT = True
+
+
+def show(fig) -> None:
+    """Display ``fig`` in a notebook as HTML that works offline (plotly.js loaded once per kernel)."""
+    global _PLOTLYJS_SENT
+    from IPython.display import HTML, display  # lazy: heavy optional dependency
+
+    html = to_html(fig, include_plotlyjs=False if _PLOTLYJS_SENT else plotlyjs_source())
     _PLOTLYJS_SENT = True
     display(HTML(html))
 

@@ -1,9 +1,12 @@
 """``python -m dsv4lab report``: run every notebook in ``notebooks/`` with papermill on one
-model, export each to offline HTML (plotly.js embedded), merge the metrics, write an index.
+model, export each to offline HTML, merge the metrics, write an index.
 
     reports/<name>.ipynb   executed notebook          reports/<name>.html   its HTML export
     reports/<name>.metrics.json                       reports/metrics.json  all metrics merged
     reports/index.html     links, status, time per notebook, the nightly regression verdict
+    reports/plotly.min.js  the one copy of plotly.js that every page and notebook above loads
+
+While a notebook runs, a heartbeat line every ``heartbeat`` seconds says for how long and which cell.
 """
 from __future__ import annotations
 
@@ -14,11 +17,21 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 from ..checkpoint.locate import resolve_path
 from .metrics import merge
+from .plots import HEADLESS_ENV, PLOTLYJS_ENV
+
+PLOTLYJS = "plotly.min.js"     # the report directory's shared plotly.js (a URL relative to every page)
+ENGINE = "dsv4lab-heartbeat"   # papermill engine: nbclient's, telling the heartbeat which cell runs
+# the kernel's own log stays out of the report's lines: "running over TCP without encryption" at each start,
+# "KeyboardInterrupt caught" when jupyter_client interrupts it on shutdown; a failing cell is reported anyway
+KERNEL_ARGS = ["--IPKernelApp.log_level=CRITICAL"]
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = REPO / "notebooks"
@@ -38,8 +51,8 @@ _REMOTE_SCRIPT = re.compile(r'<script[^>]*src="https?://[^"]*"[^>]*>\s*</script>
 
 
 def to_html(executed: str | Path, out: str | Path) -> Path:
-    """nbconvert HTML of an executed notebook, usable offline: plotly figures are inline HTML
-    with plotly.js embedded (see :mod:`dsv4lab.triage.plots`); the CDN require.js tag of the
+    """nbconvert HTML of an executed notebook, usable offline: plotly figures are inline HTML that
+    load plotly.js from the report directory's :data:`PLOTLYJS` (see :mod:`dsv4lab.triage.plots`); the CDN require.js tag of the
     template is dropped (with it loaded, plotly.js would register as an AMD module instead of
     ``window.Plotly``; offline it would just fail to load), as is the CDN MathJax (no maths here):
     the page loads nothing from the network."""
@@ -90,10 +103,96 @@ def check_model(model: str | None) -> None:
         raise ReportError(f"--model {model}: no such checkpoint ({path} does not exist)")
 
 
+def write_plotlyjs(report_dir: Path) -> Path:
+    """The plotly.js of the installed plotly, once per report directory (~4.6 MB)."""
+    from plotly.offline import get_plotlyjs  # lazy: heavy optional dependency
+
+    p = Path(report_dir) / PLOTLYJS
+    p.write_text(get_plotlyjs(), encoding="utf-8")
+    return p
+
+
+@contextmanager
+def kernel_env(**env: str):
+    """Set environment variables for the kernels started inside the block (they inherit ours)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class Heartbeat:
+    """While a notebook runs, one line every ``every`` seconds: elapsed seconds and the running cell
+    (papermill marks it ``running`` in the notebook it executes, which :meth:`watch` is handed).
+    Quiet for notebooks shorter than ``every``; ``every=0`` turns it off."""
+
+    def __init__(self, name: str, every: float, log=print) -> None:
+        self.name, self.every, self.log = name, every, log
+        self.nb = None
+        self._stop = threading.Event()
+        self._t0 = time.perf_counter()
+
+    def watch(self, nb) -> None:
+        self.nb = nb
+
+    def line(self) -> str:
+        cells = list(self.nb.cells) if self.nb is not None else []
+        status = [c.get("metadata", {}).get("papermill", {}).get("status") for c in cells]
+        if "running" in status:
+            where = f"cell {status.index('running') + 1}/{len(cells)}"
+        elif all(st in (None, "pending") for st in status):
+            where = "starting the kernel"
+        elif all(st in ("completed", "failed") for st in status):
+            where = "all cells done, closing"
+        else:
+            where = "between cells"
+        return f"      {self.name}: {time.perf_counter() - self._t0:.0f} s, {where}"
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every):
+            self.log(self.line())
+
+    def __enter__(self) -> "Heartbeat":
+        self._t0 = time.perf_counter()
+        if self.every > 0:
+            self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{self.name}", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.every > 0:
+            self._thread.join()
+
+
+def register_engine() -> str:
+    """Register (once) papermill's nbclient engine that hands the executed notebook to a :class:`Heartbeat`."""
+    from papermill.engines import NBClientEngine, papermill_engines  # lazy: heavy optional dependency
+
+    class HeartbeatEngine(NBClientEngine):
+        @classmethod
+        def execute_managed_notebook(cls, nb_man, kernel_name, heartbeat: Heartbeat | None = None, **kwargs):
+            if heartbeat is not None:
+                heartbeat.watch(nb_man.nb)
+            return super().execute_managed_notebook(nb_man, kernel_name, **kwargs)
+
+    papermill_engines.register(ENGINE, HeartbeatEngine)  # a dict entry: registering again replaces it
+    return ENGINE
+
+
 def run_report(out: str | Path = "reports", model: str | None = None, device: str = "cpu", only=None,
                parameters: dict | None = None, html_export: bool = True, nb_dir: str | Path = NOTEBOOK_DIR,
-               timeout: int = 900, log=print) -> dict:
+               timeout: int = 900, heartbeat: float = 15, log=partial(print, flush=True)) -> dict:
     """Run the notebooks; returns ``{"ok", "notebooks": [{name, status, seconds, error, ...}], "metrics"}``.
+
+    Each notebook's cells run under ``timeout`` seconds each; ``heartbeat``: seconds between the
+    progress lines while one runs (0: none). Every page loads the one ``plotly.min.js`` of ``out``.
 
     The run goes into a staging directory next to ``out``. It replaces ``out`` when ``out`` holds
     no report yet or every notebook ran; a partial run (``only``) replaces only its notebooks'
@@ -112,6 +211,8 @@ def run_report(out: str | Path = "reports", model: str | None = None, device: st
         if f.name.removesuffix(".metrics.json") not in {nb.stem for nb in nbs}:
             shutil.copy2(f, stage / f.name)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the kernels inherit it (see session.set_threads)
+    write_plotlyjs(stage)
+    engine = register_engine()
     results = []
     t_all = time.perf_counter()
     for i, nb in enumerate(nbs, 1):
@@ -122,8 +223,10 @@ def run_report(out: str | Path = "reports", model: str | None = None, device: st
         t0 = time.perf_counter()
         status, err = "ok", ""
         try:
-            pm.execute_notebook(str(nb), str(stage / nb.name), parameters=params, kernel_name="python3", cwd=str(stage),
-                                progress_bar=False, log_output=False, execution_timeout=timeout)
+            with kernel_env(**{PLOTLYJS_ENV: PLOTLYJS, HEADLESS_ENV: "1"}), Heartbeat(stem, heartbeat, log) as hb:
+                pm.execute_notebook(str(nb), str(stage / nb.name), parameters=params, kernel_name="python3",
+                                    cwd=str(stage), progress_bar=False, log_output=False, execution_timeout=timeout,
+                                    engine_name=engine, heartbeat=hb, extra_arguments=KERNEL_ARGS)
         except Exception as e:  # noqa: BLE001 - papermill error: keep going, report it
             status = "FAILED"
             err = _error_of(stage / nb.name) or f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
@@ -190,7 +293,7 @@ def write_index(out: Path, summary: dict, merged: dict) -> Path:
 </head><body><h1>dsv4lab triage report</h1>
 <p>model: <b>{html.escape(str(merged.get('model') or summary['model']))}</b>, device {html.escape(summary['device'])},
 {summary['seconds']} s in all. Status: <b>{'all notebooks ok' if summary['ok'] else 'SOME NOTEBOOKS FAILED'}</b>.
-All pages work offline (plotly.js is embedded in each).</p>
+All pages work offline (they load plotly.js from <code>plotly.min.js</code> beside them).</p>
 <table><tr><th>notebook</th><th>status</th><th>seconds</th><th>metrics</th><th>error</th><th>source</th></tr>
 {''.join(rows)}</table>
 <h2>Metrics</h2><p>All metrics in <a href="metrics.json">metrics.json</a> (component fingerprints <code>fp.*</code> omitted here).</p>
