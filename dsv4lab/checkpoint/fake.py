@@ -83,6 +83,13 @@ def random_state(config: Any, seed: int = 0, dtype=None, scale: float = 0.05) ->
     return out
 
 
+# Linears the official release ships in BF16 (no FP8 scale): the head, the router gates and the
+# compressor / indexer helper projections (transformers' DeepseekV4 keeps the latter out of its
+# FP8 conversion for that reason).
+OFFICIAL_PLAIN_KINDS = ("head", "router", "compressor.wkv", "compressor.wgate", "indexer.compressor.wkv",
+                        "indexer.compressor.wgate", "indexer.weights_proj")
+
+
 def tensor_specs(config: Any, fmt: str = "nvfp4", layout: str = "official", dtype: str = "BF16",
                  nvfp4: Sequence[str] = ("*",), exclude: Sequence[str] = ("head", "layers.*.mlp.router"),
                  input_scale: bool = True) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -124,7 +131,7 @@ def tensor_specs(config: Any, fmt: str = "nvfp4", layout: str = "official", dtyp
                 ss = stored_shapes("mxfp4", shape)
                 add(base + ".weight", "I8", ss["weight"])
                 add(base + ".scale", "F8_E8M0", ss["scale"])
-            elif kind in ("head", "router"):
+            elif kind in OFFICIAL_PLAIN_KINDS:
                 add(name, dtype, shape)
             else:
                 ss = stored_shapes("fp8_block", shape)

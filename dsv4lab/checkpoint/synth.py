@@ -28,7 +28,7 @@ from ..patterns import close_names
 from ..quant.weights import quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
 from .errors import CheckpointError
 from .expected import expected_tensors
-from .fake import FP32_PARAMS, OFFICIAL_QUANTIZATION_CONFIG
+from .fake import FP32_PARAMS, OFFICIAL_PLAIN_KINDS, OFFICIAL_QUANTIZATION_CONFIG
 from .formats import stored_shapes
 from .names import is_linear, natural_key, to_raw_key
 from .safetensors_index import INDEX_NAME, nbytes_of
@@ -37,7 +37,6 @@ from .writer import write_configs
 SYNTH_FORMATS = ("nvfp4", "official")
 PRESETS = ("v4-pro", "v4-flash")
 NVFP4_EXCLUDE = ("head", "layers.*.mlp.router")       # kept BF16 in the NVFP4 export (as ModelOpt does)
-OFFICIAL_PLAIN_KINDS = ("head", "router")              # kept BF16 in the official release
 DEFAULT_SHARD_BYTES = 4 * 2**30
 # ModelOpt input_scale = amax(x) / (6 * 448); no calibration here: a fixed activation amax
 INPUT_AMAX = 16.0
