@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4lab.config import load_config
 from dsv4lab.triage.regression import baselines_model_mismatch, compare
 from dsv4lab.triage.session import session_dtype
 
@@ -31,3 +32,19 @@ def test_baselines_of_another_model_judge_nothing():
     # the same model is compared, and a change there still regresses
     assert baselines_model_mismatch(_metrics("data/tiny-dsv4", 0.5), base) is None
     assert not compare(_metrics("data/tiny-dsv4", 0.5), base).ok
+
+
+def test_session_device_auto_plans_over_the_visible_gpus():
+    from dsv4lab.checkpoint.locate import TINY_DIR
+    from dsv4lab.triage.session import session_device
+
+    # a checkpoint over 2 GPUs: the plan's contiguous device map, both GPUs used, every layer placed
+    m = session_device(str(TINY_DIR), "auto", gpus=2, gpu_memory="16GB")
+    devs = [m[i] for i in sorted(m)] if isinstance(m, dict) else list(m)
+    assert len(devs) == load_config(str(TINY_DIR)).num_hidden_layers and {str(d) for d in devs} == {"cuda:0", "cuda:1"}
+    assert [str(d) for d in devs] == sorted(str(d) for d in devs)          # one run of layers per GPU
+    # one GPU, the embedded model, no GPU, or an explicit device: no plan needed
+    assert session_device(str(TINY_DIR), "auto", gpus=1) == "cuda"
+    assert session_device(None, "auto", gpus=8) == "cuda"
+    assert session_device(str(TINY_DIR), "auto", gpus=0) == "cpu"
+    assert session_device(str(TINY_DIR), "cuda:3") == "cuda:3"

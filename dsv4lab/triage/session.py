@@ -18,6 +18,7 @@ import torch
 
 from ..checkpoint.locate import TINY_DIR, resolve_path
 from ..loading import load, materialize
+from ..plan import plan
 from ..precision import Originals, quantize_linears
 from ..quant.fp4 import NVFP4_BLOCK
 from ..quant.weights import quantize_nvfp4
@@ -118,16 +119,38 @@ def session_dtype(model, device: str, dtype) -> torch.dtype:
     return torch.float32 if embedded or not str(device).startswith("cuda") else torch.bfloat16
 
 
+def session_device(model, device, gpus: int | None = None, gpu_memory=None, context: int = 65536):
+    """``device="auto"``: where a notebook's model goes. CPU without CUDA; one CUDA device when one
+    is visible or the model is the embedded one; for a checkpoint over several visible GPUs the
+    device map of :func:`dsv4lab.plan` (headers only) with each GPU's own memory, so notebooks
+    run unchanged on 1..8 GPUs. Anything else is returned as given."""
+    if str(device) != "auto":
+        return device
+    n = torch.cuda.device_count() if gpus is None else int(gpus)
+    if n == 0:
+        return "cpu"
+    name = None if model is None or not isinstance(model, (str, Path)) else str(model)
+    if n == 1 or name in (None, "tiny", "random", "tiny-nvfp4"):
+        return "cuda"
+    if gpu_memory is None:
+        gpu_memory = [torch.cuda.get_device_properties(i).total_memory for i in range(n)]
+    return plan(str(resolve_path(name)), gpus=n, gpu_memory=gpu_memory, context=context).device_map()
+
+
 def open_session(model=None, device: str = "cpu", dtype="auto", progress: bool = False,
                  threads: int | None = None, reference: str | Path | None = None) -> Session:
-    set_threads(device, threads)
+    """The model a notebook works on: ``device`` a device, a device map, or ``"auto"``
+    (:func:`session_device`); ``dtype="auto"``: :func:`session_dtype`."""
+    device = session_device(model, device)
+    first = device if not isinstance(device, (dict, list)) else next(iter(device.values() if isinstance(device, dict) else device))
+    set_threads(str(first), threads)
     ref = None if reference is None else resolve_path(str(reference))
-    session = _open(model, device, session_dtype(model, device, dtype), progress)
+    session = _open(model, device, session_dtype(model, str(first), dtype), progress)
     session.reference = ref
     return session
 
 
-def _open(model, device: str, dtype, progress: bool) -> Session:
+def _open(model, device, dtype, progress: bool) -> Session:
     if model is not None and not isinstance(model, (str, Path)):  # an already built model
         tok = load_tokenizer()
         return Session(model, tok, getattr(model, "source", "in-memory model"), True)
@@ -141,7 +164,8 @@ def _open(model, device: str, dtype, progress: bool) -> Session:
         return Session(m, tok, "random:tiny-dsv4-architecture(seed 0)", False,
                        notes=["embedded trained model absent: random weights"])
     path = resolve_path(name)
-    m = load(name, device=device, dtype=dtype, progress=progress)
+    placed = {"device_map": device} if isinstance(device, (dict, list)) else {"device": device}
+    m = load(name, dtype=dtype, progress=progress, **placed)
     tok_dir = path if (path / "tokenizer.json").is_file() else (path.parent if (path.parent / "tokenizer.json").is_file() else None)
     tok = load_tokenizer(tok_dir)
     trained = path.resolve() in (embedded_dir().resolve(), (embedded_dir() / "nvfp4").resolve())
