@@ -18,34 +18,10 @@ from dsv4lab.quant.activations import fake_quant_fp4_pow2, fake_quant_fp8_block
 from dsv4lab.quant.hadamard import hadamard
 from dsv4lab.quant.weights import quantize_fp8_block
 from dsv4lab.workbench import random_model
+from official_ref import e2m1_nearest, hadamard_matrix
 from oracle_util import random_ids, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
-
-
-def hadamard_matrix(d: int) -> torch.Tensor:
-    """Sylvester order by its entry formula: H[i, j] = (-1)^popcount(i & j)."""
-    i = torch.arange(d).view(-1, 1)
-    j = torch.arange(d).view(1, -1)
-    bits = i & j
-    pop = torch.zeros_like(bits)
-    for b in range(max(1, d.bit_length())):
-        pop += (bits >> b) & 1
-    return (1 - 2 * (pop % 2)).double()
-
-
-def e2m1_nearest(v: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 magnitude, ties to the even code (grid index), sign kept; saturates at 6."""
-    a = v.abs().clamp(max=6.0).unsqueeze(-1)
-    dist = (a - E2M1_GRID).abs()
-    best = dist.min(dim=-1, keepdim=True).values
-    idx = torch.arange(8).expand_as(dist)
-    cand = torch.where(dist == best, idx, torch.full_like(idx, 99))
-    even = torch.where(cand % 2 == 0, cand, torch.full_like(cand, 99)).min(-1).values
-    pick = torch.where(even < 99, even, cand.min(-1).values)
-    return torch.sign(v) * E2M1_GRID[pick]
 
 
 # ------------------------------------------------------------------------------ arithmetic
