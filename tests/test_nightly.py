@@ -67,6 +67,56 @@ def test_prune_deletes_folders(tmp_path):
     assert sorted(gone) == ["r1", "r2"] and [r.id for r in H.runs(tmp_path)] == ["r0"]
 
 
+# ------------------------------------------------------------------------------ arguments and the page (no notebook)
+def _exit_status(argv) -> int:
+    from dsv4lab.__main__ import main
+
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse-level refusals exit through SystemExit
+        return e.code
+
+
+@pytest.mark.parametrize("argv, words", [
+    ([], "--history"),
+    (["--inject", "compresor_ape_on_kv"], "did you mean 'compressor_ape_on_kv'"),
+    (["--inject-layers", "2"], "--inject-layers without --inject"),
+    (["--policy", "w4a17"], "did you mean 'w4a16'"),
+    (["--keep-daily", "-1"], "--keep-daily"),
+    (["--model", "/no/such/ckpt"], "--model /no/such/ckpt"),
+    (["--device", "cuda:x"], "--device cuda:x"),
+])
+def test_bad_arguments_one_line_exit_2(capsys, tmp_path, argv, words):
+    h = [] if not argv else ["--history", str(tmp_path / "h")]
+    assert _exit_status(["nightly", *h, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("dsv4lab nightly: ") and words in err, err
+    assert not (tmp_path / "h").exists()                 # refused before anything ran
+
+
+def _fake_run(history, i: int, status: str, value: float | None):
+    run = history / H.RUNS / f"r{i}"
+    run.mkdir(parents=True)
+    H.write_manifest(run, {"run": f"r{i}", "date": _day(3 - i).isoformat(), "model": "m", "policy": "p",
+                           "status": status, "inject": None, "git": {"commit": "abc"}, "line": status})
+    if value is not None:
+        nb = {"vsref.kl": {"value": value}, "vsref.layer_cos": {"value": {"0": 1 - value, "1": 1 - 2 * value}},
+              "fp.layers.0.attn.hook_out": {"value": value}}
+        (run / "metrics.json").write_text(json.dumps({"model": "m", "notebooks": {"07_nightly_regression": nb}}))
+
+
+def test_trend_page_tolerates_a_failed_run(tmp_path):
+    """A run that failed before writing metrics is a gap in the trends, not a broken page."""
+    from dsv4lab.triage.trends import write_index
+
+    for i, (status, v) in enumerate([("ok", 0.1), ("failed", None), ("ok", 0.3)]):
+        _fake_run(tmp_path, i, status, v)
+    page, figures = write_index(tmp_path)
+    figs = figures["m / p"]
+    assert list(figs["kl"].data[0].y) == [0.1, None, 0.3] and len(figs["layer_cos"].data) == 2
+    assert "failed" in page.read_text()
+
+
 # ------------------------------------------------------------------------------ failing tensors (no notebook)
 def test_failing_tensors_bounded_and_prioritised(tmp_path):
     from dsv4lab.triage.session import open_session
@@ -169,7 +219,7 @@ def test_trend_plots_three_points_per_metric(history):
     h = history[0]
     page, figures = write_index(h)
     [figs] = figures.values()                  # one series: the embedded model in w4a16
-    for name in ("kl", "top1", "layer_cos", "router_overlap", "indexer_overlap", "metrics"):
+    for name in ("kl", "top1", "lens_kl", "lens_top1", "layer_cos", "router_overlap", "indexer_overlap", "metrics"):
         assert name in figs, sorted(figs)
         for tr in figs[name].data:
             assert len(tr.x) == 3 and len(tr.y) == 3, (name, tr.name)

@@ -1,7 +1,9 @@
 """Per-layer metrics of the model under test (a precision policy) against the reference run.
 
 What the nightly keeps per run so its history can plot trends per layer: next-token KL and top-1
-agreement, per-layer cosine of the residual streams leaving each layer, router top-k overlap,
+agreement, and per layer through the logit lens (the model under test's hc_head + norm + head,
+in the policy, on both runs' residual streams: where the next-token distribution starts to move),
+the cosine of the residual streams leaving each layer, router top-k overlap,
 indexer top-k overlap (CSA layers), and the relative error of each component's output
 (:data:`VSREF_HOOKS`, first firing) for the per-layer first-divergence view. One reference run
 (original / BF16 weights, cached on disk by dsv4lab.precision.reference_cache, streamed when the
@@ -19,6 +21,7 @@ from ..analysis.compare import next_token_metrics, router_overlap, tensor_diff
 from ..precision import PrecisionPolicy
 from ..precision.reference_cache import cached_reference_run
 from ..precision.streaming import fitting_precision
+from .logits import lens_logits
 
 # the component outputs a per-layer first-divergence view is drawn from, in a layer's execution order
 COMPONENT_HOOKS = ["attn.compressor.hook_entries", "attn.indexer.hook_indices", "attn.hook_out", "hook_resid_mid",
@@ -47,18 +50,25 @@ def split_hook(name: str) -> tuple[int | None, str]:
 @torch.no_grad()
 def against_reference(setup, policy, k: int = 5) -> dict:
     """``setup`` (dsv4lab.triage.ablation.Setup: model under test, reference, ids) run under ``policy``
-    against the reference run. Returns {policy, reference, kl, top1, topk, layer_cos, router_overlap,
-    indexer_overlap, rel_err}; per-layer dicts are keyed by the layer number as a string (JSON keys),
+    against the reference run. Returns {policy, reference, kl, top1, topk, lens_kl, lens_top1, layer_cos,
+    router_overlap, indexer_overlap, rel_err}; per-layer dicts are keyed by the layer number as a string (JSON keys),
     ``rel_err`` by hook name in execution order."""
     policy = PrecisionPolicy.parse(policy)
     ref = cached_reference_run(setup.reference, setup.ids, setup.reference_policy, setup.originals, cache=setup.cache,
                                names=VSREF_HOOKS)
+    lens = {}
     with fitting_precision(setup.model, policy, setup.originals):
         logits, cache = run_with_cache(setup.model, setup.ids, names=VSREF_HOOKS, device="cpu")
+        for name in cache:
+            layer, hook = split_hook(name)
+            if hook == "hook_resid_post" and name in ref.cache:
+                lens[str(layer)] = next_token_metrics(lens_logits(setup.model, ref.cache.all(name)[0]),
+                                                      lens_logits(setup.model, cache.all(name)[0]), k)
     nt = next_token_metrics(ref.logits, logits, k)
     out = {"policy": policy.describe(), "reference": str(setup.reference_policy), "kl": nt["kl_mean"],
-           "top1": nt["top1"], "topk": nt["topk"], "layer_cos": {}, "router_overlap": {}, "indexer_overlap": {},
-           "rel_err": {}}
+           "top1": nt["top1"], "topk": nt["topk"], "lens_kl": {l: m["kl_mean"] for l, m in lens.items()},
+           "lens_top1": {l: m["top1"] for l, m in lens.items()}, "layer_cos": {}, "router_overlap": {},
+           "indexer_overlap": {}, "rel_err": {}}
     for name in ref.cache.order:
         if name in out["rel_err"] or name not in cache:
             continue
@@ -86,6 +96,8 @@ def record_against_reference(rec, r: dict) -> None:
     rec.record("vsref.reference", r["reference"], "exact")
     rec.record("vsref.kl", r["kl"], {"abs": 1e-4, "rel": 0.05, "direction": "up"})
     rec.record("vsref.top1", r["top1"], {"abs": 1e-6, "direction": "down"})
+    rec.record("vsref.lens_kl", r["lens_kl"], {"abs": 1e-4, "rel": 0.05, "direction": "up"})
+    rec.record("vsref.lens_top1", r["lens_top1"], {"abs": 1e-6, "direction": "down"})
     rec.record("vsref.layer_cos", r["layer_cos"], {"abs": 1e-4, "direction": "down"})
     rec.record("vsref.router_overlap", r["router_overlap"], {"abs": 0.05, "direction": "down"})
     rec.record("vsref.indexer_overlap", r["indexer_overlap"], {"abs": 0.05, "direction": "down"})

@@ -3,7 +3,8 @@
 Per series (model + policy), x = the runs oldest first:
 
 * ``kl`` / ``top1``: next-token KL and top-1 agreement against the reference (``vsref.*``);
-* ``layer_cos`` (as 1 - cosine, log), ``router_overlap``, ``indexer_overlap``: one line per layer;
+* ``lens_kl``, ``lens_top1`` (logit lens on both runs' streams), ``layer_cos`` (as 1 - cosine, log),
+  ``router_overlap``, ``indexer_overlap``: one line per layer;
 * ``metrics``: every scalar metric of the nightly notebook, one at a time (a dropdown);
 * ``first_divergence`` (per regressed run and the newest one): the component fingerprint's change
   against the run's baseline laid out as components x layers, the first diverging hook point
@@ -24,8 +25,12 @@ from .reference_view import split_hook
 from .regression import NIGHTLY
 
 SKIP_PREFIXES = ("fp.", "inputs.", "regression.", "model.", "vsref.rel_err")
-PER_LAYER = {"layer_cos": "vsref.layer_cos", "router_overlap": "vsref.router_overlap",
-             "indexer_overlap": "vsref.indexer_overlap"}
+PER_LAYER = {"lens_kl": "vsref.lens_kl", "lens_top1": "vsref.lens_top1", "layer_cos": "vsref.layer_cos",
+             "router_overlap": "vsref.router_overlap", "indexer_overlap": "vsref.indexer_overlap"}
+PER_LAYER_TEXT = {"lens_kl": ("next-token KL (logit lens) against the reference", "KL (nats, log)", True),
+                  "lens_top1": ("top-1 agreement (logit lens) with the reference", "fraction of positions", False),
+                  "router_overlap": ("router top-k overlap with the reference", "overlap", False),
+                  "indexer_overlap": ("indexer top-k overlap with the reference", "overlap", False)}
 BASELINE_FILE = "baseline.metrics.json"   # the metrics a run was compared against, kept beside it
 
 
@@ -47,7 +52,7 @@ def is_number(v) -> bool:
 
 def series_data(series_runs: list[Run]) -> dict:
     """{"x": labels, "metrics": {name: [value or None per run]}, "per_layer": {kind: {layer: [...]}}}."""
-    values = [nightly_metrics_of(r.metrics()) for r in series_runs]
+    values = [nightly_metrics_of(r.metrics()) if (r.path / "metrics.json").is_file() else {} for r in series_runs]
     scalars = sorted({k for v in values for k, x in v.items() if is_number(x) and not k.startswith(SKIP_PREFIXES)})
     per_layer = {}
     for kind, key in PER_LAYER.items():
@@ -87,9 +92,9 @@ def trend_figures(data: dict) -> dict:
             figs[kind] = lines(data["x"], series, "Per layer: 1 - cosine(residual streams, reference)", "run",
                                "1 - cosine (log)", log_y=True, legend="layer")
         else:
-            what = {"router_overlap": "router top-k overlap", "indexer_overlap": "indexer top-k overlap"}[kind]
-            figs[kind] = lines(data["x"], {f"L{l}": v for l, v in by_layer.items()}, f"Per layer: {what} with the reference",
-                               "run", "overlap", legend="layer")
+            what, y, log_y = PER_LAYER_TEXT[kind]
+            figs[kind] = lines(data["x"], {f"L{l}": v for l, v in by_layer.items()}, f"Per layer: {what}", "run", y,
+                               log_y=log_y, legend="layer")
     figs["metrics"] = metric_figure(data, "vsref.kl")
     for f in figs.values():
         f.update_xaxes(type="category")   # run labels, in storage order
@@ -129,7 +134,7 @@ def first_divergence_figure(run: Run):
     """Components x layers: log10 of the fingerprint's relative change against the run's baseline,
     the first diverging hook point (the manifest's) outlined; None without a stored baseline."""
     bfile = run.path / BASELINE_FILE
-    if not bfile.is_file():
+    if not bfile.is_file() or not (run.path / "metrics.json").is_file():
         return None
     change = fingerprint_change(nightly_metrics_of(run.metrics()), nightly_metrics_of(json.loads(bfile.read_text())))
     rows, layers, cells = layer_grid(change)
@@ -150,6 +155,8 @@ def first_divergence_figure(run: Run):
 
 def rel_err_figure(run: Run):
     """Components x layers: each component's relative error against the reference (``vsref.rel_err``)."""
+    if not (run.path / "metrics.json").is_file():
+        return None
     rel = nightly_metrics_of(run.metrics()).get("vsref.rel_err") or {}
     rows, layers, cells = layer_grid(rel)
     if not rows:
