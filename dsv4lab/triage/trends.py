@@ -102,18 +102,21 @@ def trend_figures(data: dict) -> dict:
 
 
 def layer_grid(values: dict) -> tuple[list[str], list[int], dict]:
-    """{hook name: v} -> (component rows in execution order, layers, {(row, layer): v}); hooks outside layers dropped."""
-    rows, layers, cells = [], [], {}
+    """{hook name: v} (execution order) -> (component rows in a layer's execution order, layers,
+    {(row, layer): v}); hooks outside the layers dropped. A hook that only some layers have (the
+    compressor) goes after the hook it follows in those layers."""
+    rows, seqs, cells = [], {}, {}
     for name, v in values.items():
         layer, hook = split_hook(name)
         if layer is None:
             continue
-        if hook not in rows:
-            rows.append(hook)
-        if layer not in layers:
-            layers.append(layer)
+        seqs.setdefault(layer, []).append(hook)
         cells[(hook, layer)] = v
-    return rows, sorted(layers), cells
+    for seq in seqs.values():
+        for i, hook in enumerate(seq):
+            if hook not in rows:
+                rows.insert(rows.index(seq[i - 1]) + 1 if i else 0, hook)
+    return rows, sorted(seqs), cells
 
 
 def fingerprint_change(current: dict, baseline: dict) -> dict:
