@@ -63,8 +63,8 @@ def test_prune_deletes_folders(tmp_path):
         run.mkdir(parents=True)
         H.write_manifest(run, {"run": f"r{i}", "date": _day(d).isoformat(), "model": "m", "policy": "p",
                                "status": "regressed", "inject": None})
-    gone = H.prune(tmp_path, NOW, keep_daily=30, keep_weekly=0)
-    assert sorted(gone) == ["r1", "r2"] and [r.id for r in H.runs(tmp_path)] == ["r0"]
+    gone = H.prune(tmp_path, NOW, keep_daily=30, keep_weekly=0, also=("r2",))   # r2: the run just made
+    assert gone == ["r1"] and [r.id for r in H.runs(tmp_path)] == ["r2", "r0"]
 
 
 # ------------------------------------------------------------------------------ arguments and the page (no notebook)

@@ -162,10 +162,11 @@ def prune_plan(stored: list[Stored], now: datetime, keep_daily: int = 30, keep_w
     return keep
 
 
-def prune(history: str | Path, now: datetime, keep_daily: int = 30, keep_weekly: int | None = 52) -> list[str]:
-    """Delete the runs :func:`prune_plan` does not keep; returns their ids."""
+def prune(history: str | Path, now: datetime, keep_daily: int = 30, keep_weekly: int | None = 52,
+          also=()) -> list[str]:
+    """Delete the runs :func:`prune_plan` does not keep (nor the ids in ``also``: the run just made); returns their ids."""
     stored = runs(history)
-    keep = prune_plan([Stored(r.id, r.date, r.series, r.good) for r in stored], now, keep_daily, keep_weekly)
+    keep = prune_plan([Stored(r.id, r.date, r.series, r.good) for r in stored], now, keep_daily, keep_weekly) | set(also)
     gone = []
     for r in stored:
         if r.id not in keep:

@@ -65,8 +65,9 @@ class NightlyResult:
         return EXIT[self.status]
 
 
-def parse_policy(policy) -> tuple[str, str]:
-    """(canonical description, folder word) of a policy: a mode word or a mapping (JSON text is parsed)."""
+def parse_policy(policy) -> tuple[object, str, str]:
+    """(spec for the notebook, canonical description, folder word) of a policy: a mode word or a
+    mapping (JSON text is parsed)."""
     spec = policy
     if isinstance(policy, str) and policy.strip().startswith("{"):
         try:
@@ -78,7 +79,7 @@ def parse_policy(policy) -> tuple[str, str]:
         desc = PrecisionPolicy.parse(spec).describe()
     except (ValueError, TypeError) as e:
         raise NightlyError(f"--policy {policy}: {e}") from None
-    return desc, H.slug(policy if isinstance(spec, str) else desc.removeprefix("default="))
+    return spec, desc, H.slug(policy if isinstance(spec, str) else desc.removeprefix("default="))
 
 
 def check_args(history, model, reference, device, inject, inject_layers, keep_daily, keep_weekly, budget) -> None:
@@ -124,8 +125,7 @@ def _empty_baseline(where: Path, model_key: str) -> Path:
     return where
 
 
-def _verdict(status: str, rel: str, baseline: str | None, res, mismatch: str | None, error: str, model_key: str,
-             policy: str) -> str:
+def _verdict(status: str, rel: str, baseline: str | None, res, error: str, model_key: str, policy: str) -> str:
     if status == "failed":
         return f"nightly: FAILED (not a verdict): {error.splitlines()[0][:300] if error else 'unknown error'}; run {rel}"
     if status == "regressed":
@@ -149,7 +149,7 @@ def run_nightly(history: str | Path, model: str | None = None, reference: str | 
     """Run, store, compare, keep failing tensors, prune, redraw (module doc). ``fallback``: the baselines
     of the embedded model before its history has a good run (None: none). ``now``: the run's date (UTC)."""
     check_args(history, model, reference, device, inject, inject_layers, keep_daily, keep_weekly, failing_budget)
-    policy_desc, policy_word = parse_policy(policy)
+    policy_spec, policy_desc, policy_word = parse_policy(policy)
     history = Path(history).resolve()
     (history / H.RUNS).mkdir(parents=True, exist_ok=True)
     now = (now or datetime.now(timezone.utc)).astimezone(timezone.utc)
@@ -178,7 +178,7 @@ def run_nightly(history: str | Path, model: str | None = None, reference: str | 
         else:
             _empty_baseline(tmp, model_key)
             baseline = None
-        params = {"BASELINES": str(tmp), "BUG": inject, "BUG_LAYERS": layers, "POLICY": policy, "REFERENCE": reference,
+        params = {"BASELINES": str(tmp), "BUG": inject, "BUG_LAYERS": layers, "POLICY": policy_spec, "REFERENCE": reference,
                   "PROMPT": PROMPT, "CHAT_PROMPT": CHAT_PROMPT, "ANSWER": ANSWER}
         log(f"nightly: {model_key} / {policy_desc} against {baseline or 'nothing (first run)'} -> {run_dir}")
         rep = run_report(run_dir, model=model, device=device, only=list(notebooks), parameters=params, timeout=timeout,
@@ -198,7 +198,7 @@ def run_nightly(history: str | Path, model: str | None = None, reference: str | 
         status = "regressed" if res is not None and not res.ok else "ok"
     error = "; ".join(f"{r['name']}: {r['error']}" for r in errors) or ("" if merged else "no metrics were written")
     rel = run_dir.relative_to(history).as_posix()
-    line = _verdict(status, rel, baseline, res, mismatch, error, model_key, policy_desc)
+    line = _verdict(status, rel, baseline, res, error, model_key, policy_desc)
 
     manifest = {"format": H.FORMAT_VERSION, "run": run_dir.name, "date": now.isoformat(), "model": model_key,
                 "model_arg": model, "reference": reference, "policy": policy_desc, "git": git,
@@ -207,7 +207,7 @@ def run_nightly(history: str | Path, model: str | None = None, reference: str | 
                 "prompts": {"prompt": PROMPT, "chat_prompt": CHAT_PROMPT, "answer": ANSWER},
                 "argv": list(sys.argv if argv is None else argv), "notebooks": rep["notebooks"],
                 "inject": {"bug": inject, "layers": layers} if inject else None,
-                "baseline": baseline, "status": status, "line": line,
+                "baseline": baseline, "status": status, "line": line, "not_compared": mismatch,
                 "first_hook": None if res is None else res.first_hook,
                 "first_component": None if res is None else res.first_component,
                 "n_compared": None if res is None else len(res.table),
@@ -219,7 +219,7 @@ def run_nightly(history: str | Path, model: str | None = None, reference: str | 
                                                    res.first_hook, failing_budget)
     H.write_manifest(run_dir, manifest)
     _share_plotlyjs(history, run_dir)
-    manifest["pruned"] = H.prune(history, now, keep_daily, keep_weekly)
+    manifest["pruned"] = H.prune(history, now, keep_daily, keep_weekly, also=(run_dir.name,))
     H.write_manifest(run_dir, manifest)
     write_index(history)
     return NightlyResult(status, line, run_dir, manifest)
