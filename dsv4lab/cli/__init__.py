@@ -43,6 +43,7 @@ COMMAND_MODULES: list[str] = [
     "dsv4lab.cli.syncs_cmd",
     "dsv4lab.cli.synth_cmd",
     "dsv4lab.cli.compare_dump_cmd",
+    "dsv4lab.cli.nightly_cmd",
 ]
 
 

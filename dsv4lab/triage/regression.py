@@ -28,11 +28,14 @@ import torch
 
 from . import ablation, compressor_view, decode_view, logits
 from .bugs import component_of_hook, inject, injected_components
+from .reference_view import against_reference, record_against_reference
 from .metrics import flatten, normalize_tolerance, portable_path, short_value, tolerance_text
 
 REPO = Path(__file__).resolve().parents[2]
 BASELINE_DIR = REPO / "data" / "baselines"
 NIGHTLY = "07_nightly_regression"
+FINGERPRINT_SEED = 1234   # the +-1 projection of every floating hook point (a manifest records it)
+POLICY = "w4a16"          # the policy the nightly's per-layer metrics run the model under test in
 
 
 class RegressionError(AssertionError):
@@ -51,7 +54,7 @@ def fingerprint(model, ids: torch.Tensor) -> list[tuple[str, object]]:
 
     def sign_vector(n: int, device) -> torch.Tensor:
         if n not in signs:
-            g = torch.Generator().manual_seed(1234)
+            g = torch.Generator().manual_seed(FINGERPRINT_SEED)
             signs[n] = (torch.randint(0, 2, (n,), generator=g) * 2 - 1).float()
         return signs[n].to(device)
 
@@ -75,23 +78,35 @@ def fingerprint(model, ids: torch.Tensor) -> list[tuple[str, object]]:
 
 
 # ------------------------------------------------------------------------------ nightly metrics
+def nightly_prompts(session, prompt: str, chat_prompt: str) -> dict[str, torch.Tensor]:
+    """The nightly's prompts as token ids [1, S], by role: ``probe`` (plain encoding: logits, lens,
+    precision, per-layer metrics against the reference) and ``fingerprint`` (chat encoding: the
+    component fingerprint, and the failing tensors a regression keeps). The one place the nightly
+    takes its prompts from: point it at a prompt suite and every consumer follows."""
+    return {"probe": session.encode(prompt, "plain"), "fingerprint": session.encode(chat_prompt, "chat")}
+
+
 @torch.no_grad()
 def nightly_metrics(session, rec, prompt: str, chat_prompt: str, answer: str | None = None, decode_steps: int = 8,
-                    bug: str | None = None, bug_layers=None) -> dict:
-    """Record, on ``rec``, the metrics the notebooks record (compact versions) plus the
-    fingerprint, with ``bug`` injected when given. Returns {"injected": [...components]}."""
+                    bug: str | None = None, bug_layers=None, policy=POLICY) -> dict:
+    """Record, on ``rec``, the metrics the notebooks record (compact versions), the per-layer
+    metrics of the model under test in ``policy`` against the reference (``vsref.*``,
+    dsv4lab.triage.reference_view) and the fingerprint, with ``bug`` injected when given (into
+    the model under test too when that is a separate NVFP4 model). Returns {"injected": [...components]}."""
     model = session.model
+    prompts = nightly_prompts(session, prompt, chat_prompt)
     h = inject(model, bug, bug_layers)
+    h_q = None
     injected = injected_components(model, h)
     try:
         # where the weights came from, relative to the repo when inside it (clones live anywhere)
         rec.record("model.source", portable_path(session.source), "exact")
         rec.record("model.trained", session.trained, "exact")
-        ids = session.encode(prompt, "plain")
+        ids = prompts["probe"]
         ans = session.token_id(answer) if answer else None
         # inputs first: a tokenizer / chat-encoding change shows here, not as a model regression
         rec.record("inputs.probe_ids", ids[0].tolist(), "exact")
-        rec.record("inputs.chat_ids", session.encode(chat_prompt, "chat")[0].tolist(), "exact")
+        rec.record("inputs.chat_ids", prompts["fingerprint"][0].tolist(), "exact")
         # notebook 2: first-token logits in three encodings, logit lens
         probes = logits.probe_all_modes(session, prompt, chat_prompt, k=5)
         logits.record_first_token(rec.scoped("logits."), session, probes, answer)
@@ -105,6 +120,9 @@ def nightly_metrics(session, rec, prompt: str, chat_prompt: str, answer: str | N
             rec.record(f"precision.min_layer_cos_{mode}", r["min_layer_cos"], {"abs": 1e-4, "direction": "down"})
         r = ablation.evaluate(st, {"default": "w4a16", "head": "orig", "router": "orig"})
         rec.record("precision.kl_w4a16_head_router_orig", r["kl"], {"abs": 1e-4, "rel": 0.05, "direction": "up"})
+        if st.model is not model:   # the embedded NVFP4 export: the model under test carries the bug too
+            h_q = inject(st.model, bug, bug_layers)
+        record_against_reference(rec, against_reference(st, policy))
         # notebook 4: compressor and indexer on the retrieval example
         ex = compressor_view.retrieval_example(session)
         rr = compressor_view.retrieval_check(session, ex)
@@ -113,13 +131,14 @@ def nightly_metrics(session, rec, prompt: str, chat_prompt: str, answer: str | N
         # notebook 5: decode path vs full forward
         decode_view.record_decode(rec.scoped("decode."), decode_view.run(session, ids, steps=decode_steps))
         # the component fingerprint (names the component)
-        fp = fingerprint(model, session.encode(chat_prompt, "chat"))
+        fp = fingerprint(model, prompts["fingerprint"])
         rec.record("fp.order", [n for n, _ in fp], "ignore")
         for name, v in fp:
             rec.record(f"fp.{name}", v, {"abs": 1e-6, "rel": 1e-4} if isinstance(v, float) else "exact")
     finally:
-        if h is not None:
-            h.restore()
+        for handle in (h_q, h):
+            if handle is not None:
+                handle.restore()
     return {"injected": injected}
 
 
