@@ -40,9 +40,9 @@ class Trigger:
 
     def to_dict(self, requires: str | None = None) -> dict:
         length = None if self.residue is None else f"S = {self.residue[1]} mod {self.residue[0]}"
-        return {"prompt": self.prompt, "length": length, "form": self.form,
-                "weights": {"nvfp4": "NVFP4 linears (quantised in memory if plain)",
-                            "fp8_wo_a": "official FP8-block wo_a (quantised in memory if plain)"}.get(requires, "as loaded")}
+        weights = {"nvfp4": "NVFP4 linears (quantised in memory if plain)",
+                   "fp8_wo_a": "official FP8-block wo_a (quantised in memory if plain)"}.get(requires, "as loaded")
+        return {"prompt": self.prompt, "length": length, "form": self.form, "weights": weights}
 
     def describe(self, requires: str | None = None) -> str:
         d = self.to_dict(requires)
@@ -66,12 +66,14 @@ class Trigger:
 
 # ------------------------------------------------------------------------------ input form
 class _PreHook(Restorable):
-    """A forward pre-hook on the model, removed by ``restore()``."""
-
-    names: list = []
+    """A forward pre-hook on the model, removed by ``restore()`` (no component: ``names`` empty)."""
 
     def __init__(self, model, fn) -> None:
         self._h = model.register_forward_pre_hook(fn, with_kwargs=True)
+
+    @property
+    def names(self) -> list[str]:
+        return []
 
     def restore(self) -> None:
         if self._h is not None:

@@ -113,7 +113,8 @@ def run(args) -> int:
             print(f"note: {note}")
         print(f"model: {getattr(model, 'source', None) or 'random tiny'}; prompt {n} tokens")
         for r in results:
-            extra = (f" [{r.seq_len} tokens]" if r.seq_len != n else "") + (" [from embeddings]" if r.form == "embeds" else "")
+            extra = (f" [{r.seq_len} tokens]" if r.seq_len != n else "") + \
+                (" [from embeddings]" if r.form == "embeds" else "")
             print(r.line() + (" [quantised in place]" if r.quantized else "") + extra)
         ok = sum(r.localized for r in results)
         print(f"{ok}/{sum(r.applicable for r in results)} applicable bugs localised to their component")

@@ -45,7 +45,8 @@ def residue_lengths(config: DSV4Config) -> list[int]:
 def _config(model_or_config) -> DSV4Config:
     cfg = model_or_config if isinstance(model_or_config, DSV4Config) else getattr(model_or_config, "config", None)
     if not isinstance(cfg, DSV4Config):
-        raise TypeError(f"prompt_suite takes a model (with .config) or a DSV4Config, got {type(model_or_config).__name__}")
+        raise TypeError(f"prompt_suite takes a model (with .config) or a DSV4Config, "
+                        f"got {type(model_or_config).__name__}")
     return cfg
 
 
