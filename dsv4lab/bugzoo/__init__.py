@@ -169,8 +169,8 @@ _LIST = [
         V.CompressorUninitFirstEntry,
         "CSA window 0 pools the never-written Ca slots before position 0 (value 0, gate 0) instead of masking them",
         _FIELD,
-        symptom="the first compressed entry (and the indexer's first key) diluted toward zero: the start of the "
-                "prompt is recalled worse; later entries exact"),
+        symptom="the first compressed entry (and the indexer's first key) diluted toward zero; later entries "
+                "exact: a small error"),
     Bug("hash_expert0_from_embeddings", "router", (_is_hash_router,), V.HashRouterExpert0,
         "run from inputs_embeds the token ids are dropped and the hash router sends every token to expert 0",
         _FIELD, arm=lambda model, handle: drop_ids_from_embeddings(model),
