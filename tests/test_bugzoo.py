@@ -59,8 +59,21 @@ def prompt(model):
     return torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(5))
 
 
+NEW = ["shared_expert_no_clamp", "fp8_wo_a_scale_layout", "compress_rope_main_theta", "index_topk_wrong_field",
+       "compressor_window_off_by_one", "compressor_uninit_first_entry", "hash_expert0_from_embeddings",
+       "hash_ids_wrong_dtype"]
+
+
+def _logits_rel_err(r) -> float:
+    t = r.compare.table()
+    return float(t[t["name"] == "hook_logits"]["rel_err"].iloc[0])
+
+
 def test_registry():
-    assert len(BUGS) >= 12
+    assert len(BUGS) >= 24 and set(NEW) <= set(BUGS)
+    for b in BUGS.values():
+        d = b.to_dict()
+        assert d["symptom"] and d["triggered_by"] and d["trigger"]["prompt"], b.name
     kinds = {b.kind for b in BUGS.values()}
     assert {"compressor", "experts", "shared_expert", "mhc", "attn", "indexer", "linear", "router"} <= kinds
     for b in BUGS.values():
@@ -78,7 +91,10 @@ def test_every_bug_is_localised(key, bug):
     assert r.applicable, r.reason
     assert r.localized, f"{bug}: first divergence {r.first_divergence}, injected into {r.expected}"
     assert r.first_divergence.split(".")[-1].startswith("hook_")
+    assert _logits_rel_err(r) > 0, f"{bug}: localised but the output did not change"  # caught, not only seen
+    assert r.seq_len == BUGS[bug].trigger.ids(ids).shape[-1] and r.form == BUGS[bug].trigger.form
     assert (model.components()["impl"] == "reference").all()  # restored
+    assert not model._forward_pre_hooks  # the input form and any armed hook are gone
 
 
 def test_inject_restore_is_bitwise():
@@ -91,6 +107,7 @@ def test_inject_restore_is_bitwise():
         if h.applicable:
             assert h.names and all(model.get_submodule(n)._impl_label == f"bug:{name}" for n in h.names)
         h.restore()
+        assert not model._forward_pre_hooks, name
         with torch.no_grad():
             assert torch.equal(model(ids), ref), name
 
@@ -137,3 +154,98 @@ def test_cli_json(capsys):
     assert rc == 0 and out["localized"] == 2
     assert [r["bug"] for r in out["results"]] == ["sink_scaled", "indexer_off"]
     assert main(["--list"]) == 0
+
+
+# ------------------------------------------------------------------------------ triggers
+def _changed(model, bug, ids, form="ids"):
+    """Do the clean and the injected run differ on exactly this input (no trigger applied)?"""
+    from dsv4lab.bugzoo.inputs import from_embeddings
+
+    f = from_embeddings(model) if form == "embeds" else None
+    try:
+        with torch.no_grad():
+            ref = model(ids)
+            with inject(model, bug):
+                out = model(ids)
+    finally:
+        if f is not None:
+            f.restore()
+    return not torch.equal(ref, out)
+
+
+def test_off_by_one_needs_its_length_residue():
+    model = get_model("tiny")
+    ids = prompt(model)
+    assert BUGS["compressor_window_off_by_one"].trigger.residue == (4, 3)
+    for n in range(40, 48):  # two of each residue mod 4
+        assert _changed(model, "compressor_window_off_by_one", ids[:, :n]) == (n % 4 == 3), n
+    cut = BUGS["compressor_window_off_by_one"].trigger.ids(ids)
+    assert cut.shape[-1] % 4 == 3 and ids.shape[-1] - 4 < cut.shape[-1] <= ids.shape[-1]
+    with pytest.raises(ValueError, match="too short"):
+        BUGS["compressor_window_off_by_one"].trigger.ids(ids[:, :5])
+
+
+def test_hash_expert0_needs_embeddings():
+    model = get_model("tiny")
+    ids = prompt(model)
+    assert not _changed(model, "hash_expert0_from_embeddings", ids, "ids")
+    assert _changed(model, "hash_expert0_from_embeddings", ids, "embeds")
+
+
+def test_from_embeddings_is_the_ids_run():
+    from dsv4lab.model.validate import InputError
+
+    model = get_model("tiny")
+    ids = prompt(model)
+    with torch.no_grad():
+        ref = model(ids)
+        e = model.embed(ids)
+        assert torch.equal(model(ids, inputs_embeds=e), ref)
+        with pytest.raises(ValueError, match="hash-routed layer needs input_ids"):  # layer 0 is hash-routed
+            model(inputs_embeds=e)
+        with pytest.raises(InputError, match="inputs_embeds"):
+            model(ids, inputs_embeds=e[..., :-1])
+        with pytest.raises(InputError, match="does not match"):
+            model(ids[:, :-1], inputs_embeds=e)
+
+
+def test_fp8_bug_needs_official_fp8_weights():
+    from dsv4lab.bugzoo.inputs import fp8_block_for, fp8_in_place
+
+    model = get_model("tiny")
+    ids = prompt(model)
+    assert not inject(model, "fp8_wo_a_scale_layout").applicable  # plain weights
+    r = triage(model, "fp8_wo_a_scale_layout", ids, quantize=False)
+    assert not r.applicable and "FP8" in r.reason
+    assert fp8_block_for(7168, 4096) == 128 and fp8_block_for(256, 256) == 128 and fp8_block_for(16, 32) == 8
+    before = {n: q.weight for n, q in model.qlinears()}
+    with fp8_in_place(model) as names:
+        assert names and all(model.get_submodule(n).format == "fp8_block" for n in names)
+        assert _changed(model, "fp8_wo_a_scale_layout", ids)
+    assert all(q.weight is not None and torch.equal(q.weight, before[n]) for n, q in model.qlinears())
+
+
+def test_compressor_prefill_helper_matches_reference():
+    from dsv4lab.bugzoo.variants import compressor_prefill
+
+    model = get_model("tiny")
+    comp = model.layers[1].attn.compressor
+    x = torch.randn(1, 11, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    states = [model.new_state(1, 24).layers[1].compressor for _ in range(2)]
+    for start, chunk in ((0, x[:, :6]), (6, x[:, 6:])):
+        assert comp.prefill(chunk, start, states[0]) == compressor_prefill(comp, chunk, start, states[1])
+    for a, b in zip((states[0].ring_kv, states[0].ring_gate, states[0].entries),
+                    (states[1].ring_kv, states[1].ring_gate, states[1].entries)):
+        assert torch.equal(a, b)
+
+
+def test_cli_list_json_has_triggers(capsys):
+    from dsv4lab.cli.bugzoo_cmd import main
+
+    assert main(["--list", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert len(rows) >= 24 and set(NEW) <= set(rows)
+    assert rows["compressor_window_off_by_one"]["trigger"]["length"] == "S = 3 mod 4"
+    assert rows["hash_expert0_from_embeddings"]["trigger"]["form"] == "embeds"
+    assert "FP8" in rows["fp8_wo_a_scale_layout"]["trigger"]["weights"]
+    assert all(r["symptom"] for r in rows.values())

@@ -16,10 +16,12 @@ from ..model.linear import QLinear
 from ..model.mhc import HyperConnection, sinkhorn
 from ..model.moe import Expert, Router, SharedExpert, score_fn
 from ..model.norms import unweighted_rms_norm
-from ..model.rope import apply_rope
+from ..model.rope import Rotary, apply_rope
+from ..model.state import CompressorState
 from ..model.swiglu import clamped_swiglu
 from ..quant.activations import NVFP4_GS_DENOM, fake_quant_nvfp4
 from ..quant.fp4 import NVFP4_BLOCK, nvfp4_dequantize_blocks
+from ..quant.weights import FP8BlockWeight
 
 
 # ------------------------------------------------------------------------------ compressor
@@ -29,6 +31,73 @@ class CompressorApeOnKV(Compressor):
     def project(self, x, slot_in_window):
         kv, gate = super().project(x, slot_in_window)
         return kv + self.ape.to(kv.dtype).index_select(0, slot_in_window), gate  # BUG
+
+
+def compressor_prefill(mod: Compressor, x: torch.Tensor, start: int, st: CompressorState,
+                       close_early: bool = False, pad_gate: float = float("-inf")) -> int:
+    """Compressor.prefill with two field bugs as parameters (the defaults reproduce the
+    reference bit for bit): ``close_early`` counts a window as closed one token before its last
+    one (``(start+S+1)//m``) and left-pads the then too short slot list to whole windows;
+    ``pad_gate`` is the gate of the missing slots before position 0 (CSA window 0's Ca half)."""
+    B, S, _ = x.shape
+    m, R = mod.ratio, st.ring_kv.shape[1]
+    pos = torch.arange(start, start + S, device=x.device)
+    kv, gate = mod.project(x, pos % m)
+    w_first, w_last = start // m, (start + S + int(close_early)) // m - 1  # BUG when close_early
+    if w_last >= w_first:
+        lo = (w_first - 1) * m
+        hi = (w_last + 1) * m
+        pieces_kv, pieces_gate = [], []
+        n_pad = max(0, -lo)
+        if n_pad:
+            pieces_kv.append(kv.new_zeros(B, n_pad, kv.shape[-1]))
+            pieces_gate.append(gate.new_full((B, n_pad, gate.shape[-1]), pad_gate))  # BUG unless -inf
+        ring_lo = max(lo, 0)
+        if ring_lo < start:
+            slots = torch.arange(ring_lo, start, device=x.device) % R
+            pieces_kv.append(st.ring_kv.index_select(1, slots).to(kv.dtype))
+            pieces_gate.append(st.ring_gate.index_select(1, slots))
+        pieces_kv.append(kv[:, : hi - start])
+        pieces_gate.append(gate[:, : hi - start])
+        short = (-sum(p.shape[1] for p in pieces_kv)) % m
+        if short:  # BUG: only reached with close_early; the padding goes in FRONT and shifts every window
+            pieces_kv.insert(0, kv.new_zeros(B, short, kv.shape[-1]))
+            pieces_gate.insert(0, gate.new_full((B, short, gate.shape[-1]), float("-inf")))
+        ext_kv = torch.cat(pieces_kv, 1).unflatten(1, (-1, m))
+        ext_gate = torch.cat(pieces_gate, 1).unflatten(1, (-1, m))
+        kv_s, gate_s = mod._slots(ext_kv[:, 1:], ext_gate[:, 1:], ext_kv[:, :-1], ext_gate[:, :-1])
+        widx = torch.arange(w_first, w_last + 1, device=x.device)
+        n_fit = min(w_last + 1, st.entries.shape[1]) - w_first  # the early entry may not fit the buffer
+        st.entries[:, w_first : w_first + n_fit] = mod.pool(kv_s, gate_s, widx)[:, :n_fit].to(st.entries.dtype)
+    keep = min(S, R)
+    slots = pos[-keep:] % R
+    st.ring_kv.index_copy_(1, slots, kv[:, -keep:].to(st.ring_kv.dtype))
+    st.ring_gate.index_copy_(1, slots, gate[:, -keep:])
+    return (start + S) // m
+
+
+class CompressorWindowOffByOne(Compressor):
+    """A window counts as closed one token early ((start+S+1)//m): only a prompt that ends one
+    token short of a window boundary (S = m-1 mod m) takes the wrong branch, whose slot list is
+    then one short and gets padded at the front, shifting every window by one token."""
+
+    def prefill(self, x, start, st):
+        return compressor_prefill(self, x, start, st, close_early=True)
+
+
+class CompressorUninitFirstEntry(Compressor):
+    """CSA window 0 pools the Ca half of a window that does not exist: the never-written slots
+    are read as they are (value 0, gate 0) instead of being masked out (gate -inf)."""
+
+    def prefill(self, x, start, st):
+        return compressor_prefill(self, x, start, st, pad_gate=0.0)
+
+
+# ------------------------------------------------------------------------------ rope
+class RotaryMainTheta(Rotary):
+    """A compressed layer's rotary built with the main ``rope_theta`` instead of
+    ``compress_rope_theta`` (the inverse frequencies are set by the bug's ``arm``: they need the
+    config)."""
 
 
 # ------------------------------------------------------------------------------ experts
@@ -49,6 +118,13 @@ class ExpertClampAfterSilu(Expert):
 class SharedExpertClampAfterSilu(SharedExpert):
     def forward(self, x):
         return self.hook_out(_swiglu(self, x, clamp_after_silu=True))
+
+
+class SharedExpertNoClamp(SharedExpert):
+    """Shared expert as a plain SwiGLU: neither the gate (max=limit) nor the up (+-limit) clamp."""
+
+    def forward(self, x):
+        return self.hook_out(self.w2(F.silu(self.w1(x)) * self.w3(x)))  # BUG: no clamps
 
 
 class ExpertW1W3Swapped(Expert):
@@ -174,6 +250,13 @@ class IndexerQNoRope(Indexer):
         return (s * w.unsqueeze(-1)).sum(dim=2)
 
 
+class IndexerTopkWrongField(Indexer):
+    """index_topk read from the wrong config field: twice the model's value (1024 for 512)."""
+
+    def _setup_from_original(self, orig):
+        self.topk = 2 * orig.topk  # BUG
+
+
 class IndexerOff(Indexer):
     """The indexer silently disabled: every closed compressed entry is attended (no top-k)."""
 
@@ -193,6 +276,42 @@ class RouterBiasInWeights(Router):
         biased = score_fn(self.scoring, logits) + self.bias.float()
         ids = self.hook_ids(torch.topk(biased, self.top_k, dim=-1, sorted=False).indices)
         w = biased.gather(1, ids)  # BUG: scores.gather
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, self.hook_weights(w * self.scale)
+
+
+class HashRouterExpert0(Router):
+    """A hash router that, given no token ids (the model run from embeddings and the ids
+    dropped on the way), sends every token to expert 0 instead of refusing."""
+
+    def forward(self, x, input_ids):
+        if not self.is_hash or input_ids is not None:
+            return super().forward(x, input_ids)
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.hook_logits(QLinear.forward(self, flat).float())
+        scores = score_fn(self.scoring, logits)
+        ids = self.hook_ids(torch.zeros(flat.shape[0], self.top_k, dtype=torch.long, device=x.device))  # BUG
+        w = scores.gather(1, ids)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, self.hook_weights(w * self.scale)
+
+
+class HashRouterIdsWrongDtype(Router):
+    """tid2eid (int64) read as int32 (its bytes reinterpreted, as a loader that assumed the
+    checkpoint's int32 does): each row becomes (e0, 0, e1, 0, ...)[:k], so a token's second
+    choice is expert 0."""
+
+    def forward(self, x, input_ids):
+        if not self.is_hash:
+            return super().forward(x, input_ids)
+        if input_ids is None:
+            raise ValueError("hash-routed layer needs input_ids")
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.hook_logits(QLinear.forward(self, flat).float())
+        scores = score_fn(self.scoring, logits)
+        table = self.tid2eid.contiguous().view(torch.int32)[:, : self.top_k]  # BUG: int64 bytes as int32
+        ids = self.hook_ids(table[input_ids.reshape(-1)].long())
+        w = scores.gather(1, ids)
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return ids, self.hook_weights(w * self.scale)
 
@@ -224,3 +343,16 @@ class ActInputScaleMixin:
         if scale is None:
             scale = torch.tensor(self.calibrated_amax / NVFP4_GS_DENOM)
         return fake_quant_nvfp4(x, scale.to(x.device, torch.float32))  # BUG: not amax(x)/(6*448)
+
+
+class FP8ScaleLayoutMixin:
+    """Official FP8-block weight whose [out/b, in/b] scale grid is read in the transposed
+    (column-major) order: the same bytes viewed as [in/b, out/b] and transposed."""
+
+    def dense_weight(self, dtype):
+        qw = self.qweight
+        if qw is None or getattr(qw, "format", None) != "fp8_block":
+            return super().dense_weight(dtype)
+        ob, ib = qw.scale.shape
+        wrong = qw.scale.reshape(ib, ob).t()  # BUG: the grid is row-major [out/b, in/b]
+        return FP8BlockWeight(qw.data, wrong.contiguous(), qw.block).dequantize(dtype)

@@ -1,5 +1,7 @@
 """``python -m dsv4lab bugzoo [--model PATH] [--json]``: inject every known bug and check that the
-triage finds it (first divergent hook point inside the component the bug lives in).
+triage finds it (first divergent hook point inside the component the bug lives in). Each bug runs
+on the input its trigger asks for (a prompt-length residue, the model run from embeddings,
+official FP8 weights), built from one base prompt; ``--list`` shows the triggers and symptoms.
 
 Exit status: 0 every applicable bug localised, 2 some bug was not localised, 1 no model.
 """
@@ -34,7 +36,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="checkpoint path (default: the embedded model, dsv4lab.load())")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.add_argument("--bugs", default=None, help="comma-separated bug names (default: all)")
-    p.add_argument("--list", action="store_true", help="list the bugs and exit")
+    p.add_argument("--list", action="store_true", help="list the bugs (trigger, symptom) and exit")
     p.add_argument("--seq-len", type=int, default=None, help="prompt length (default: enough for every window to close)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     p.add_argument("--no-quantize", action="store_true",
@@ -71,7 +73,8 @@ def run(args) -> int:
             sys.stdout.write("\n")
         else:
             for b in rows:
-                print(f"{b['name']:32s} [{b['kind']}] {b['description']}  <- {b['seed'] or '-'}")
+                print(f"{b['name']:32s} [{b['kind']}] {b['description']}  <- {b['seed'] or '-'}\n"
+                      f"{'':32s}   triggered by: {b['triggered_by']}\n{'':32s}   symptom: {b['symptom']}")
         return 0
     names = list(BUGS) if not args.bugs else [b.strip() for b in args.bugs.split(",") if b.strip()]
     for b in names:
@@ -99,7 +102,9 @@ def run(args) -> int:
     bad = [r for r in results if r.applicable and not r.localized]
     if args.json:
         out = {"model": getattr(model, "source", None) or "random-tiny", "note": note, "seq_len": n,
-               "results": [r.to_dict() for r in results], "localized": sum(r.localized for r in results),
+               "results": [{**r.to_dict(), "triggered_by": BUGS[r.bug].trigger.describe(BUGS[r.bug].requires),
+                            "symptom": BUGS[r.bug].symptom} for r in results],
+               "localized": sum(r.localized for r in results),
                "applicable": sum(r.applicable for r in results)}
         json.dump(out, sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -108,7 +113,9 @@ def run(args) -> int:
             print(f"note: {note}")
         print(f"model: {getattr(model, 'source', None) or 'random tiny'}; prompt {n} tokens")
         for r in results:
-            print(r.line() + (" [quantised copy]" if r.quantized else ""))
+            extra = (f" [{r.seq_len} tokens]" if r.seq_len != n else "") + \
+                (" [from embeddings]" if r.form == "embeds" else "")
+            print(r.line() + (" [quantised in place]" if r.quantized else "") + extra)
         ok = sum(r.localized for r in results)
         print(f"{ok}/{sum(r.applicable for r in results)} applicable bugs localised to their component")
     return 2 if bad else 0

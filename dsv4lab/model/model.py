@@ -18,7 +18,7 @@ from .linear import QLinear
 from .mhc import HyperHead
 from .norms import RMSNorm
 from .state import DecodeState
-from .validate import InputError, check_ids, check_new_tokens
+from .validate import InputError, check_embeds, check_ids, check_new_tokens
 
 
 class DSV4Model(nn.Module):
@@ -84,24 +84,42 @@ class DSV4Model(nn.Module):
         self.check_ids(input_ids)
         return self._prefill(input_ids, state)
 
-    def _prefill(self, input_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        B, S = input_ids.shape
+    def _prefill(self, input_ids: torch.Tensor | None, state: DecodeState,
+                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        B, S = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
         start = state.pos
         if start + S > state.max_len:
             raise ValueError(f"state holds {state.max_len} tokens; {start}+{S} requested")
-        h = self._embed(input_ids)
+        if inputs_embeds is None:
+            h = self._embed(input_ids)
+        else:
+            h = self.hook_embed(inputs_embeds).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for layer, st in zip(self.layers, state.layers):
             dev = st.kv_ring.device
-            h = layer.prefill(h.to(dev), input_ids.to(dev), start, st)
+            h = layer.prefill(h.to(dev), None if input_ids is None else input_ids.to(dev), start, st)
         state.set_pos(start + S)
         return self._final(h)
 
-    def forward(self, input_ids: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
-        """Logits [B,S,V] for the whole sequence (fresh state unless one is given)."""
-        self.check_ids(input_ids)
+    def forward(self, input_ids: torch.Tensor | None = None, state: DecodeState | None = None, *,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B,S,V] for the whole sequence (fresh state unless one is given).
+
+        ``inputs_embeds`` [B,S,D] replaces the embedding lookup (soft prompts, another front end);
+        the token ids still route the hash layers, so pass them too when the model has any
+        (a hash router without ids raises)."""
+        if inputs_embeds is None:
+            self.check_ids(input_ids)
+        else:
+            check_embeds(inputs_embeds, self.config.hidden_size, self.device)
+            if input_ids is not None:
+                self.check_ids(input_ids)
+                if tuple(input_ids.shape) != tuple(inputs_embeds.shape[:2]):
+                    raise InputError(f"input_ids shape {list(input_ids.shape)} does not match inputs_embeds "
+                                     f"{list(inputs_embeds.shape)} (the ids of the same tokens, [B, S])")
+        x = input_ids if inputs_embeds is None else inputs_embeds
         if state is None:
-            state = self.new_state(input_ids.shape[0], input_ids.shape[1])
-        return self._prefill(input_ids, state)
+            state = self.new_state(x.shape[0], x.shape[1])
+        return self._prefill(input_ids, state, inputs_embeds)
 
     def decode_segments(self) -> list[tuple[torch.device, range]]:
         """Contiguous runs of layers on one device (one CUDA graph each)."""

@@ -38,6 +38,18 @@ def check_ids(ids, vocab_size: int, device: torch.device, argument: str = "input
                          f"(ids come from this model's tokenizer)")
 
 
+def check_embeds(x, hidden_size: int, device: torch.device, argument: str = "inputs_embeds") -> None:
+    """``x`` must be a floating [B, S, hidden_size] tensor, S >= 1, on ``device``."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        what = type(x).__name__ if not isinstance(x, torch.Tensor) else f"dtype {x.dtype}"
+        raise InputError(f"{argument} must be a floating torch.Tensor [B, S, {hidden_size}], got {what}")
+    if x.dim() != 3 or x.shape[-1] != hidden_size or x.shape[0] < 1 or x.shape[1] < 1:
+        raise InputError(f"{argument} must have shape [B, S, {hidden_size}] with B, S >= 1, got {list(x.shape)}")
+    if x.device != torch.device(device):
+        raise InputError(f"{argument} is on {x.device} but the model's embedding is on {device} "
+                         f"(use {argument}.to(model.device))")
+
+
 def check_new_tokens(n, argument: str = "max_new_tokens") -> None:
     """A count of tokens to generate: a positive int."""
     if isinstance(n, bool) or not isinstance(n, numbers.Integral):

@@ -2,7 +2,8 @@
 
 ``chat`` (the official encoding; standard library only) < ``corpus`` (the synthetic texts the
 embedded model is trained on and probed with: training, triage and the bug zoo all read it) <
-``tokenizer`` (imports ``tokenizers`` / ``transformers`` on first use).
+``tokenizer`` (imports ``tokenizers`` / ``transformers`` on first use) < ``suite`` (the prompt
+suite: plain, chat, thinking, retrieval, one length per compression-window residue).
 """
 from __future__ import annotations
 
