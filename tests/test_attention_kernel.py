@@ -6,7 +6,8 @@ sliding, HCA, CSA; a first chunk and one after prior window keys; 5 heads, Dh 24
 GPU (@pytest.mark.gpu): V4-Pro head shapes (128 x 512, window 128, top-k 1024) in bf16.
 
 Tolerances: fp32 |kernel - ref| <= 1e-5 * max(1, max|ref|) (online softmax, another order);
-bf16 <= 1e-2 * max|ref| (the output rounded to bf16 once on each side: ~1 ulp at the maximum).
+bf16 <= 2e-2 * max|ref|: each side rounds P to bf16 per key tile against its own running maximum
+(tiles of 5 vs 16 keys) and the output once; measured up to 2 ulps (0.0156 at max|ref| 1.7).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def test_interp_bounded_attention_matches_reference():
     res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT"):])
     assert len(res) == 12
     for case, v in res.items():
-        tol = 1e-5 * max(1.0, v["ref_max"]) if "float32" in case else 1e-2 * v["ref_max"]
+        tol = 1e-5 * max(1.0, v["ref_max"]) if "float32" in case else 2e-2 * v["ref_max"]
         assert v["max_abs"] <= tol, (case, v)
 
 
@@ -101,4 +102,4 @@ def test_gpu_bounded_attention_v4_pro_shapes(kind):
     args = (q, sink, D ** -0.5, W, wk, start, k_start, ent, ratio, sel)
     want = bounded_attention(*args).float()
     got = prefill_attention(*args).float()
-    assert (got - want).abs().max().item() <= 1e-2 * want.abs().max().item()
+    assert (got - want).abs().max().item() <= 2e-2 * want.abs().max().item()

@@ -7,8 +7,8 @@ keys stream in tiles of BLOCK_N rows: first the window (contiguous positions
 [q_pos - window + 1, q_pos]), then the entries: the CSA indexer's ``selected`` rows gathered by
 index, or HCA's closed entries w < (q_pos + 1) // ratio. Online softmax in fp32 started from the
 sink logit (m = sink, l = 1), P.V with P in the keys' dtype (bf16 / fp16 tensor-core dots; fp32
-inputs and the interpreter: IEEE fp32 dots) and fp32 accumulators, output stored in fp32 and cast
-once; nothing of size [H, S, L] exists, only the output [B, S, H, Dh].
+inputs and the interpreter: IEEE fp32 dots) and fp32 accumulators, the output rounded once to
+the keys' dtype; nothing of size [H, S, L] exists, only the output [B, S, H, Dh].
 """
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ def _bounded_attention_kernel(q_ptr, wk_ptr, ent_ptr, sel_ptr, sink_ptr, out_ptr
                               sq_b, sq_s, sq_h, swk_b, swk_p, sent_b, sent_t, ssel_b, ssel_s, so_b, so_s, so_h,
                               HAS_ENT: tl.constexpr, HAS_SEL: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
                               BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # 64-bit offsets: one call may hold > 2^31 query elements
     hb = tl.program_id(1)
-    b = tl.program_id(2)
+    b = tl.program_id(2).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -101,7 +101,7 @@ def bounded_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, 
     wk = window_keys.contiguous()
     ent = entries.to(wk.dtype).contiguous() if entries is not None else wk
     sel = selected.to(torch.int32).contiguous() if (entries is not None and selected is not None) else None
-    out = torch.empty(B, S, H, D, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, S, H, D, dtype=wk.dtype, device=q.device)
     sel_arg = sel if sel is not None else torch.empty(1, 1, 1, dtype=torch.int32, device=q.device)
     grid = (S, triton.cdiv(H, block_h), B)
     dot = tl.float32 if wk.dtype == torch.float32 else dot_dtype(wk)  # fp32 under the interpreter
@@ -113,4 +113,4 @@ def bounded_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, 
         sel_arg.stride(0), sel_arg.stride(1), out.stride(0), out.stride(1), out.stride(2),
         HAS_ENT=entries is not None, HAS_SEL=sel is not None, DOT=dot, IEEE=dot == tl.float32,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(max(D, 16)))
-    return out.to(wk.dtype)
+    return out
