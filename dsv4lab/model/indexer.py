@@ -74,16 +74,17 @@ class Indexer(nn.Module):
         """Prefill top-k [B,S,k] = ``select(scores(...), visible)``, computed per block of queries
         so the [B, rows, Hi, T] fp32 transient stays within ``block_bytes`` (x2 for the product).
         Whole when an indexer hook listens (its one firing sees every query, as documented).
-        A replaced ``scores`` runs per block (it is row-wise); bitwise the whole result."""
+        A replaced ``scores`` / ``select`` runs per block (they are row-wise). Each row's scores
+        are the same dot products as in the whole call (the same indices, bitwise on the CPU)."""
         B, S, _ = x.shape
         rows = block_rows(block_bytes, B * self.n_heads * keys.shape[1] * 4 * 2, S)
         if rows >= S or self.hook_q.active or self.hook_scores.active or self.hook_indices.active:
             return self.select(self.scores(x, q_res, positions, keys), visible)
         if type(self).scores is Indexer.scores:
-            q, w = self.queries(q_res, positions), self.head_weights(x)
+            q, w, kf = self.queries(q_res, positions), self.head_weights(x), keys.float()  # fp32 keys once
 
             def part(a: int, b: int) -> torch.Tensor:
-                return self.combine(q[:, a:b], w[:, a:b], keys)
+                return self.combine(q[:, a:b], w[:, a:b], kf)
         else:
             def part(a: int, b: int) -> torch.Tensor:
                 return self.scores(x[:, a:b], q_res[:, a:b], positions[a:b], keys)
