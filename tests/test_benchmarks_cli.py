@@ -46,3 +46,19 @@ def test_full_model_benchmark_cpu_smoke(fmt: str):
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout)
     assert res["prefill_finite"] and res["decode_finite"] and res["active_weight_bytes_per_token"] > 0, res
+
+
+def test_prefill_benchmark_cpu_smoke():
+    """benchmarks/prefill.py on a shrunken V4-Pro layer (CPU, 256 tokens in 64-token chunks): the
+    dense and the bounded attention paths both run what they say, finite, and agree on the last
+    chunk to bf16 rounding."""
+    r = subprocess.run([sys.executable, "benchmarks/prefill.py", "--cpu-smoke"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout)["results"]
+    assert [x["layer"] for x in res] == ["csa", "hca"]
+    for x in res:
+        assert x["dense"]["ran"] == "dense" and x["bounded"]["ran"] == x["bounded_ref"]["ran"] == "bounded", x
+        assert all(x[p]["out_finite"] and x[p]["tokens_per_s"] > 0 for p in ("dense", "bounded", "bounded_ref"))
+        for p in ("bounded", "bounded_ref"):
+            assert x[f"last_chunk_max_abs_diff_{p}_vs_dense"] <= 0.02 * x["last_chunk_max_abs"], x

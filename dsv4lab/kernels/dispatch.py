@@ -9,6 +9,8 @@ are imported inside the calls that use them (lazily, for that reason).
   drop-in for ``fake_quant_nvfp4``, bit-exact).
 * ``moe_decode(x, ids, weights, w1, w3, w2, limit)``: routed experts for decode tokens.
 * ``compressor_pool(kv, gate)``: the Compressor's softmax pool (CuTeDSL kernel).
+* ``prefill_attention(q, sink, scale, window, window_keys, q_start, k_start, entries, ratio,
+  selected, ...)``: ``Attention.kernel``, the bounded prefill attention (Triton).
 Which component gets which: ``dsv4lab.kernels.install``.
 """
 from __future__ import annotations
@@ -20,12 +22,13 @@ from ..quant.activations import fake_quant_nvfp4
 from ..quant.stacked import StackedMXFP4, StackedNVFP4, stack_experts
 from . import compressor_pool_cute as pool_cute
 from .device import have_triton_cuda, kernel_can_take
+from ..model.bounded_attention import bounded_attention
 from .moe_decode_ref import moe_decode_ref
 
 KERNEL_FORMATS = ("nvfp4", "mxfp4", "fp8_block")
 
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear",
-           "act_quant_nvfp4", "moe_decode", "compressor_pool"]
+           "act_quant_nvfp4", "moe_decode", "compressor_pool", "prefill_attention"]
 
 
 def weight_on_cuda(w) -> bool:
@@ -87,3 +90,17 @@ def compressor_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """softmax(gate, dim=2) weighted sum of kv [B, nW, L, d] -> [B, nW, d]: the CuTeDSL kernel on
     CUDA with cutlass importable, ``compressor_pool_ref`` elsewhere."""
     return pool_cute.compressor_pool(kv, gate)
+
+
+def prefill_attention(q: torch.Tensor, sink: torch.Tensor, scale: float, window: int, window_keys: torch.Tensor,
+                      q_start: int, k_start: int, entries: torch.Tensor | None = None, ratio: int = 0,
+                      selected: torch.Tensor | None = None, q_block: int | None = None, k_block: int | None = None,
+                      block_bytes: int = 0) -> torch.Tensor:
+    """``bounded_attention`` (same signature): the Triton kernel for CUDA keys of a kernel dtype,
+    the PyTorch reference elsewhere."""
+    if kernel_can_take(window_keys):
+        from .attention_bounded import bounded_attention_triton  # lazy: heavy optional dependency
+
+        return bounded_attention_triton(q, sink, scale, window, window_keys, q_start, k_start, entries, ratio, selected)
+    return bounded_attention(q, sink, scale, window, window_keys, q_start, k_start, entries, ratio, selected,
+                             q_block, k_block, block_bytes)

@@ -1,8 +1,9 @@
 """Which component gets which kernel, and switching them on and off.
 
 Targets: every ``QLinear`` (``.kernel``: the matmul; ``.act_kernel``: the w4a4 activation
-quantiser), every routed ``Experts`` block (``.kernel``: the fused decode) and every ``Compressor``
-(``.kernel``: the softmax pool) whose own name, or an enclosing component's, matches the pattern.
+quantiser), every routed ``Experts`` block (``.kernel``: the fused decode), every ``Compressor``
+(``.kernel``: the softmax pool) and every ``Attention`` (``.kernel``: the bounded prefill
+attention) whose own name, or an enclosing component's, matches the pattern.
 By default a kernel goes only where it runs: weights (or, for the pool, parameters) on CUDA with
 triton (cutlass for the pool) importable; elsewhere the reference stays. Imports no triton.
 """
@@ -12,19 +13,21 @@ from typing import Callable
 
 from torch import nn
 
+from ..model.attention import Attention
 from ..model.compressor import Compressor
 from ..model.linear import QLinear
 from ..model.moe import Experts
 from ..patterns import component_matcher, no_match_error, unmatched
 from . import compressor_pool_cute as pool_cute
 from .device import have_triton_cuda
-from .dispatch import KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, moe_decode, quant_linear, weight_on_cuda
+from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, moe_decode, prefill_attention, quant_linear,
+                       weight_on_cuda)
 
-TARGETS = (QLinear, Experts, Compressor)
+TARGETS = (QLinear, Experts, Compressor, Attention)
 
 
 def kernel_targets(model: nn.Module, pattern="**") -> tuple[list[tuple[str, nn.Module]], bool]:
-    """((name, module) of every QLinear / Experts / Compressor whose name, or an enclosing
+    """((name, module) of every QLinear / Experts / Compressor / Attention whose name, or an enclosing
     component's name, matches ``pattern``; whether anything matched at all)."""
     match = component_matcher(pattern)
     hit_names: set[str] = set()
@@ -72,6 +75,11 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
             return False
         mod.kernel = moe_decode
         return True
+    if isinstance(mod, Attention):
+        if not (have_triton and _on_cuda(mod.sink)):
+            return False
+        mod.kernel = prefill_attention
+        return True
     if not (have_cute and _on_cuda(mod.ape)):  # Compressor
         return False
     mod.kernel = compressor_pool
@@ -87,7 +95,8 @@ def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, stri
 
     Defaults: ``quant_linear`` as ``QLinear.kernel`` (NVFP4, MXFP4, FP8-block weights) with
     ``act_quant_nvfp4`` as its ``act_kernel``, ``moe_decode`` as ``Experts.kernel`` (NVFP4 or MXFP4
-    experts), ``compressor_pool`` as ``Compressor.kernel``, each only where it runs (see the module
+    experts), ``compressor_pool`` as ``Compressor.kernel``, ``prefill_attention`` as ``Attention.kernel``,
+    each only where it runs (see the module
     docstring). ``linear=`` / ``experts=`` install another callable with the same signature on
     every matching quantised QLinear / Experts whatever the device (e.g. a reference-equal fake on
     CPU in tests)."""

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..config import CSA, SLIDING, DSV4Config
 from ..quant.modes import RoundTrip
+from .bounded_attention import DEFAULT_BLOCK_BYTES, block_rows, bounded_attention
 from .compressor import Compressor
 from .hooks import HookPoint
 from .indexer import Indexer
@@ -25,6 +26,8 @@ from .norms import RMSNorm, unweighted_rms_norm
 from .rope import Rotary, apply_rope
 from .roundtrips import kv_fp8_round_trip
 from .state import LayerState
+
+PREFILL_PATHS = ("auto", "dense")  # Attention.prefill_path: "auto" picks bounded/blocked/dense
 
 
 class Attention(nn.Module):
@@ -53,6 +56,12 @@ class Attention(nn.Module):
         self.compressor = None if self.layer_type == SLIDING else Compressor(c, c.head_dim, self.ratio, self.layer_type == CSA)
         self.indexer = Indexer(c, self.ratio) if self.layer_type == CSA else None
         self.use_compressed = True  # False: attend the sliding window only (ablation)
+        self.prefill_path = "auto"  # "dense": always the reference [B,H,S,L] softmax (see prefill_choice)
+        self.q_block: int | None = None  # prefill query rows per block (None: from block_bytes)
+        self.k_block: int | None = None  # prefill keys per block (None: DEFAULT_K_BLOCK)
+        self.block_bytes = DEFAULT_BLOCK_BYTES  # working set per prefill block (attention, indexer)
+        self.kernel = None  # optional bounded prefill attention with bounded_attention's signature (dsv4lab.kernels)
+        self._prefill_ran: str | None = None  # private: a per-run result, not a switch graphs key on
         self.round_trips: frozenset = frozenset()  # of RoundTrip; set by dsv4lab.precision
         self.hook_q = HookPoint("queries [B,S,H,Dh] after norm and RoPE")
         self.hook_kv = HookPoint("new shared K=V [B,S,Dh] after kv_norm and RoPE")
@@ -73,13 +82,25 @@ class Attention(nn.Module):
         kv = self.hook_kv(kv)
         return q_res, q, kv, cos, sin
 
+    def _logits(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Scaled, masked logits [B,H,S,L] of q [B,S,H,Dh] over keys [B,L,Dh], bias [B or 1,S,L]."""
+        logits = torch.matmul(q.transpose(1, 2), keys.unsqueeze(1).transpose(-1, -2)) * self.scale  # [B,H,S,L]
+        return logits + bias.unsqueeze(1).to(logits.dtype)
+
+    def _sink_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Probabilities [B,H,S,L+1] over [keys | sink] (the reference softmax)."""
+        B, H, S, _ = logits.shape
+        sinks = self.sink.to(logits.dtype).view(1, H, 1, 1).expand(B, H, S, 1)
+        combined = torch.cat([logits, sinks], dim=-1)
+        combined = combined - combined.amax(dim=-1, keepdim=True)
+        return torch.softmax(combined, dim=-1)
+
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """q [B,S,H,Dh], keys [B,L,Dh] (also the values), bias [B or 1,S,L] -> [B,S,H,Dh]."""
         B, S, H, _ = q.shape
-        logits = torch.matmul(q.transpose(1, 2), keys.unsqueeze(1).transpose(-1, -2)) * self.scale  # [B,H,S,L]
-        logits = logits + bias.unsqueeze(1).to(logits.dtype)
-        sinks = self.sink.to(logits.dtype).view(1, H, 1, 1).expand(B, H, S, 1)
+        logits = self._logits(q, keys, bias)
         if RoundTrip.PROBS_BF16 in self.round_trips:
+            sinks = self.sink.to(logits.dtype).view(1, H, 1, 1).expand(B, H, S, 1)
             # the reference kernel: e = exp(l - max over keys); P.V with e rounded to bf16 and
             # fp32 accumulators; then divided by sum(e) + exp(sink - max), in fp32
             m = logits.float().amax(dim=-1, keepdim=True)
@@ -97,9 +118,7 @@ class Attention(nn.Module):
                     return out.to(keys.dtype).transpose(1, 2)
             out = torch.matmul(e16, keys.float().unsqueeze(1)) / denom
             return out.to(keys.dtype).transpose(1, 2)
-        combined = torch.cat([logits, sinks], dim=-1)
-        combined = combined - combined.amax(dim=-1, keepdim=True)
-        probs = self.hook_probs(torch.softmax(combined, dim=-1))
+        probs = self.hook_probs(self._sink_softmax(logits))
         self._last_probs = probs if self.training else None
         out = torch.matmul(probs[..., :-1].to(keys.dtype), keys.unsqueeze(1))  # [B,H,S,Dh]
         return out.transpose(1, 2)
@@ -111,6 +130,31 @@ class Attention(nn.Module):
         return self.hook_out(self.wo_b(grouped))
 
     # -------------------------------------------------------------- prefill
+    def prefill_choice(self) -> str:
+        """Which prefill path runs (``prefill_path`` = "auto"): "dense" (one ``_attend`` over
+        [B,H,S,L]) in training (the indexer distils from the probabilities); "blocked" (``_attend``
+        per block of queries, [B,H,rows,L] each; one whole call while ``hook_probs`` listens) when
+        ``_attend`` is replaced or ``probs_bf16`` needs each row's maximum before rounding; else
+        "bounded" (online softmax, nothing of size [H,S,L]; a listening ``hook_probs`` is shown
+        the reference probabilities, materialised, and the output is recomputed from them only
+        if the hook replaces them, so listening changes no bit)."""
+        if self.prefill_path not in PREFILL_PATHS:
+            raise ValueError(f"{self.__class__.__name__}.prefill_path must be one of {PREFILL_PATHS}, got {self.prefill_path!r}")
+        if self.prefill_path == "dense" or self.training:
+            return "dense"
+        if type(self)._attend is not Attention._attend or RoundTrip.PROBS_BF16 in self.round_trips:
+            return "blocked"
+        return "bounded"
+
+    @property
+    def last_prefill_path(self) -> str | None:
+        """The path the last prefill took ("bounded", "blocked" or "dense")."""
+        return self._prefill_ran
+
+    def materialises_probs(self) -> bool:
+        """Will this prefill hold [B,H,S,L] (the dense path, or probabilities a hook listens to)?"""
+        return self.prefill_choice() == "dense" or self.hook_probs.active
+
     def prefill(self, x: torch.Tensor, start: int, st: LayerState) -> torch.Tensor:
         """Tokens at positions start..start+S-1 (host ints) against the state; updates it."""
         B, S, _ = x.shape
@@ -122,39 +166,72 @@ class Attention(nn.Module):
         prior_pos = torch.arange(prior_lo, start, device=dev)
         keys = torch.cat([st.kv_ring.index_select(1, prior_pos % W).to(kv.dtype), kv], dim=1)
         kpos = torch.cat([prior_pos, positions])
-        rel = positions.view(-1, 1) - kpos.view(1, -1)
-        neg = torch.full((), float("-inf"), device=dev)
-        bias = torch.where((rel >= 0) & (rel < W), torch.zeros((), device=dev), neg).unsqueeze(0)  # [1,S,L]
+        path = self.prefill_choice()
+        entries, selected, distill, n_entries = None, None, None, 0
         if self.compressor is not None:
             n_entries = self.compressor.prefill(x, start, st.compressor)
-            entries = st.compressor.entries[:, :n_entries]
+            entries = st.compressor.entries[:, :n_entries].to(kv.dtype)
             visible = (positions + 1) // self.ratio  # entries w < visible[t] are closed for query t
-            ent_ok = torch.arange(n_entries, device=dev).view(1, -1) < visible.view(-1, 1)  # [S,T]
-            ent_bias = torch.where(ent_ok, torch.zeros((), device=dev), neg).unsqueeze(0).expand(B, -1, -1)
-            distill = None
             if self.indexer is not None:
                 train_ix = self.training and torch.is_grad_enabled()
                 xi, qi = (x.detach(), q_res.detach()) if train_ix else (x, q_res)
                 n_idx = self.indexer.compressor.prefill(xi, start, st.indexer)
                 ikeys = st.indexer.entries[:, :n_idx]
                 if self.indexer.enabled and n_idx > 0:
-                    iscores = self.indexer.scores(xi, qi, positions, ikeys)
                     if train_ix:
-                        distill = (iscores, ent_ok)
-                    if not (train_ix and self.indexer.train_dense):
-                        idx = self.indexer.select(iscores.detach() if train_ix else iscores, visible)
-                        chosen = torch.full((B, S, n_entries + 1), float("-inf"), device=dev)
-                        chosen.scatter_(-1, torch.where(idx >= 0, idx, n_entries), 0.0)
-                        ent_bias = chosen[..., :n_entries]
-            if not self.use_compressed:
-                ent_bias = torch.full_like(ent_bias, float("-inf"))
-            keys = torch.cat([keys, entries.to(kv.dtype)], dim=1)
-            bias = torch.cat([bias.expand(B, -1, -1), ent_bias], dim=-1)
+                        iscores = self.indexer.scores(xi, qi, positions, ikeys)
+                        distill = (iscores, torch.arange(n_entries, device=dev).view(1, -1) < visible.view(-1, 1))
+                        if not self.indexer.train_dense:
+                            selected = self.indexer.select(iscores.detach(), visible)
+                    else:
+                        selected = self.indexer.choose(xi, qi, positions, ikeys, visible, self.block_bytes)
         keep = min(S, W)
         st.kv_ring.index_copy_(1, positions[-keep:] % W, kv[:, -keep:].to(st.kv_ring.dtype))
-        out = self._attend(q, keys, bias)
-        if self.compressor is not None and distill is not None:
-            self.indexer.distill(distill[0], self._last_probs[..., keys.shape[1] - n_entries : keys.shape[1]], distill[1])
+        self._prefill_ran = path
+        neg = torch.full((), float("-inf"), device=dev)
+        zero = torch.zeros((), device=dev)
+
+        def bias_rows(a: int, b: int) -> torch.Tensor:
+            """The additive mask [B or 1, b-a, L] of queries a..b-1 over [window keys | entries]."""
+            rel = positions[a:b].view(-1, 1) - kpos.view(1, -1)
+            bias = torch.where((rel >= 0) & (rel < W), zero, neg).unsqueeze(0)
+            if entries is None:
+                return bias
+            if not self.use_compressed:
+                ent_bias = torch.full((B, b - a, n_entries), float("-inf"), device=dev)
+            elif selected is not None:
+                chosen = torch.full((B, b - a, n_entries + 1), float("-inf"), device=dev)
+                idx = selected[:, a:b]
+                chosen.scatter_(-1, torch.where(idx >= 0, idx, n_entries), 0.0)
+                ent_bias = chosen[..., :n_entries]
+            else:
+                ent_ok = torch.arange(n_entries, device=dev).view(1, -1) < visible[a:b].view(-1, 1)
+                ent_bias = torch.where(ent_ok, zero, neg).unsqueeze(0).expand(B, -1, -1)
+            return torch.cat([bias.expand(B, -1, -1), ent_bias], dim=-1)
+
+        if path == "bounded":
+            use = entries is not None and self.use_compressed
+            out = (self.kernel or bounded_attention)(q, self.sink, self.scale, W, keys, start, prior_lo,
+                                    entries if use else None, self.ratio, selected if use else None,
+                                    self.q_block, self.k_block, self.block_bytes)
+            if self.hook_probs.active:  # shown materialised; used only if a hook replaces them
+                keys = torch.cat([keys, entries], dim=1) if entries is not None else keys
+                shown = self._sink_softmax(self._logits(q, keys, bias_rows(0, S)))
+                probs = self.hook_probs(shown)
+                if probs is not shown:
+                    out = torch.matmul(probs[..., :-1].to(keys.dtype), keys.unsqueeze(1)).transpose(1, 2)
+            return self._output(out, cos, sin)
+        if entries is not None:
+            keys = torch.cat([keys, entries], dim=1)
+        if path == "dense" or self.hook_probs.active:  # the reference in one call (one hook firing)
+            out = self._attend(q, keys, bias_rows(0, S))
+            if distill is not None:
+                L = keys.shape[1]
+                self.indexer.distill(distill[0], self._last_probs[..., L - n_entries : L], distill[1])
+        else:  # "blocked": the dense reference per block of queries, [B,H,rows,L] each
+            rows = self.q_block or block_rows(self.block_bytes, 4 * B * self.n_heads * keys.shape[1] * 4, S)
+            out = torch.cat([self._attend(q[:, a : a + rows], keys, bias_rows(a, min(S, a + rows)))
+                             for a in range(0, S, rows)], dim=1)
         return self._output(out, cos, sin)
 
     # --------------------------------------------------------------- decode

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..config import DSV4Config
 from ..quant.modes import RoundTrip
+from .bounded_attention import block_rows
 from .compressor import Compressor
 from .hooks import HookPoint
 from .linear import QLinear
@@ -45,18 +46,49 @@ class Indexer(nn.Module):
         self.hook_scores = HookPoint("index scores [B,S,T] (fp32, -inf for not-yet-closed entries)")
         self.hook_indices = HookPoint("chosen entries [B,S,k] (long, -1 = none)")
 
-    def scores(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        B, S, _ = x.shape
+    def queries(self, q_res: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """q [B,S,Hi,Ih] after RoPE (and ``indexer_fp4``); fires ``hook_q``."""
+        B, S, _ = q_res.shape
         q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
         cos, sin = self.rotary(positions)
         q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
         if RoundTrip.INDEXER_FP4 in self.round_trips:
             q = indexer_fp4_round_trip(q)
-        q = self.hook_q(q)
+        return self.hook_q(q)
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """w [B,S,Hi] (fp32) = weights_proj(x) / sqrt(Hi)."""
+        return self.weights_proj(x).float() * self.n_heads ** -0.5
+
+    def combine(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """scores [B,S,T] from q [B,S,Hi,Ih], w [B,S,Hi], keys [B,T,Ih]; transient [B,S,Hi,T] fp32."""
         s = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1))  # [B,S,H,T]
         s = torch.relu(s) * self.head_dim ** -0.5
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5
         return (s * w.unsqueeze(-1)).sum(dim=2)
+
+    def scores(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return self.combine(self.queries(q_res, positions), self.head_weights(x), keys)
+
+    def choose(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+               visible: torch.Tensor, block_bytes: int) -> torch.Tensor:
+        """Prefill top-k [B,S,k] = ``select(scores(...), visible)``, computed per block of queries
+        so the [B, rows, Hi, T] fp32 transient stays within ``block_bytes`` (x2 for the product).
+        Whole when an indexer hook listens (its one firing sees every query, as documented).
+        A replaced ``scores`` / ``select`` runs per block (they are row-wise). Each row's scores
+        are the same dot products as in the whole call (the same indices, bitwise on the CPU)."""
+        B, S, _ = x.shape
+        rows = block_rows(block_bytes, B * self.n_heads * keys.shape[1] * 4 * 2, S)
+        if rows >= S or self.hook_q.active or self.hook_scores.active or self.hook_indices.active:
+            return self.select(self.scores(x, q_res, positions, keys), visible)
+        if type(self).scores is Indexer.scores:
+            q, w, kf = self.queries(q_res, positions), self.head_weights(x), keys.float()  # fp32 keys once
+
+            def part(a: int, b: int) -> torch.Tensor:
+                return self.combine(q[:, a:b], w[:, a:b], kf)
+        else:
+            def part(a: int, b: int) -> torch.Tensor:
+                return self.scores(x[:, a:b], q_res[:, a:b], positions[a:b], keys)
+        return torch.cat([self.select(part(a, min(S, a + rows)), visible[a : a + rows]) for a in range(0, S, rows)], 1)
 
     def select(self, scores: torch.Tensor, n_valid_for_query: torch.Tensor) -> torch.Tensor:
         """Top-k valid entries per query; scores [B,S,T], n_valid [S] -> indices [B,S,k]."""

@@ -18,7 +18,8 @@ from .linear import QLinear
 from .mhc import HyperHead
 from .norms import RMSNorm
 from .state import DecodeState
-from .validate import InputError, check_embeds, check_ids, check_new_tokens
+from .chunking import CPU_MAX_CHUNK, choose_chunk, free_bytes
+from .validate import InputError, check_chunk, check_embeds, check_ids, check_new_tokens
 
 
 class DSV4Model(nn.Module):
@@ -79,10 +80,59 @@ class DSV4Model(nn.Module):
         """Raise :class:`InputError` unless ``input_ids`` is [B, S] integer ids of this model, on its device."""
         check_ids(input_ids, self.config.vocab_size, self.device, argument)
 
-    def prefill(self, input_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        """Run a chunk of tokens against ``state`` (host-known positions); returns logits."""
+    def prefill_chunk(self, n_tokens: int, start: int = 0, batch: int = 1, free: int | None = None) -> int:
+        """Tokens per prefill call for ``n_tokens`` from ``start``, chosen from free memory: the
+        largest chunk whose transient (``dsv4lab.model.chunking``; docs/memory_plan.md) fits half of
+        the free memory of every device the model uses (``free`` overrides; unknown free memory on
+        the CPU gives ``CPU_MAX_CHUNK``). Paths that materialise [H, C, L] (a probabilities hook,
+        training, ``prefill_path="dense"``) are counted, so they get smaller chunks."""
+        attns = [layer.attn for layer in self.layers]
+        dense_attention = any(a.materialises_probs() for a in attns)
+        dense_indexer = any(a.indexer is not None and any(h.active for h in (a.indexer.hook_q, a.indexer.hook_scores,
+                                                                              a.indexer.hook_indices)) for a in attns)
+        block = max((a.block_bytes for a in attns), default=0)
+        chunks = []
+        for dev in {*self.layer_devices(), self.head_device()}:
+            f = free_bytes(dev) if free is None else free
+            cap = CPU_MAX_CHUNK if dev.type == "cpu" else None
+            if f <= 0:
+                chunks.append(min(n_tokens, CPU_MAX_CHUNK))
+                continue
+            chunks.append(choose_chunk(self.config, n_tokens, f, start, batch, self.dtype.itemsize, block,
+                                       dense_attention, dense_indexer, cap=cap))
+        return min(chunks)
+
+    def prefill(self, input_ids: torch.Tensor, state: DecodeState, chunk: int | None = None) -> torch.Tensor:
+        """Run tokens against ``state`` (host-known positions) in calls of ``chunk`` tokens
+        (None: :meth:`prefill_chunk` from free memory; hooks fire once per call); returns logits."""
         self.check_ids(input_ids)
-        return self._prefill(input_ids, state)
+        check_chunk(chunk)
+        return self._prefill_chunks(input_ids, state, chunk)
+
+    def _prefill_chunks(self, input_ids: torch.Tensor | None, state: DecodeState, chunk: int | None,
+                        last_only: bool = False, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B,S,V] (``last_only``: [B,1,V], so a chunk's logits die with the chunk)."""
+        B, S = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
+        chunk = chunk or self.prefill_chunk(S, state.pos, B)
+
+        def run(i: int, j: int) -> torch.Tensor:
+            return self._prefill(None if input_ids is None else input_ids[:, i:j], state,
+                                 None if inputs_embeds is None else inputs_embeds[:, i:j])
+
+        if chunk >= S:
+            logits = run(0, S)
+            return logits[:, -1:].clone() if last_only else logits
+        out = None
+        for i in range(0, S, chunk):
+            logits = run(i, i + chunk)
+            if last_only:
+                out = logits[:, -1:].clone()
+                continue
+            if out is None:
+                out = logits.new_empty(B, S, logits.shape[-1])
+            out[:, i : i + logits.shape[1]] = logits
+            del logits
+        return out
 
     def _prefill(self, input_ids: torch.Tensor | None, state: DecodeState,
                  inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,9 +150,10 @@ class DSV4Model(nn.Module):
         state.set_pos(start + S)
         return self._final(h)
 
-    def forward(self, input_ids: torch.Tensor | None = None, state: DecodeState | None = None, *,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B,S,V] for the whole sequence (fresh state unless one is given).
+    def forward(self, input_ids: torch.Tensor | None = None, state: DecodeState | None = None,
+                chunk: int | None = None, *, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B,S,V] for the whole sequence (fresh state unless one is given), prefilled in
+        calls of ``chunk`` tokens (None: from free memory, see :meth:`prefill_chunk`).
 
         ``inputs_embeds`` [B,S,D] replaces the embedding lookup (soft prompts, another front end);
         the token ids still route the hash layers, so pass them too when the model has any
@@ -116,10 +167,11 @@ class DSV4Model(nn.Module):
                 if tuple(input_ids.shape) != tuple(inputs_embeds.shape[:2]):
                     raise InputError(f"input_ids shape {list(input_ids.shape)} does not match inputs_embeds "
                                      f"{list(inputs_embeds.shape)} (the ids of the same tokens, [B, S])")
+        check_chunk(chunk)
         x = input_ids if inputs_embeds is None else inputs_embeds
         if state is None:
             state = self.new_state(x.shape[0], x.shape[1])
-        return self._prefill(input_ids, state, inputs_embeds)
+        return self._prefill_chunks(input_ids, state, chunk, inputs_embeds=inputs_embeds)
 
     def decode_segments(self) -> list[tuple[torch.device, range]]:
         """Contiguous runs of layers on one device (one CUDA graph each)."""
@@ -162,21 +214,17 @@ class DSV4Model(nn.Module):
                  step_fn=None, return_logits: bool = False):
         """Greedy decoding -> [B, S+N] (and the per-step logits if asked).
 
+        ``prefill_chunk``: tokens per prefill call (None: :meth:`prefill_chunk` from free memory).
         ``step_fn(ids, state)`` replaces ``decode_step`` (e.g. a CUDA-graph replay). The stop
         check on ``eos_token_id`` is the only host sync per step, outside the step itself.
         """
         self.check_ids(input_ids)
         check_new_tokens(max_new_tokens)
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                                          or prefill_chunk < 1):
-            raise InputError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
+        check_chunk(prefill_chunk, "prefill_chunk")
         B, S = input_ids.shape
         if state is None:
             state = self.new_state(B, S + max_new_tokens)
-        chunk = prefill_chunk or S
-        logits = None
-        for i in range(0, S, chunk):
-            logits = self._prefill(input_ids[:, i : i + chunk], state)
+        logits = self._prefill_chunks(input_ids, state, prefill_chunk, last_only=True)
         step = step_fn or self.decode_step
         tokens = [input_ids]
         all_logits = [logits[:, -1]]

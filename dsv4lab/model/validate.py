@@ -56,3 +56,9 @@ def check_new_tokens(n, argument: str = "max_new_tokens") -> None:
         raise InputError(f"{argument} must be a positive int, got {n!r} ({type(n).__name__})")
     if n < 1:
         raise InputError(f"{argument} must be >= 1, got {n}")
+
+
+def check_chunk(chunk, argument: str = "chunk") -> None:
+    """Tokens per prefill call: a positive int, or None (chosen from free memory)."""
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1):
+        raise InputError(f"{argument} must be a positive int or None (chosen from free memory), got {chunk!r}")
