@@ -33,11 +33,11 @@ cannot replay.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Callable, Iterator
 
 import torch
 
+from ..model.chunking import free_bytes
 from ..model.linear import QLinear
 from ..model.moe import Experts
 from ..quant.modes import Mode
@@ -163,18 +163,6 @@ def largest_dense_bytes(model, policy) -> int:
     """The streamed run's peak extra weight memory: the largest single dense weight."""
     item = model.dtype.itemsize
     return max((ql.out_features * ql.in_features * item for _, ql, _ in streamed_linears(model, policy)), default=0)
-
-
-def free_bytes(device: torch.device | str) -> int:
-    """Free memory of ``device``: ``torch.cuda.mem_get_info`` on CUDA, available physical pages
-    on the CPU (``os.sysconf``; 0 where the platform does not say)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 def _assumed_free(free: "int | dict | None", device: torch.device) -> int:
