@@ -188,9 +188,13 @@ def retrieval_check(session, ex: Retrieval, block_planted: bool = False, ablate_
     p = torch.softmax(logits[0, -1].double().cpu(), -1)
     rows = {}
     for layer in csa_layers(model):
+        planted = planted_entries(model, layer, ex.plant_pos)
+        if f"layers.{layer}.attn.indexer.hook_indices" not in cache:   # the indexer chose nothing (disabled)
+            rows[layer] = {"planted_entries": planted, "chosen": [], "planted_chosen": None,
+                           "best_planted_rank": None, "n_valid_entries": None}
+            continue
         chosen = cache[f"layers.{layer}.attn.indexer.hook_indices"][0, -1].tolist()
         scores = cache[f"layers.{layer}.attn.indexer.hook_scores"][0, -1].float()
-        planted = planted_entries(model, layer, ex.plant_pos)
         ranks = [int((scores > scores[e]).sum()) + 1 for e in planted if e < scores.shape[0]]
         if block_planted:  # the cache shows the selection before the intervention replaced it
             chosen = [-1 if c in planted else c for c in chosen]

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..bugzoo import bug_named
+from ..bugzoo.inputs import from_embeddings
 from ..checkpoint.locate import TINY_DIR, resolve_path
 from ..precision import PrecisionPolicy
 from . import history as H
@@ -32,11 +33,13 @@ from .failing import DEFAULT_BUDGET, capture_failing
 from .metrics import portable_path
 from .regression import (
     BASELINE_DIR,
+    EMBEDS,
     FINGERPRINT_SEED,
     NIGHTLY,
     POLICY,
     baselines_model_mismatch,
     compare,
+    fingerprint_inputs,
     load_baselines,
     nightly_prompts,
 )
@@ -210,13 +213,14 @@ def run_nightly(history: str | Path, model: str | None = None, reference: str | 
                 "baseline": baseline, "status": status, "line": line, "not_compared": mismatch,
                 "first_hook": None if res is None else res.first_hook,
                 "first_component": None if res is None else res.first_component,
+                "first_input": None if res is None else res.first_input,
                 "n_compared": None if res is None else len(res.table),
                 "n_regressed": None if res is None else len(res.regressed),
                 "regressed": [] if res is None else res.regressed["metric"].head(50).tolist(),
                 "failing_tensors": None, "pruned": []}
     if status == "regressed":
         manifest["failing_tensors"] = keep_failing(run_dir, model, device, reference, inject, layers,
-                                                   res.first_hook, failing_budget)
+                                                   res.first_hook, failing_budget, res.first_input or "")
     H.write_manifest(run_dir, manifest)
     _share_plotlyjs(history, run_dir)
     manifest["pruned"] = H.prune(history, now, keep_daily, keep_weekly, also=(run_dir.name,))
@@ -225,16 +229,22 @@ def run_nightly(history: str | Path, model: str | None = None, reference: str | 
     return NightlyResult(status, line, run_dir, manifest)
 
 
-def keep_failing(run_dir: Path, model, device, reference, inject, layers, first_hook, budget) -> dict:
-    """Load the model again (notebook 7's kernel has exited), inject the same bug, capture the failing tensors."""
+def keep_failing(run_dir: Path, model, device, reference, inject, layers, first_hook, budget, first_input: str = "") -> dict:
+    """Load the model again (notebook 7's kernel has exited), inject the same bug, capture the failing
+    tensors on the fingerprint input the regression showed on first (its input form too)."""
     session = open_session(model, device, reference=reference)
-    handle = inject_bug(session.model, inject, layers)
+    runs = {name: (ids, form) for name, ids, form in fingerprint_inputs(nightly_prompts(session, PROMPT, CHAT_PROMPT))}
+    ids, form = runs.get(first_input, runs[""])
+    # the embeddings entry before the bug: a bug's own pre-hook (dropping the ids) must see inputs_embeds
+    entry = from_embeddings(session.model) if form == EMBEDS else None
+    handle = None
     try:
-        ids = nightly_prompts(session, PROMPT, CHAT_PROMPT)["fingerprint"]
+        handle = inject_bug(session.model, inject, layers)
         return capture_failing(session.model, ids, first_hook, run_dir, budget)
     finally:
-        if handle is not None:
-            handle.restore()
+        for h in (handle, entry):
+            if h is not None:
+                h.restore()
 
 
 def _share_plotlyjs(history: Path, run_dir: Path) -> None:

@@ -10,9 +10,10 @@ Bless new baselines after an intended change::
     python -m dsv4lab report --bless reports/metrics.json   # copy into data/baselines/
 
 The component fingerprint (``fp.<hook point>``: a seeded +-1 projection of the first firing of every floating hook
-point, a checksum of integer ones, for the probe prompt) is what names the component: regressed
-fingerprint metrics are listed in execution order, and the first one's component is where the
-computation first changed.
+point, a checksum of integer ones, for the chat prompt; ``fp.<input>.<hook point>`` for the other
+inputs of :func:`nightly_prompts` that run every zoo trigger: length residues, inputs_embeds, the
+clamp-live prompt) is what names the component: regressed fingerprint metrics are listed in
+execution order, input by input, and the first one's component is where the computation first changed.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from ..bugzoo.prompts import live_prompt
+from ..text.suite import compression_ratios, prompt_suite
 from . import ablation, compressor_view, decode_view, logits
 from .bugs import component_of_hook, inject, injected_components
 from .reference_view import against_reference, record_against_reference
@@ -36,6 +39,9 @@ BASELINE_DIR = REPO / "data" / "baselines"
 NIGHTLY = "07_nightly_regression"
 FINGERPRINT_SEED = 1234   # the +-1 projection of every floating hook point (a manifest records it)
 POLICY = "w4a16"          # the policy the nightly's per-layer metrics run the model under test in
+LOCATE = {"abs": 1e-9, "rel": 1e-6}   # a fingerprint entry moved (fp32 round-off): names the component, not a verdict
+MAX_RESIDUES = 8          # length prompts in the fingerprint at most (one per residue mod the smallest ratio)
+EMBEDS, LIVE = "embeds", "live"   # fingerprint inputs: the chat prompt from inputs_embeds; the clamp-live prompt
 
 
 class RegressionError(AssertionError):
@@ -44,8 +50,9 @@ class RegressionError(AssertionError):
 
 # ------------------------------------------------------------------------------ fingerprint
 @torch.no_grad()
-def fingerprint(model, ids: torch.Tensor) -> list[tuple[str, object]]:
-    """[(hook name, value)] in execution order, first firing of each hook point: a seeded random
+def fingerprint(model, ids: torch.Tensor, form: str = "ids") -> list[tuple[str, object]]:
+    """[(hook name, value)] in execution order, first firing of each hook point (``form``: "ids",
+    or ``EMBEDS``: the model run from ``inputs_embeds``): a seeded random
     +-1 projection of floating tensors, sum(x * r) / sqrt(n) (fp32; non-finite -> inf), an
     order-insensitive checksum of integer ones. A projection, not the rms: tensors that leave a
     norm (compressed entries after kv_norm, normalised queries) keep their rms when they are wrong."""
@@ -72,18 +79,59 @@ def fingerprint(model, ids: torch.Tensor) -> list[tuple[str, object]]:
             out[name] = int((s * w).sum() % 1_000_000_007)
         return None
 
+    # the embeddings form: looked up before the hooks (as a front end would), the ids still go along for
+    # the hash routers; called directly so a pre-hook a bug registered sees inputs_embeds
+    kwargs = {"inputs_embeds": model.embed(ids)} if form == EMBEDS else {}
     with model.hooks([("**", rec)]):
-        model(ids)
+        model(ids, **kwargs)
     return list(out.items())
 
 
 # ------------------------------------------------------------------------------ nightly metrics
+def residue_residues(modulus: int, cap: int = MAX_RESIDUES) -> list[int]:
+    """The residues mod ``modulus`` the fingerprint's length prompts take: all of them, or ``cap``
+    spread over 0..modulus-1 (ends included) when there are more."""
+    if modulus <= cap:
+        return list(range(modulus))
+    return sorted({round(i * (modulus - 1) / (cap - 1)) for i in range(cap)})
+
+
 def nightly_prompts(session, prompt: str, chat_prompt: str) -> dict[str, torch.Tensor]:
     """The nightly's prompts as token ids [1, S], by role: ``probe`` (plain encoding: logits, lens,
-    precision, per-layer metrics against the reference) and ``fingerprint`` (chat encoding: the
-    component fingerprint, and the failing tensors a regression keeps). The one place the nightly
-    takes its prompts from: point it at a prompt suite and every consumer follows."""
-    return {"probe": session.encode(prompt, "plain"), "fingerprint": session.encode(chat_prompt, "chat")}
+    precision, per-layer metrics against the reference), ``fingerprint`` (chat encoding: the
+    component fingerprint, and the failing tensors a regression keeps), and the fingerprint's
+    other inputs ``fingerprint.<input>`` so every zoo trigger is run: ``len_<S>`` (prompt suite,
+    one per residue mod the smallest compression ratio, at most ``MAX_RESIDUES``), ``embeds`` (the
+    chat prompt, run from ``inputs_embeds``) and ``live`` (``bugzoo.prompts.live_prompt``: the
+    routed and shared experts pass ``swiglu_limit``). The one place the nightly takes its prompts from."""
+    model = session.model
+    chat = session.encode(chat_prompt, "chat")
+    out = {"probe": session.encode(prompt, "plain"), "fingerprint": chat}
+    ratios = compression_ratios(model.config)
+    if ratios:
+        suite = prompt_suite(model, session.tokenizer)
+        lengths = [int(k[4:]) for k in suite if k.startswith("len_")]
+        for r in residue_residues(ratios[0]):
+            n = min(x for x in lengths if x % ratios[0] == r)
+            out[f"fingerprint.len_{n}"] = suite[f"len_{n}"]
+    out[f"fingerprint.{EMBEDS}"] = chat
+    out[f"fingerprint.{LIVE}"] = live_prompt(model, session.tokenizer)
+    return out
+
+
+def fingerprint_inputs(prompts: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor, str]]:
+    """[(input, ids, form)] of the fingerprint, the chat prompt first (input "": keys ``fp.<hook>``)."""
+    out = [("", prompts["fingerprint"], "ids")]
+    for role, ids in prompts.items():
+        if role.startswith("fingerprint."):
+            name = role.split(".", 1)[1]
+            out.append((name, ids, EMBEDS if name == EMBEDS else "ids"))
+    return out
+
+
+def fp_prefix(name: str) -> str:
+    """The metric prefix of fingerprint input ``name``: ``fp.`` for the chat prompt, else ``fp.<name>.``."""
+    return f"fp.{name}." if name else "fp."
 
 
 @torch.no_grad()
@@ -107,6 +155,8 @@ def nightly_metrics(session, rec, prompt: str, chat_prompt: str, answer: str | N
         # inputs first: a tokenizer / chat-encoding change shows here, not as a model regression
         rec.record("inputs.probe_ids", ids[0].tolist(), "exact")
         rec.record("inputs.chat_ids", prompts["fingerprint"][0].tolist(), "exact")
+        rec.record("inputs.fingerprint_lengths", {n: int(x.shape[-1]) for n, x, _ in fingerprint_inputs(prompts) if n},
+                   "exact")
         # notebook 2: first-token logits in three encodings, logit lens
         probes = logits.probe_all_modes(session, prompt, chat_prompt, k=5)
         logits.record_first_token(rec.scoped("logits."), session, probes, answer)
@@ -130,11 +180,13 @@ def nightly_metrics(session, rec, prompt: str, chat_prompt: str, answer: str | N
         compressor_view.record_compressor(rec, model, rr["cache"], ex.ids.shape[1])
         # notebook 5: decode path vs full forward
         decode_view.record_decode(rec.scoped("decode."), decode_view.run(session, ids, steps=decode_steps))
-        # the component fingerprint (names the component)
-        fp = fingerprint(model, prompts["fingerprint"])
-        rec.record("fp.order", [n for n, _ in fp], "ignore")
-        for name, v in fp:
-            rec.record(f"fp.{name}", v, {"abs": 1e-6, "rel": 1e-4} if isinstance(v, float) else "exact")
+        # the component fingerprint (names the component), input by input: chat first, keys fp.<hook>
+        for name, fp_ids, form in fingerprint_inputs(prompts):
+            fp = fingerprint(model, fp_ids, form)
+            pre = fp_prefix(name)
+            rec.record(f"{pre}order", [n for n, _ in fp], "ignore")
+            for hook, v in fp:
+                rec.record(f"{pre}{hook}", v, {"abs": 1e-6, "rel": 1e-4} if isinstance(v, float) else "exact")
     finally:
         for handle in (h_q, h):
             if handle is not None:
@@ -181,6 +233,7 @@ class RegressionResult:
     table: object                 # DataFrame: metric, baseline, current, tolerance, status
     first_component: str | None   # component of the first regressed fingerprint hook
     first_hook: str | None
+    first_input: str | None = None  # the fingerprint input it regressed on ("" the chat prompt)
 
     @property
     def regressed(self):
@@ -196,7 +249,8 @@ class RegressionResult:
             return f"OK: {n} metrics within tolerance of the baselines"
         s = f"REGRESSED: {k} of {n} metrics out of tolerance."
         if self.first_component:
-            s += f" First changed component (execution order): {self.first_component} (hook {self.first_hook})."
+            on = f", input {self.first_input}" if self.first_input else ""
+            s += f" First changed component (execution order): {self.first_component} (hook {self.first_hook}{on})."
         return s
 
     def text(self, max_rows: int = 40) -> str:
@@ -247,13 +301,33 @@ def compare(current: dict, baseline: dict, tolerances: dict | None = None, only_
             if not (tol and tol.get("ignore")):
                 rows.append({"metric": key, "baseline": m["value"], "current": None, "tol": tol, "status": "REGRESSED"})
     df = pd.DataFrame(rows, columns=["metric", "baseline", "current", "tol", "status"])
-    first_hook = None
-    for _, r in df.iterrows():  # rows of one notebook keep recording order = execution order for fp.*
-        if r["status"] == "REGRESSED" and "/fp." in r["metric"] and not r["metric"].endswith("/fp.order"):
-            first_hook = r["metric"].split("/fp.", 1)[1]
-            break
+    first_input, first_hook = first_fingerprint_change(df, cur, base)
+    return RegressionResult(df, component_of_hook(first_hook), first_hook, first_input)
 
-    return RegressionResult(df, component_of_hook(first_hook), first_hook)
+
+def first_fingerprint_change(table, cur: dict, base: dict) -> tuple[str | None, str | None]:
+    """(input, hook) where the computation first changed; (None, None) when no fingerprint regressed.
+
+    The first regressed input in recording order (the chat prompt first) and, on it, the earliest
+    hook in the baseline's execution order (``fp[.<input>].order``; a hook that no longer fires, e.g.
+    a disabled indexer, counts where it used to fire) up to its first regressed one that moved
+    beyond ``LOCATE`` (fp32 round-off): a small change at its origin (one token's clamp) often
+    passes the tolerance there and only fails a few hooks downstream, in another component."""
+    regressed = set(table["metric"][table["status"] == "REGRESSED"])
+    orders = list(dict.fromkeys(k for k in (*cur, *base) if "/fp." in k and k.endswith(".order")))
+    for key in orders:
+        prefix = key[: -len("order")]                      # "nb/fp." or "nb/fp.<input>."
+        hooks = (base.get(key) or cur.get(key))["value"] or []
+        hit = next((i for i, hook in enumerate(hooks) if prefix + hook in regressed), None)
+        if hit is None:
+            continue
+        moved = (h for h in hooks[:hit] if prefix + h in base and (
+            prefix + h not in cur or not within(cur[prefix + h]["value"], base[prefix + h]["value"], LOCATE)))
+        return prefix.split("/fp.", 1)[1][:-1], next(moved, hooks[hit])
+    for metric in table["metric"][table["status"] == "REGRESSED"]:   # no order recorded: recording order
+        if "/fp." in metric and not metric.endswith(".order"):
+            return "", metric.split("/fp.", 1)[1]
+    return None, None
 
 
 def load_baselines(directory: str | Path = BASELINE_DIR) -> tuple[dict, dict]:

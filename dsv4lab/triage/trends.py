@@ -22,7 +22,7 @@ from pathlib import Path
 from .history import Run, runs
 from .plots import heatmap, lines, style, to_html
 from .reference_view import split_hook
-from .regression import NIGHTLY
+from .regression import NIGHTLY, fp_prefix
 
 SKIP_PREFIXES = ("fp.", "inputs.", "regression.", "model.", "vsref.rel_err")
 PER_LAYER = {"lens_kl": "vsref.lens_kl", "lens_top1": "vsref.lens_top1", "layer_cos": "vsref.layer_cos",
@@ -119,17 +119,23 @@ def layer_grid(values: dict) -> tuple[list[str], list[int], dict]:
     return rows, sorted(seqs), cells
 
 
-def fingerprint_change(current: dict, baseline: dict) -> dict:
-    """{hook: |fp_cur - fp_base| / max(|fp_base|, 1e-6)} (integer checksums: 0 or 1) in execution order."""
+def fingerprint_change(current: dict, baseline: dict, input: str = "") -> dict:
+    """{hook: |fp_cur - fp_base| / max(|fp_base|, 1e-6)} (integer checksums: 0 or 1) in execution order,
+    on one fingerprint input ("": the chat prompt, keys ``fp.<hook>``; else keys ``fp.<input>.<hook>``)."""
+    others = {k[3:-6] for k in current if k.startswith("fp.") and k.endswith(".order") and k != "fp.order"}
+    pre = fp_prefix(input)
     out = {}
     for k, v in current.items():
-        if not k.startswith("fp.") or k == "fp.order" or k not in baseline:
+        if not k.startswith(pre) or k.endswith(".order") or k not in baseline:
+            continue
+        hook = k[len(pre):]
+        if not input and any(hook.startswith(o + ".") for o in others):
             continue
         b = baseline[k]
         if isinstance(v, float) or isinstance(b, float):
-            out[k[3:]] = abs(float(v) - float(b)) / max(abs(float(b)), 1e-6) if is_number(v) and is_number(b) else float("inf")
+            out[hook] = abs(float(v) - float(b)) / max(abs(float(b)), 1e-6) if is_number(v) and is_number(b) else float("inf")
         else:
-            out[k[3:]] = float(v != b)
+            out[hook] = float(v != b)
     return out
 
 
@@ -139,7 +145,8 @@ def first_divergence_figure(run: Run):
     bfile = run.path / BASELINE_FILE
     if not bfile.is_file() or not (run.path / "metrics.json").is_file():
         return None
-    change = fingerprint_change(nightly_metrics_of(run.metrics()), nightly_metrics_of(json.loads(bfile.read_text())))
+    change = fingerprint_change(nightly_metrics_of(run.metrics()), nightly_metrics_of(json.loads(bfile.read_text())),
+                                run.manifest.get("first_input") or "")
     rows, layers, cells = layer_grid(change)
     if not rows:
         return None
