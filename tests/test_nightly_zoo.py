@@ -40,7 +40,7 @@ def test_fingerprint_inputs_cover_every_trigger(session):
     assert sorted(n % m for n in lengths) == list(range(m)) and len(lengths) <= RG.MAX_RESIDUES
     assert ("", "ids") in [(n, f) for n, _, f in runs] and (RG.EMBEDS, RG.EMBEDS) in [(n, f) for n, _, f in runs]
     assert RG.LIVE in [n for n, _, _ in runs]
-    assert RG.residue_residues(128) == [0, 18, 36, 54, 73, 91, 109, 127]   # V4-Pro's 4 and 128: capped at 8
+    assert RG.fingerprint_residues(128) == [0, 18, 36, 54, 73, 91, 109, 127]   # V4-Pro's 4 and 128: capped at 8
 
 
 @pytest.mark.slow

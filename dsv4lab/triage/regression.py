@@ -88,7 +88,7 @@ def fingerprint(model, ids: torch.Tensor, form: str = "ids") -> list[tuple[str, 
 
 
 # ------------------------------------------------------------------------------ nightly metrics
-def residue_residues(modulus: int, cap: int = MAX_RESIDUES) -> list[int]:
+def fingerprint_residues(modulus: int, cap: int = MAX_RESIDUES) -> list[int]:
     """The residues mod ``modulus`` the fingerprint's length prompts take: all of them, or ``cap``
     spread over 0..modulus-1 (ends included) when there are more."""
     if modulus <= cap:
@@ -111,7 +111,7 @@ def nightly_prompts(session, prompt: str, chat_prompt: str) -> dict[str, torch.T
     if ratios:
         suite = prompt_suite(model, session.tokenizer)
         lengths = [int(k[4:]) for k in suite if k.startswith("len_")]
-        for r in residue_residues(ratios[0]):
+        for r in fingerprint_residues(ratios[0]):
             n = min(x for x in lengths if x % ratios[0] == r)
             out[f"fingerprint.len_{n}"] = suite[f"len_{n}"]
     out[f"fingerprint.{EMBEDS}"] = chat
