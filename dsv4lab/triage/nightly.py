@@ -132,7 +132,8 @@ def _verdict(status: str, rel: str, baseline: str | None, res, error: str, model
     if status == "failed":
         return f"nightly: FAILED (not a verdict): {error.splitlines()[0][:300] if error else 'unknown error'}; run {rel}"
     if status == "regressed":
-        where = (f"first diverging hook point {res.first_hook} (component {res.first_component})" if res.first_hook else
+        on = f", on fingerprint input {res.first_input}" if res.first_input else ""
+        where = (f"first diverging hook point {res.first_hook} (component {res.first_component}{on})" if res.first_hook else
                  f"first diverging hook point: none, the fingerprint is unchanged; first regressed metric "
                  f"{res.regressed['metric'].iloc[0]}")
         return (f"nightly: REGRESSED against {baseline}: {where}; {len(res.regressed)} of {len(res.table)} metrics out "
