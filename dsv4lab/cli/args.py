@@ -6,15 +6,24 @@ import argparse
 import sys
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (``--steps -1`` is refused before anything runs)."""
+def _int_at_least(text: str, minimum: int, what: str) -> int:
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if n < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {n}")
     return n
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (``--steps -1`` is refused before anything runs)."""
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0 (layer indices, retention counts)."""
+    return _int_at_least(text, 0, "an integer >= 0")
 
 
 class OneLineParser(argparse.ArgumentParser):

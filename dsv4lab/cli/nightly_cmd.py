@@ -16,18 +16,7 @@ import sys
 from ..triage.failing import DEFAULT_BUDGET
 from ..triage.nightly import run_nightly
 from ..triage.regression import POLICY
-from .args import positive_int
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an int >= 0."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
-    return n
+from .args import non_negative_int, positive_int
 
 
 def register(subparsers) -> argparse.ArgumentParser:
