@@ -73,8 +73,10 @@ def _file_sha256(path: Path) -> str:
 
 
 @functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
 def code_digest() -> str:
-    """The sources of the packages that compute a forward, and the torch version."""
+    """The sources of the packages that compute a forward, and the torch version (read once per
+    process: every reference request asks for it)."""
     pkg = Path(__file__).resolve().parents[1]
     h = hashlib.sha256(torch.__version__.encode())
     for sub in CODE_PACKAGES:
