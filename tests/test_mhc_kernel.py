@@ -24,12 +24,6 @@ reference computes F.linear(x * r, fn) by cuBLAS, the kernel r * (x . fn) in its
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -41,20 +35,15 @@ from dsv4lab.kernels.device import triton_importable
 from dsv4lab.kernels.dispatch import mhc_head_pre, mhc_post, mhc_pre
 from dsv4lab.model.mhc import HyperConnection, HyperHead, collapse, head_weights, mix_weights
 from dsv4lab.workbench import random_model
-from oracle_util import random_ids, tiny_config
+from oracle_util import interp_check_result, random_ids, tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
 BF16_STEP = 2.0 ** -7  # one bf16 rounding step, relative to the value
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_interp_mhc_kernels_match_reference():
     assert triton_importable(), "triton is part of the test set-up (pip install -e '.[kernels]')"
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "mhc_interp_check.py")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)})
-    assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT"):])
+    res = interp_check_result("mhc_interp_check.py")
     assert len(res) == 9
     for case, outs in res.items():
         assert set(outs) == {"pre", "post", "comb", "collapsed", "expand", "head_pre", "head_collapsed"}

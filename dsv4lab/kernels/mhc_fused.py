@@ -34,6 +34,7 @@ BT_MAX = 16         # token rows per program of hc_pre
 ACC_ELEMS = 256     # BT * BK: the per-program K step (fp32 accumulators ~ 25 * 256 / 128 threads)
 SPLIT_ROWS = 128    # BT * SPLIT: the partials the last program reads at once
 POST_BD = 512       # columns per hc_post program
+COLLAPSE_ELEMS = 2048  # BT * BD: the collapse tile of the last program (T = 1: 4 steps over D = 7168)
 
 
 @triton.jit
@@ -217,7 +218,7 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     _hc_pre_kernel[(n_tb, n_split)](
         x, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,
         T, K, D, ch, int(iters), float(hc_eps), float(norm_eps), HC=hc, HCP=hcp, BT=bt, BK=bk,
-        BD=max(64, 1024 // bt), SPLIT=n_split, SPLITP=triton.next_power_of_2(n_split), HEAD=head,
+        BD=max(64, COLLAPSE_ELEMS // bt), SPLIT=n_split, SPLITP=triton.next_power_of_2(n_split), HEAD=head,
         BF16_BY_HAND=_bf16_by_hand(x), num_warps=4)
     return pre, post, comb, out
 
