@@ -11,12 +11,13 @@ bf16 (and T = 64), determinism and CUDA-graph replay, and the tiny model with th
 
 Stated tolerances (per element; the mixes differ from the reference by fp32 rounding only: the
 reference computes F.linear(x * r, fn) by cuBLAS, the kernel r * (x . fn) in its own order):
-* pre, post, comb (fp32, values in [0, 2]): |kernel - ref| <= 1e-5 (observed <= 5e-7 under the
-  interpreter);
+* pre, post, comb (fp32, values in [0, 2]): |kernel - ref| <= 2e-5 (observed under the interpreter:
+  <= 5e-7 at these shapes, <= 3e-6 at V4-Pro shapes, where the hc*D = 28672 sums are longer);
 * collapsed and the new streams in fp32: |kernel - ref| <= 1e-6 * max|ref| (a sum of hc products);
 * collapsed in bf16: at most one bf16 rounding step apart, |kernel - ref| <= 2^-7 |ref| (+ 1e-5 *
   max|ref| on the GPU for cancelling sums): the same fp32 sum is rounded once, a pre that differs
-  in its last fp32 bit can move it across a rounding boundary. Bitwise equal in every interpreter case;
+  in its last fp32 bit can move it across a rounding boundary. Bitwise equal in every interpreter case
+  here; at V4-Pro shapes (interpreter) 0.03 % (B 1) to 0.09 % (head, B 4) of the elements moved one step;
 * new streams in bf16 (same post / comb given): the reference's rounding points are kept (post and
   comb cast to bf16, post*out rounded, comb^T.streams rounded, the sum rounded); the only freedom is
   the fp32 order of the hc exact products inside the matmul, so |kernel - ref| <= 2^-7 (|ref| +
@@ -49,7 +50,7 @@ def test_interp_mhc_kernels_match_reference():
         assert set(outs) == {"pre", "post", "comb", "collapsed", "expand", "head_pre", "head_collapsed"}
         for out, v in outs.items():
             if out in ("pre", "post", "comb", "head_pre"):
-                ok = v["max_abs"] <= 1e-5
+                ok = v["max_abs"] <= 2e-5
             elif "bf16" in case:
                 ok = v["rel"] <= BF16_STEP * (1 + 1e-6)
             else:
@@ -199,20 +200,23 @@ def test_gpu_hc_pre_post_v4_pro_shapes(B, S):
     pre, post, comb = mix_weights(streams, fn, base, scale, *args)
     k_pre, k_post, k_comb, k_col = hc_pre(streams, fn, base, scale, *args)
     for a, b in ((k_pre, pre), (k_post, post), (k_comb, comb)):
-        assert (a - b).abs().max().item() <= 1e-5
-    _check_bf16(k_col, collapse(pre, streams))
+        assert (a - b).abs().max().item() <= 2e-5
+    frac = {"collapsed": _check_bf16(k_col, collapse(pre, streams))}
     again = hc_pre(streams, fn, base, scale, *args)
     assert all(torch.equal(a, b) for a, b in zip(again, (k_pre, k_post, k_comb, k_col)))  # deterministic
 
     out = torch.randn(B, S, cfg.hidden_size, device="cuda").bfloat16()
     mixed = torch.matmul(comb.bfloat16().transpose(-1, -2), streams)
-    _check_bf16(hc_post(streams, out, post, comb), HyperConnection.expand(streams, out, post, comb), 0.0, mixed)
+    frac["new_streams"] = _check_bf16(hc_post(streams, out, post, comb), HyperConnection.expand(streams, out, post, comb),
+                                      0.0, mixed)
 
     hc = cfg.hc_mult
     h_pre = head_weights(streams, fn[:hc], base[:hc], scale[:1], cfg.hc_eps, cfg.rms_norm_eps)
     k_hp, k_hcol = hc_head_pre(streams, fn[:hc], base[:hc], scale[:1], cfg.hc_eps, cfg.rms_norm_eps)
-    assert (k_hp - h_pre).abs().max().item() <= 1e-5
-    _check_bf16(k_hcol, collapse(h_pre, streams))
+    assert (k_hp - h_pre).abs().max().item() <= 2e-5
+    frac["head_collapsed"] = _check_bf16(k_hcol, collapse(h_pre, streams))
+    print(f"B={B}: fraction of bf16 elements not bitwise equal to the reference {frac}; max |pre/post/comb diff| "
+          f"{max((a - b).abs().max().item() for a, b in ((k_pre, pre), (k_post, post), (k_comb, comb))):.2e}")
 
 
 @pytest.mark.gpu
