@@ -120,5 +120,13 @@ for fmt, K, N in (("mxfp4", 7168, 3072), ("mxfp4", 3072, 7168), ("fp8_block", 71
         off.official_matmul(xx, w, {"TMA": False})
 CASE = "act_quant"
 aq.nvfp4_act_quant(torch.zeros(4, 7168, dtype=torch.bfloat16))
+if LAYOUT == "NEW":  # mHC sites (hc 4, hidden 7168): decode batches and one prefill chunk
+    mhc = importlib.import_module(P + "mhc_fused")
+    for T in (1, 4, 64):
+        CASE = f"mhc/T{T}"
+        hs = torch.zeros(T, 1, 4, 7168, dtype=torch.bfloat16)
+        mhc.hc_pre(hs, torch.zeros(24, 4 * 7168), torch.zeros(24), torch.ones(3), 20, 1e-6, 1e-6)
+        mhc.hc_head_pre(hs, torch.zeros(4, 4 * 7168), torch.zeros(4), torch.ones(1), 1e-6, 1e-6)
+        mhc.hc_post(hs, torch.zeros(T, 1, 7168, dtype=torch.bfloat16), torch.zeros(T, 1, 4), torch.zeros(T, 1, 4, 4))
 json.dump(PTX, open(OUT, "w"), indent=0, sort_keys=True)
 print(len(PTX), "launches", len(set(PTX.values())), "distinct PTX")

@@ -11,6 +11,9 @@ are imported inside the calls that use them (lazily, for that reason).
 * ``compressor_pool(kv, gate)``: the Compressor's softmax pool (CuTeDSL kernel).
 * ``prefill_attention(q, sink, scale, window, window_keys, q_start, k_start, entries, ratio,
   selected, ...)``: ``Attention.kernel``, the bounded prefill attention (Triton).
+* ``mhc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)`` / ``mhc_post(streams, block_out,
+  post, comb)`` / ``mhc_head_pre(streams, fn, base, scale, eps, norm_eps)``: the fused mHC sites
+  (``HyperConnection.kernel`` / ``.post_kernel``, ``HyperHead.kernel``; Triton).
 Which component gets which: ``dsv4lab.kernels.install``.
 """
 from __future__ import annotations
@@ -23,12 +26,14 @@ from ..quant.stacked import StackedMXFP4, StackedNVFP4, stack_experts
 from . import compressor_pool_cute as pool_cute
 from .device import have_triton_cuda, kernel_can_take
 from ..model.bounded_attention import bounded_attention
+from ..model.mhc import HyperConnection, collapse, head_weights, mix_weights
 from .moe_decode_ref import moe_decode_ref
 
 KERNEL_FORMATS = ("nvfp4", "mxfp4", "fp8_block")
 
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear",
-           "act_quant_nvfp4", "moe_decode", "compressor_pool", "prefill_attention"]
+           "act_quant_nvfp4", "moe_decode", "compressor_pool", "prefill_attention", "mhc_pre", "mhc_post",
+           "mhc_head_pre"]
 
 
 def weight_on_cuda(w) -> bool:
@@ -104,3 +109,52 @@ def prefill_attention(q: torch.Tensor, sink: torch.Tensor, scale: float, window:
         return bounded_attention_triton(q, sink, scale, window, window_keys, q_start, k_start, entries, ratio, selected)
     return bounded_attention(q, sink, scale, window, window_keys, q_start, k_start, entries, ratio, selected,
                              q_block, k_block, block_bytes)
+
+
+def _mhc_kernel_can_take(streams: torch.Tensor, *params: torch.Tensor) -> bool:
+    return streams.dim() == 4 and kernel_can_take(streams) and all(p.device == streams.device for p in params)
+
+
+def _mhc_params_fit(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, mix: int,
+                    n_scale: int) -> bool:
+    """fn [mix, hc*D], base [mix], scale [n_scale] (else the reference runs and raises its own error)."""
+    hc, D = streams.shape[-2:]
+    return fn.shape == (mix, hc * D) and base.shape == (mix,) and scale.shape == (n_scale,)
+
+
+def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+            hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre, post, comb, collapsed) of one mHC site for streams [B,S,hc,D]: ``mhc_fused.hc_pre`` (one
+    launch) on CUDA, ``mix_weights`` + ``collapse`` elsewhere."""
+    hc = streams.shape[-2] if streams.dim() == 4 else 0
+    if _mhc_kernel_can_take(streams, fn, base, scale) and _mhc_params_fit(streams, fn, base, scale, (2 + hc) * hc, 3):
+        from .mhc_fused import hc_pre  # lazy: imports triton
+
+        return hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
+    pre, post, comb = mix_weights(streams, fn, base, scale, iters, hc_eps, norm_eps)
+    return pre, post, comb, collapse(pre, streams)
+
+
+def mhc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams of one mHC site (``HyperConnection.expand``): ``mhc_fused.hc_post`` on CUDA when
+    block_out has the streams' dtype and every shape is the un-broadcast one, the reference elsewhere."""
+    if _mhc_kernel_can_take(streams, block_out, post, comb) and block_out.dtype == streams.dtype:
+        B, S, hc, D = streams.shape
+        if block_out.shape == (B, S, D) and post.shape == (B, S, hc) and comb.shape == (B, S, hc, hc):
+            from .mhc_fused import hc_post  # lazy: imports triton
+
+            return hc_post(streams, block_out, post, comb)
+    return HyperConnection.expand(streams, block_out, post, comb)
+
+
+def mhc_head_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+                 norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pre, collapsed) of the HyperHead: ``mhc_fused.hc_head_pre`` on CUDA, ``head_weights`` +
+    ``collapse`` elsewhere."""
+    hc = streams.shape[-2] if streams.dim() == 4 else 0
+    if _mhc_kernel_can_take(streams, fn, base, scale) and _mhc_params_fit(streams, fn, base, scale, hc, 1):
+        from .mhc_fused import hc_head_pre  # lazy: imports triton
+
+        return hc_head_pre(streams, fn, base, scale, eps, norm_eps)
+    pre = head_weights(streams, fn, base, scale, eps, norm_eps)
+    return pre, collapse(pre, streams)

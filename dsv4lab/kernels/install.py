@@ -3,7 +3,9 @@
 Targets: every ``QLinear`` (``.kernel``: the matmul; ``.act_kernel``: the w4a4 activation
 quantiser), every routed ``Experts`` block (``.kernel``: the fused decode), every ``Compressor``
 (``.kernel``: the softmax pool) and every ``Attention`` (``.kernel``: the bounded prefill
-attention) whose own name, or an enclosing component's, matches the pattern.
+attention), every mHC site ``HyperConnection`` (``.kernel``: mixes + collapse; ``.post_kernel``: the
+expansion) and the ``HyperHead`` (``.kernel``) whose own name, or an enclosing component's, matches the
+pattern.
 By default a kernel goes only where it runs: weights (or, for the pool, parameters) on CUDA with
 triton (cutlass for the pool) importable; elsewhere the reference stays. Imports no triton.
 """
@@ -16,19 +18,20 @@ from torch import nn
 from ..model.attention import Attention
 from ..model.compressor import Compressor
 from ..model.linear import QLinear
+from ..model.mhc import HyperConnection, HyperHead
 from ..model.moe import Experts
 from ..patterns import component_matcher, no_match_error, unmatched
 from . import compressor_pool_cute as pool_cute
 from .device import have_triton_cuda
-from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, moe_decode, prefill_attention, quant_linear,
-                       weight_on_cuda)
+from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, mhc_head_pre, mhc_post, mhc_pre, moe_decode,
+                       prefill_attention, quant_linear, weight_on_cuda)
 
-TARGETS = (QLinear, Experts, Compressor, Attention)
+TARGETS = (QLinear, Experts, Compressor, Attention, HyperConnection, HyperHead)
 
 
 def kernel_targets(model: nn.Module, pattern="**") -> tuple[list[tuple[str, nn.Module]], bool]:
-    """((name, module) of every QLinear / Experts / Compressor / Attention whose name, or an enclosing
-    component's name, matches ``pattern``; whether anything matched at all)."""
+    """((name, module) of every QLinear / Experts / Compressor / Attention / HyperConnection / HyperHead
+    whose name, or an enclosing component's name, matches ``pattern``; whether anything matched at all)."""
     match = component_matcher(pattern)
     hit_names: set[str] = set()
     out = []
@@ -59,7 +62,9 @@ def experts_fp4_on_cuda(experts: Experts) -> bool:
 
 
 def _kernel_slots(mod: nn.Module) -> tuple[str, ...]:
-    return ("kernel", "act_kernel") if isinstance(mod, QLinear) else ("kernel",)
+    if isinstance(mod, QLinear):
+        return ("kernel", "act_kernel")
+    return ("kernel", "post_kernel") if isinstance(mod, HyperConnection) else ("kernel",)
 
 
 def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool:
@@ -80,6 +85,14 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
             return False
         mod.kernel = prefill_attention
         return True
+    if isinstance(mod, (HyperConnection, HyperHead)):
+        if not (have_triton and _on_cuda(mod.fn)):
+            return False
+        if isinstance(mod, HyperConnection):
+            mod.kernel, mod.post_kernel = mhc_pre, mhc_post
+        else:
+            mod.kernel = mhc_head_pre
+        return True
     if not (have_cute and _on_cuda(mod.ape)):  # Compressor
         return False
     mod.kernel = compressor_pool
@@ -96,7 +109,8 @@ def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, stri
     Defaults: ``quant_linear`` as ``QLinear.kernel`` (NVFP4, MXFP4, FP8-block weights) with
     ``act_quant_nvfp4`` as its ``act_kernel``, ``moe_decode`` as ``Experts.kernel`` (NVFP4 or MXFP4
     experts), ``compressor_pool`` as ``Compressor.kernel``, ``prefill_attention`` as ``Attention.kernel``,
-    each only where it runs (see the module
+    ``mhc_pre`` / ``mhc_post`` as ``HyperConnection.kernel`` / ``.post_kernel``, ``mhc_head_pre`` as
+    ``HyperHead.kernel``, each only where it runs (see the module
     docstring). ``linear=`` / ``experts=`` install another callable with the same signature on
     every matching quantised QLinear / Experts whatever the device (e.g. a reference-equal fake on
     CPU in tests)."""
