@@ -162,6 +162,19 @@ def gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, 
     return tl.sum(acc, axis=1)
 
 
+@triton.jit
+def round_to(v, OUT_TY: tl.constexpr):
+    """fp32 ``v`` rounded to OUT_TY (round to nearest even), kept in fp32: what a torch op in that
+    dtype returns. bf16 by integer arithmetic, so the interpreter (whose numpy bf16 cast truncates)
+    rounds like the GPU; NaN stays NaN."""
+    if OUT_TY == tl.bfloat16:
+        b = v.to(tl.int32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # -65536 = 0xFFFF0000
+        return tl.where(v != v, v, r)
+    else:
+        return v.to(OUT_TY).to(tl.float32)
+
+
 # weight formats of the prefill GEMM tiles (``dequant_tile``)
 FMT_NVFP4 = tl.constexpr(0)
 FMT_MXFP4 = tl.constexpr(1)
