@@ -1,5 +1,6 @@
 """What several Triton kernels share: the E2M1/E4M3/E8M0 decodes, the prefill GEMMs' weight-tile
-dequantisation (``dequant_tile``), the f16x2 group dot, the split-K finish, the activation-pair builder of the TMA paths, and host helpers (interpreter flag, split-K
+dequantisation (``dequant_tile``) and rounding (``round_to``), the f16x2 group dot, the split-K
+finish, the activation-pair builder of the TMA paths, and host helpers (interpreter flag, split-K
 counters, SM count, tl.dot dtype).
 
 Layouts: NVFP4 weights as int64 words (16 nibbles = one e4m3 scale block); the batch-1 loops take
