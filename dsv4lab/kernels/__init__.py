@@ -7,12 +7,14 @@
 | QLinear mxfp4 / fp8_block | `linear_official.verified_official_matmul` | `w.dequantize` + `F.linear` | tests/test_kernels.py |
 | QLinear w4a4 activation quant | `act_quant_nvfp4.nvfp4_act_quant` | `dsv4lab.quant.activations.fake_quant_nvfp4` | tests/test_kernels.py |
 | routed Experts decode (nvfp4, mxfp4) | `moe_decode.moe_decode_triton` (-> `moe_decode_tma.moe_decode_tma` on sm_90+) | `moe_decode_ref.moe_decode_ref` | tests/test_kernels.py, tests/test_kernels_model.py |
+| QLinear nvfp4 / mxfp4 / fp8_block, M >= 64 on sm_90+ | `linear_gemm.launch_gemm` (via `nvfp4_matmul`, `official_matmul`) | `w.dequantize` + `F.linear` | tests/test_gemm.py |
+| routed Experts prefill (nvfp4, mxfp4) | `moe_prefill.moe_prefill_triton` | `moe_prefill_ref.moe_prefill_ref` | tests/test_gemm.py |
 | Compressor pool | `compressor_pool_cute.compressor_pool_cute` | `compressor_pool_cute.compressor_pool_ref` | tests/test_cute_kernels.py |
 | Attention prefill (bounded) | `attention_bounded.bounded_attention_triton` | `dsv4lab.model.bounded_attention.bounded_attention` | tests/test_attention_kernel.py |
 | HyperConnection mixes + collapse / expansion, HyperHead | `mhc_fused.hc_pre` / `hc_post` / `hc_head_pre` | `dsv4lab.model.mhc.mix_weights` + `collapse` / `HyperConnection.expand` / `head_weights` + `collapse` | tests/test_mhc_kernel.py |
 
 Entry points (``dispatch``: kernel where it runs, reference elsewhere): ``quant_linear``,
-``act_quant_nvfp4``, ``moe_decode``, ``compressor_pool``, ``prefill_attention``, ``mhc_pre``, ``mhc_post``,
+``act_quant_nvfp4``, ``moe_decode``, ``moe_prefill``, ``compressor_pool``, ``prefill_attention``, ``mhc_pre``, ``mhc_post``,
 ``mhc_head_pre``. Installing them on a model:
 ``install.install_kernels(model, pattern, enable)``. Shared Triton helpers: ``common``; the
 launch-device guard and availability check: ``device``. Importing ``dsv4lab.kernels`` imports
@@ -22,10 +24,10 @@ See docs/kernels.md for layouts, tolerances and measured numbers.
 from __future__ import annotations
 
 from .device import have_triton_cuda
-from .dispatch import (act_quant_nvfp4, compressor_pool, mhc_head_pre, mhc_post, mhc_pre, moe_decode, nvfp4_linear,
-                       prefill_attention, quant_linear)
+from .dispatch import (act_quant_nvfp4, compressor_pool, mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill,
+                       nvfp4_linear, prefill_attention, quant_linear)
 from .install import install_kernels, kernel_state, kernel_targets, restore_kernels
 
-__all__ = ["have_triton_cuda", "quant_linear", "nvfp4_linear", "moe_decode", "act_quant_nvfp4", "compressor_pool",
+__all__ = ["have_triton_cuda", "quant_linear", "nvfp4_linear", "moe_decode", "moe_prefill", "act_quant_nvfp4", "compressor_pool",
            "prefill_attention", "mhc_pre", "mhc_post", "mhc_head_pre", "install_kernels", "kernel_state",
            "kernel_targets", "restore_kernels"]

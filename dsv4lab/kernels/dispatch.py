@@ -8,6 +8,8 @@ are imported inside the calls that use them (lazily, for that reason).
 * ``act_quant_nvfp4(x, global_scale)``: NVFP4 fake quant of activations (``QLinear.act_kernel``,
   drop-in for ``fake_quant_nvfp4``, bit-exact).
 * ``moe_decode(x, ids, weights, w1, w3, w2, limit)``: routed experts for decode tokens.
+* ``moe_prefill(x, ids, weights, w1, w3, w2, limit, weight_before_w2)``: routed experts for prefill
+  tokens (grouped GEMMs over the tokens sorted by expert).
 * ``compressor_pool(kv, gate)``: the Compressor's softmax pool (CuTeDSL kernel).
 * ``prefill_attention(q, sink, scale, window, window_keys, q_start, k_start, entries, ratio,
   selected, ...)``: ``Attention.kernel``, the bounded prefill attention (Triton).
@@ -28,11 +30,12 @@ from .device import have_triton_cuda, kernel_can_take
 from ..model.bounded_attention import bounded_attention
 from ..model.mhc import HyperConnection, collapse, head_weights, mix_weights
 from .moe_decode_ref import moe_decode_ref
+from .moe_prefill_ref import moe_prefill_ref
 
 KERNEL_FORMATS = ("nvfp4", "mxfp4", "fp8_block")
 
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear",
-           "act_quant_nvfp4", "moe_decode", "compressor_pool", "prefill_attention", "mhc_pre", "mhc_post",
+           "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "prefill_attention", "mhc_pre", "mhc_post",
            "mhc_head_pre"]
 
 
@@ -89,6 +92,21 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3
             return moe_decode_ref(x, ids, weights, w1, w3, w2, limit)
         return moe_decode_triton(x, ids, weights, w1, w3, w2, limit)
     return moe_decode_ref(x, ids, weights, w1, w3, w2, limit)
+
+
+def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3, w2, limit: float | None,
+                weight_before_w2: bool = False) -> torch.Tensor:
+    """Routed-expert output [T, H] for prefill tokens x [T, H] with top-k ``ids`` / ``weights``
+    [T, k] (``Experts.prefill_kernel``): the grouped-GEMM kernels (``moe_prefill.moe_prefill_triton``)
+    for CUDA tokens and same-format NVFP4 / MXFP4 stacks they support (sm_90+), else
+    ``moe_prefill_ref``. Stacks as for ``moe_decode``."""
+    w1, w3, w2 = (w if isinstance(w, (StackedNVFP4, StackedMXFP4)) else stack_experts(w) for w in (w1, w3, w2))
+    if kernel_can_take(x) and w1.packed.is_cuda:
+        from .moe_prefill import moe_prefill_supported, moe_prefill_triton  # lazy: imports triton
+
+        if moe_prefill_supported(x, w1, w3, w2):
+            return moe_prefill_triton(x, ids, weights, w1, w3, w2, limit, weight_before_w2)
+    return moe_prefill_ref(x, ids, weights, w1, w3, w2, limit, weight_before_w2)
 
 
 def compressor_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Which component gets which kernel, and switching them on and off.
 
 Targets: every ``QLinear`` (``.kernel``: the matmul; ``.act_kernel``: the w4a4 activation
-quantiser), every routed ``Experts`` block (``.kernel``: the fused decode), every ``Compressor``
+quantiser), every routed ``Experts`` block (``.kernel``: the fused decode; ``.prefill_kernel``: the
+grouped-GEMM prefill), every ``Compressor``
 (``.kernel``: the softmax pool) and every ``Attention`` (``.kernel``: the bounded prefill
 attention), every mHC site ``HyperConnection`` (``.kernel``: mixes + collapse; ``.post_kernel``: the
 expansion) and the ``HyperHead`` (``.kernel``) whose own name, or an enclosing component's, matches the
@@ -24,7 +25,7 @@ from ..patterns import component_matcher, no_match_error, unmatched
 from . import compressor_pool_cute as pool_cute
 from .device import have_triton_cuda
 from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, mhc_head_pre, mhc_post, mhc_pre, moe_decode,
-                       prefill_attention, quant_linear, weight_on_cuda)
+                       moe_prefill, prefill_attention, quant_linear, weight_on_cuda)
 
 TARGETS = (QLinear, Experts, Compressor, Attention, HyperConnection, HyperHead)
 
@@ -61,10 +62,16 @@ def experts_fp4_on_cuda(experts: Experts) -> bool:
     return len(fmts) == 1
 
 
+# the kernel attributes of each target class (every other target has one: ``kernel``)
+KERNEL_SLOTS: dict[type, tuple[str, ...]] = {
+    QLinear: ("kernel", "act_kernel"),
+    Experts: ("kernel", "prefill_kernel"),
+    HyperConnection: ("kernel", "post_kernel"),
+}
+
+
 def _kernel_slots(mod: nn.Module) -> tuple[str, ...]:
-    if isinstance(mod, QLinear):
-        return ("kernel", "act_kernel")
-    return ("kernel", "post_kernel") if isinstance(mod, HyperConnection) else ("kernel",)
+    return next((slots for cls, slots in KERNEL_SLOTS.items() if isinstance(mod, cls)), ("kernel",))
 
 
 def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool:
@@ -79,6 +86,7 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
         if not (have_triton and experts_fp4_on_cuda(mod)):
             return False
         mod.kernel = moe_decode
+        mod.prefill_kernel = moe_prefill
         return True
     if isinstance(mod, Attention):
         if not (have_triton and _on_cuda(mod.sink)):
@@ -100,20 +108,21 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
 
 
 def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, strict: bool = False,
-                    linear: Callable | None = None, experts: Callable | None = None) -> int:
+                    linear: Callable | None = None, experts: Callable | None = None,
+                    experts_prefill: Callable | None = None) -> int:
     """Install (``enable=True``) or remove (``False``) the kernels of the components matching
     ``pattern`` (their own name or an enclosing component's: ``"layers.3"`` = every linear, expert
     block and compressor of layer 3). Returns how many components were set (enable) or put back on
     the reference (disable; only those that had a kernel). ``strict``: KeyError when nothing matches.
 
     Defaults: ``quant_linear`` as ``QLinear.kernel`` (NVFP4, MXFP4, FP8-block weights) with
-    ``act_quant_nvfp4`` as its ``act_kernel``, ``moe_decode`` as ``Experts.kernel`` (NVFP4 or MXFP4
-    experts), ``compressor_pool`` as ``Compressor.kernel``, ``prefill_attention`` as ``Attention.kernel``,
-    ``mhc_pre`` / ``mhc_post`` as ``HyperConnection.kernel`` / ``.post_kernel``, ``mhc_head_pre`` as
-    ``HyperHead.kernel``, each only where it runs (see the module
+    ``act_quant_nvfp4`` as its ``act_kernel``, ``moe_decode`` as ``Experts.kernel`` and ``moe_prefill``
+    as ``Experts.prefill_kernel`` (NVFP4 or MXFP4 experts), ``compressor_pool`` as ``Compressor.kernel``,
+    ``prefill_attention`` as ``Attention.kernel``, ``mhc_pre`` / ``mhc_post`` as ``HyperConnection.kernel`` /
+    ``.post_kernel``, ``mhc_head_pre`` as ``HyperHead.kernel``, each only where it runs (see the module
     docstring). ``linear=`` / ``experts=`` install another callable with the same signature on
     every matching quantised QLinear / Experts whatever the device (e.g. a reference-equal fake on
-    CPU in tests)."""
+    CPU in tests); ``experts_prefill=`` likewise as ``Experts.prefill_kernel``."""
     targets, any_match = kernel_targets(model, pattern)
     if not any_match and strict:
         names = [n for n, _ in model.named_modules() if n]
@@ -136,8 +145,9 @@ def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, stri
             if mod.qweight is None:
                 continue
             mod.kernel = linear
-        elif isinstance(mod, Experts) and experts is not None:
-            mod.kernel = experts
+        elif isinstance(mod, Experts) and (experts is not None or experts_prefill is not None):
+            mod.kernel = experts if experts is not None else mod.kernel
+            mod.prefill_kernel = experts_prefill if experts_prefill is not None else mod.prefill_kernel
         elif not _install_default(mod, have_triton, have_cute):
             continue
         n += 1
