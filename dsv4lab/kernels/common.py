@@ -1,6 +1,6 @@
 """What several Triton kernels share: the E2M1/E4M3/E8M0 decodes, the f16x2 group dot, the split-K
-finish, the activation-pair builder of the TMA paths, and host helpers (interpreter flag, split-K
-counters, SM count, tl.dot dtype).
+finish, the attention kernels' online-softmax tile, the activation-pair builder of the TMA paths,
+and host helpers (interpreter flag, split-K counters, SM count, tl.dot dtype).
 
 Layouts: NVFP4 weights as int64 words (16 nibbles = one e4m3 scale block); the batch-1 loops take
 the activation as f16x2 pairs ``x' = x * xs`` (xs a power of two per 16-group, so x' is exact in
@@ -160,6 +160,29 @@ def gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, 
             part += c * xc[None, :] + d * xd[None, :]
         acc += part * sc
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def online_softmax_tile(q, k, valid, m_i, l_i, acc, scale, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile of the attention kernels' online softmax: q [BH, D] (in DOT), keys k [BN, D]
+    (K == V, loaded; masked rows zero), valid [BN]; running max m_i, sum l_i [BH] and acc [BH, D]
+    in fp32. P goes to DOT for P.V (IEEE fp32 dots when DOT is fp32)."""
+    k = k.to(DOT)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(valid[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p.to(DOT), k, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(DOT), k)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
 
 
 # f16x2 path (M == 1 on the GPU): the nibbles of an int32 word are turned into E5M2-like bytes

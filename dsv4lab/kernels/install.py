@@ -2,8 +2,9 @@
 
 Targets: every ``QLinear`` (``.kernel``: the matmul; ``.act_kernel``: the w4a4 activation
 quantiser), every routed ``Experts`` block (``.kernel``: the fused decode), every ``Compressor``
-(``.kernel``: the softmax pool) and every ``Attention`` (``.kernel``: the bounded prefill
-attention) whose own name, or an enclosing component's, matches the pattern.
+(``.kernel``: the softmax pool), every ``Attention`` (``.kernel``: the bounded prefill
+attention; ``.decode_kernel``: the decode attention) and every ``Indexer`` (``.decode_kernel``:
+the decode scores) whose own name, or an enclosing component's, matches the pattern.
 By default a kernel goes only where it runs: weights (or, for the pool, parameters) on CUDA with
 triton (cutlass for the pool) importable; elsewhere the reference stays. Imports no triton.
 """
@@ -15,19 +16,21 @@ from torch import nn
 
 from ..model.attention import Attention
 from ..model.compressor import Compressor
+from ..model.indexer import Indexer
 from ..model.linear import QLinear
 from ..model.moe import Experts
 from ..patterns import component_matcher, no_match_error, unmatched
 from . import compressor_pool_cute as pool_cute
 from .device import have_triton_cuda
-from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, moe_decode, prefill_attention, quant_linear,
-                       weight_on_cuda)
+from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, decode_attention, index_scores_decode,
+                       moe_decode, prefill_attention, quant_linear, weight_on_cuda)
 
-TARGETS = (QLinear, Experts, Compressor, Attention)
+TARGETS = (QLinear, Experts, Compressor, Attention, Indexer)
+SLOTS = {QLinear: ("kernel", "act_kernel"), Attention: ("kernel", "decode_kernel"), Indexer: ("decode_kernel",)}
 
 
 def kernel_targets(model: nn.Module, pattern="**") -> tuple[list[tuple[str, nn.Module]], bool]:
-    """((name, module) of every QLinear / Experts / Compressor / Attention whose name, or an enclosing
+    """((name, module) of every QLinear / Experts / Compressor / Attention / Indexer whose name, or an enclosing
     component's name, matches ``pattern``; whether anything matched at all)."""
     match = component_matcher(pattern)
     hit_names: set[str] = set()
@@ -59,7 +62,7 @@ def experts_fp4_on_cuda(experts: Experts) -> bool:
 
 
 def _kernel_slots(mod: nn.Module) -> tuple[str, ...]:
-    return ("kernel", "act_kernel") if isinstance(mod, QLinear) else ("kernel",)
+    return next((slots for cls, slots in SLOTS.items() if isinstance(mod, cls)), ("kernel",))
 
 
 def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool:
@@ -79,6 +82,12 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
         if not (have_triton and _on_cuda(mod.sink)):
             return False
         mod.kernel = prefill_attention
+        mod.decode_kernel = decode_attention
+        return True
+    if isinstance(mod, Indexer):
+        if not (have_triton and _on_cuda(mod.compressor.ape)):
+            return False
+        mod.decode_kernel = index_scores_decode
         return True
     if not (have_cute and _on_cuda(mod.ape)):  # Compressor
         return False
@@ -95,7 +104,8 @@ def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, stri
 
     Defaults: ``quant_linear`` as ``QLinear.kernel`` (NVFP4, MXFP4, FP8-block weights) with
     ``act_quant_nvfp4`` as its ``act_kernel``, ``moe_decode`` as ``Experts.kernel`` (NVFP4 or MXFP4
-    experts), ``compressor_pool`` as ``Compressor.kernel``, ``prefill_attention`` as ``Attention.kernel``,
+    experts), ``compressor_pool`` as ``Compressor.kernel``, ``prefill_attention`` as ``Attention.kernel``
+    with ``decode_attention`` as its ``decode_kernel``, ``index_scores_decode`` as ``Indexer.decode_kernel``,
     each only where it runs (see the module
     docstring). ``linear=`` / ``experts=`` install another callable with the same signature on
     every matching quantised QLinear / Experts whatever the device (e.g. a reference-equal fake on
