@@ -70,7 +70,7 @@ def _decode_split_kernel(q_ptr, ring_ptr, ent_ptr, sel_ptr, n_ent_ptr, pos_ptr, 
         in_win = t < tiles_win
         j = tl.where(in_win, t, t - tiles_win) * BLOCK_N + offs_n
         if HAS_SEL:  # one row index per key, -1 = masked: the ring slot j or the selected entry
-            idx = tl.load(sel_ptr + b * ssel_b + j, mask=j < tl.where(in_win, 0, K), other=-1)
+            idx = tl.load(sel_ptr + b * ssel_b + j, mask=j < tl.where(in_win, 0, K), other=-1).to(tl.int32)
             row = tl.where(in_win, tl.where(j < n_win, j, -1), idx)
         else:
             row = tl.where(j < tl.where(in_win, n_win, n_ent), j, -1)
@@ -139,7 +139,7 @@ def decode_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, w
     q = q.to(ring.dtype).contiguous()
     has_ent = entries is not None
     ent = entries.to(ring.dtype).contiguous() if has_ent else ring
-    sel = selected.to(torch.int32).contiguous() if (has_ent and selected is not None) else None
+    sel = selected.contiguous() if (has_ent and selected is not None) else None
     dev = q.device
     W, T = ring.shape[1], ent.shape[1] if has_ent else 0
     K = sel.shape[-1] if sel is not None else 0
