@@ -1,7 +1,12 @@
 """Helpers to build random tiny configs and the transformers oracle for parity tests."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -78,3 +83,14 @@ def capture(modules: dict[str, nn.Module], run: Callable[[], object]) -> dict[st
         for h in handles:
             h.remove()
     return calls
+
+
+def interp_check_results(script: str, timeout: int = 600) -> dict:
+    """Run tests/<script> in a subprocess with TRITON_INTERPRET=1 (it must be set before triton is
+    imported) and return the dict of its last ``RESULT{json}`` line; fails with its stderr."""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "tests" / script)], cwd=root, capture_output=True, text=True,
+                       env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1]
+    return json.loads(line[len("RESULT"):])

@@ -19,11 +19,6 @@ another order) <= 1e-5 * max(1, max|ref|); the -inf pattern and the selected set
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -36,18 +31,11 @@ from dsv4lab.model.decode_attention import decode_attention
 from dsv4lab.model.indexer import Indexer, index_scores_decode
 from dsv4lab.quant.modes import RoundTrip
 from dsv4lab.workbench import random_model
-from oracle_util import random_ids, tiny_config
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from oracle_util import interp_check_results, random_ids, tiny_config
 
 def test_interp_decode_kernels_match_reference():
     assert triton_importable(), "triton is part of the test set-up (pip install -e '.[kernels]')"
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "attention_decode_interp_check.py")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)})
-    assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT"):])
+    res = interp_check_results("attention_decode_interp_check.py")
     assert len(res) == 24
     for case, v in res.items():
         if case.startswith("index"):

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_dtype, online_softmax_tile
+from .common import dot_dtype, head_block_query, online_softmax_tile
 from .device import on_input_device
 
 
@@ -29,14 +29,9 @@ def _bounded_attention_kernel(q_ptr, wk_ptr, ent_ptr, sel_ptr, sink_ptr, out_ptr
     t = tl.program_id(0).to(tl.int64)  # 64-bit offsets: one call may hold > 2^31 query elements
     hb = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_h, offs_d, hmask, dmask, q, m_i = head_block_query(q_ptr + b * sq_b + t * sq_s, sink_ptr, sq_h, H, D, hb,
+                                                            DOT, BLOCK_H, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    hmask = offs_h < H
-    dmask = offs_d < D
-    q = tl.load(q_ptr + b * sq_b + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0).to(DOT)
-    m_i = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32)
     l_i = tl.full([BLOCK_H], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     qpos = q_start + t

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_dtype, num_sms, online_softmax_tile
+from .common import dot_dtype, head_block_query, num_sms, online_softmax_tile
 from .device import on_input_device
 
 BLOCK_H = 32   # heads per program: the bounded prefill kernel's tile (offline sm_90a: no spills)
@@ -41,11 +41,8 @@ def _decode_split_kernel(q_ptr, ring_ptr, ent_ptr, sel_ptr, n_ent_ptr, pos_ptr, 
     hb = tl.program_id(0)
     sp = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_h, offs_d, hmask, dmask, q, m_i = head_block_query(q_ptr + b * sq_b, sink_ptr, sq_h, H, D, hb, DOT, BLOCK_H, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    hmask = offs_h < H
-    dmask = offs_d < D
     pos = tl.load(pos_ptr).to(tl.int32)
     n_win = tl.minimum(pos + 1, W)
     if HAS_SEL:
@@ -58,9 +55,6 @@ def _decode_split_kernel(q_ptr, ring_ptr, ent_ptr, sel_ptr, n_ent_ptr, pos_ptr, 
     n_tiles = tiles_win + tl.cdiv(n_ent, BLOCK_N)
     t_lo = (sp * n_tiles) // SPLITS
     t_hi = ((sp + 1) * n_tiles) // SPLITS
-    q = tl.load(q_ptr + b * sq_b + offs_h[:, None] * sq_h + offs_d[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0).to(DOT)
-    m_i = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32)
     if FINAL:
         l_i = tl.full([BLOCK_H], 1.0, tl.float32)   # the sink's exp(sink - sink)
     else:

@@ -163,6 +163,22 @@ def gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, 
 
 
 @triton.jit
+def head_block_query(q_row_ptr, sink_ptr, sq_h, H, D, hb, DOT: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    """The attention kernels' start for heads hb * BLOCK_H.. of one query row (``q_row_ptr``: its
+    head 0): head / dim offsets and masks, q [BLOCK_H, BLOCK_D] in DOT (masked: 0) and the running
+    max started at the per-head sink logit (fp32)."""
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    hmask = offs_h < H
+    dmask = offs_d < D
+    q = tl.load(q_row_ptr + offs_h[:, None] * sq_h + offs_d[None, :], mask=hmask[:, None] & dmask[None, :],
+                other=0.0).to(DOT)
+    m_i = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32)
+    return offs_h, offs_d, hmask, dmask, q, m_i
+
+
+@triton.jit
 def online_softmax_tile(q, k, valid, m_i, l_i, acc, scale, DOT: tl.constexpr, IEEE: tl.constexpr):
     """One key tile of the attention kernels' online softmax: q [BH, D] (in DOT), keys k [BN, D]
     (K == V, loaded; masked rows zero), valid [BN]; running max m_i, sum l_i [BH] and acc [BH, D]
