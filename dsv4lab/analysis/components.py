@@ -18,7 +18,8 @@ The returned handle restores the originals (``handle.restore()`` or ``with`` blo
 ``restore(model)`` undoes every replacement still active, newest first.
 
 ``use_kernels(model, pattern, enable)`` switches the kernel implementations (``QLinear.kernel``,
-``Experts.kernel``, ``Compressor.kernel``: ``dsv4lab.kernels``) of the matching components on or off.
+``Experts.kernel``, ``Compressor.kernel``, ``Attention.kernel`` / ``decode_kernel``, ``Indexer.decode_kernel``:
+``dsv4lab.kernels``) of the matching components on or off.
 """
 from __future__ import annotations
 
@@ -75,8 +76,9 @@ def impl_label(mod: nn.Module) -> str:
     lab = getattr(mod, "_impl_label", None)
     if lab:
         return lab
-    if getattr(mod, "kernel", None) is not None:
-        return f"kernel:{getattr(mod.kernel, '__name__', type(mod.kernel).__name__)}"
+    fns = [fn for fn in (getattr(mod, "kernel", None), getattr(mod, "decode_kernel", None)) if fn is not None]
+    if fns:  # Attention: "kernel:prefill_attention+decode_attention"
+        return "kernel:" + "+".join(getattr(fn, "__name__", type(fn).__name__) for fn in fns)
     return "reference"
 
 

@@ -13,9 +13,13 @@
 | Attention prefill (bounded) | `attention_bounded.bounded_attention_triton` | `dsv4lab.model.bounded_attention.bounded_attention` | tests/test_attention_kernel.py |
 | HyperConnection mixes + collapse / expansion, HyperHead | `mhc_fused.hc_pre` / `hc_post` / `hc_head_pre` | `dsv4lab.model.mhc.mix_weights` + `collapse` / `HyperConnection.expand` / `head_weights` + `collapse` | tests/test_mhc_kernel.py |
 
+| Attention decode (window ring + entries / top-k, sink) | `attention_decode.decode_attention_triton` | `dsv4lab.model.decode_attention.decode_attention` | tests/test_attention_decode_kernel.py |
+| Indexer decode scores | `indexer_decode.index_scores_decode_triton` | `dsv4lab.model.indexer.index_scores_decode` | tests/test_attention_decode_kernel.py |
+
+
 Entry points (``dispatch``: kernel where it runs, reference elsewhere): ``quant_linear``,
-``act_quant_nvfp4``, ``moe_decode``, ``moe_prefill``, ``compressor_pool``, ``prefill_attention``, ``mhc_pre``, ``mhc_post``,
-``mhc_head_pre``. Installing them on a model:
+``act_quant_nvfp4``, ``moe_decode``, ``moe_prefill``, ``compressor_pool``, ``prefill_attention``,
+``decode_attention``, ``index_scores_decode``, ``mhc_pre``, ``mhc_post``, ``mhc_head_pre``. Installing them on a model:
 ``install.install_kernels(model, pattern, enable)``. Shared Triton helpers: ``common``; the
 launch-device guard and availability check: ``device``. Importing ``dsv4lab.kernels`` imports
 neither triton nor cutlass (the kernel modules do, and are imported inside the calls).
@@ -24,10 +28,10 @@ See docs/kernels.md for layouts, tolerances and measured numbers.
 from __future__ import annotations
 
 from .device import have_triton_cuda
-from .dispatch import (act_quant_nvfp4, compressor_pool, mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill,
-                       nvfp4_linear, prefill_attention, quant_linear)
+from .dispatch import (act_quant_nvfp4, compressor_pool, decode_attention, index_scores_decode, mhc_head_pre, mhc_post,
+                       mhc_pre, moe_decode, moe_prefill, nvfp4_linear, prefill_attention, quant_linear)
 from .install import install_kernels, kernel_state, kernel_targets, restore_kernels
 
 __all__ = ["have_triton_cuda", "quant_linear", "nvfp4_linear", "moe_decode", "moe_prefill", "act_quant_nvfp4", "compressor_pool",
-           "prefill_attention", "mhc_pre", "mhc_post", "mhc_head_pre", "install_kernels", "kernel_state",
-           "kernel_targets", "restore_kernels"]
+           "prefill_attention", "decode_attention", "index_scores_decode", "mhc_pre", "mhc_post", "mhc_head_pre",
+           "install_kernels", "kernel_state", "kernel_targets", "restore_kernels"]

@@ -1,7 +1,7 @@
 """What several Triton kernels share: the E2M1/E4M3/E8M0 decodes, the prefill GEMMs' weight-tile
 dequantisation (``dequant_tile``) and rounding (``round_to``), the f16x2 group dot, the split-K
-finish, the activation-pair builder of the TMA paths, and host helpers (interpreter flag, split-K
-counters, SM count, tl.dot dtype).
+finish, the attention kernels' online-softmax tile, the activation-pair builder of the TMA paths,
+and host helpers (interpreter flag, split-K counters, SM count, tl.dot dtype).
 
 Layouts: NVFP4 weights as int64 words (16 nibbles = one e4m3 scale block); the batch-1 loops take
 the activation as f16x2 pairs ``x' = x * xs`` (xs a power of two per 16-group, so x' is exact in
@@ -230,6 +230,45 @@ def dequant_tile(w_ptr, s_ptr, rows, row_ok, k0, stride_wn, stride_sn, BN: tl.co
                                      other=127)) * 16384.0
             w = tl.reshape(w, (BN, BK // 32, 32)) * sc[:, :, None]
         return tl.reshape(w, (BN, BK)).to(DOT_DTYPE)
+
+
+@triton.jit
+def head_block_query(q_row_ptr, sink_ptr, sq_h, H, D, hb, DOT: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    """The attention kernels' start for heads hb * BLOCK_H.. of one query row (``q_row_ptr``: its
+    head 0): head / dim offsets and masks, q [BLOCK_H, BLOCK_D] in DOT (masked: 0) and the running
+    max started at the per-head sink logit (fp32)."""
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    hmask = offs_h < H
+    dmask = offs_d < D
+    q = tl.load(q_row_ptr + offs_h[:, None] * sq_h + offs_d[None, :], mask=hmask[:, None] & dmask[None, :],
+                other=0.0).to(DOT)
+    m_i = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32)
+    return offs_h, offs_d, hmask, dmask, q, m_i
+
+
+@triton.jit
+def online_softmax_tile(q, k, valid, m_i, l_i, acc, scale, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile of the attention kernels' online softmax: q [BH, D] (in DOT), keys k [BN, D]
+    (K == V, loaded; masked rows zero), valid [BN]; running max m_i, sum l_i [BH] and acc [BH, D]
+    in fp32. P goes to DOT for P.V (IEEE fp32 dots when DOT is fp32)."""
+    k = k.to(DOT)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(valid[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p.to(DOT), k, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(DOT), k)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
 
 
 # f16x2 path (M == 1 on the GPU): the nibbles of an int32 word are turned into E5M2-like bytes

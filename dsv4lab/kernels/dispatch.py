@@ -16,6 +16,10 @@ are imported inside the calls that use them (lazily, for that reason).
 * ``mhc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)`` / ``mhc_post(streams, block_out,
   post, comb)`` / ``mhc_head_pre(streams, fn, base, scale, eps, norm_eps)``: the fused mHC sites
   (``HyperConnection.kernel`` / ``.post_kernel``, ``HyperHead.kernel``; Triton).
+* ``decode_attention(q, sink, scale, window_ring, pos, entries, n_entries, selected)``:
+  ``Attention.decode_kernel``, one decode token over the ring and the valid entries (Triton).
+* ``index_scores_decode(q, w_raw, keys, n_valid, w_scale)``: ``Indexer.decode_kernel``, the
+  indexer's decode scores (Triton; the top-k stays ``Indexer.select``).
 Which component gets which: ``dsv4lab.kernels.install``.
 """
 from __future__ import annotations
@@ -26,17 +30,19 @@ import torch.nn.functional as F
 from ..quant.activations import fake_quant_nvfp4
 from ..quant.stacked import StackedMXFP4, StackedNVFP4, stack_experts
 from . import compressor_pool_cute as pool_cute
-from .device import have_triton_cuda, kernel_can_take
+from .device import KERNEL_DTYPES, have_triton_cuda, kernel_can_take
 from ..model.bounded_attention import bounded_attention
 from ..model.mhc import HyperConnection, collapse, head_weights, mix_weights
+from ..model.decode_attention import decode_attention as decode_attention_ref
+from ..model.indexer import index_scores_decode as index_scores_decode_ref
 from .moe_decode_ref import moe_decode_ref
 from .moe_prefill_ref import moe_prefill_ref
 
 KERNEL_FORMATS = ("nvfp4", "mxfp4", "fp8_block")
 
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear",
-           "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "prefill_attention", "mhc_pre", "mhc_post",
-           "mhc_head_pre"]
+           "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "prefill_attention", "decode_attention",
+           "index_scores_decode", "mhc_pre", "mhc_post", "mhc_head_pre"]
 
 
 def weight_on_cuda(w) -> bool:
@@ -176,3 +182,26 @@ def mhc_head_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
         return hc_head_pre(streams, fn, base, scale, eps, norm_eps)
     pre = head_weights(streams, fn, base, scale, eps, norm_eps)
     return pre, collapse(pre, streams)
+
+
+def decode_attention(q: torch.Tensor, sink: torch.Tensor, scale: float, window_ring: torch.Tensor, pos: torch.Tensor,
+                     entries: torch.Tensor | None = None, n_entries: torch.Tensor | None = None,
+                     selected: torch.Tensor | None = None) -> torch.Tensor:
+    """``dsv4lab.model.decode_attention.decode_attention`` (same signature): the Triton kernel for
+    CUDA keys of a kernel dtype, the PyTorch reference elsewhere."""
+    if kernel_can_take(window_ring):
+        from .attention_decode import decode_attention_triton  # lazy: heavy optional dependency
+
+        return decode_attention_triton(q, sink, scale, window_ring, pos, entries, n_entries, selected)
+    return decode_attention_ref(q, sink, scale, window_ring, pos, entries, n_entries, selected)
+
+
+def index_scores_decode(q: torch.Tensor, w_raw: torch.Tensor, keys: torch.Tensor, n_valid: torch.Tensor,
+                        w_scale: float) -> torch.Tensor:
+    """``dsv4lab.model.indexer.index_scores_decode`` (same signature): the Triton kernel for CUDA
+    keys of a kernel dtype, the PyTorch reference elsewhere."""
+    if kernel_can_take(keys) and q.dtype in KERNEL_DTYPES:
+        from .indexer_decode import index_scores_decode_triton  # lazy: heavy optional dependency
+
+        return index_scores_decode_triton(q, w_raw, keys, n_valid, w_scale)
+    return index_scores_decode_ref(q, w_raw, keys, n_valid, w_scale)

@@ -2,11 +2,11 @@
 
 Targets: every ``QLinear`` (``.kernel``: the matmul; ``.act_kernel``: the w4a4 activation
 quantiser), every routed ``Experts`` block (``.kernel``: the fused decode; ``.prefill_kernel``: the
-grouped-GEMM prefill), every ``Compressor``
-(``.kernel``: the softmax pool) and every ``Attention`` (``.kernel``: the bounded prefill
-attention), every mHC site ``HyperConnection`` (``.kernel``: mixes + collapse; ``.post_kernel``: the
-expansion) and the ``HyperHead`` (``.kernel``) whose own name, or an enclosing component's, matches the
-pattern.
+grouped-GEMM prefill), every ``Compressor`` (``.kernel``: the softmax pool), every ``Attention``
+(``.kernel``: the bounded prefill attention; ``.decode_kernel``: the decode attention), every
+``Indexer`` (``.decode_kernel``: the decode scores), every mHC site ``HyperConnection`` (``.kernel``:
+mixes + collapse; ``.post_kernel``: the expansion) and the ``HyperHead`` (``.kernel``) whose own
+name, or an enclosing component's, matches the pattern.
 By default a kernel goes only where it runs: weights (or, for the pool, parameters) on CUDA with
 triton (cutlass for the pool) importable; elsewhere the reference stays. Imports no triton.
 """
@@ -18,21 +18,23 @@ from torch import nn
 
 from ..model.attention import Attention
 from ..model.compressor import Compressor
+from ..model.indexer import Indexer
 from ..model.linear import QLinear
 from ..model.mhc import HyperConnection, HyperHead
 from ..model.moe import Experts
 from ..patterns import component_matcher, no_match_error, unmatched
 from . import compressor_pool_cute as pool_cute
 from .device import have_triton_cuda
-from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, mhc_head_pre, mhc_post, mhc_pre, moe_decode,
-                       moe_prefill, prefill_attention, quant_linear, weight_on_cuda)
+from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, decode_attention, index_scores_decode,
+                       mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill, prefill_attention, quant_linear,
+                       weight_on_cuda)
 
-TARGETS = (QLinear, Experts, Compressor, Attention, HyperConnection, HyperHead)
+TARGETS = (QLinear, Experts, Compressor, Attention, Indexer, HyperConnection, HyperHead)
 
 
 def kernel_targets(model: nn.Module, pattern="**") -> tuple[list[tuple[str, nn.Module]], bool]:
-    """((name, module) of every QLinear / Experts / Compressor / Attention / HyperConnection / HyperHead
-    whose name, or an enclosing component's name, matches ``pattern``; whether anything matched at all)."""
+    """((name, module) of every kernel target (``TARGETS``) whose name, or an enclosing component's
+    name, matches ``pattern``; whether anything matched at all)."""
     match = component_matcher(pattern)
     hit_names: set[str] = set()
     out = []
@@ -67,6 +69,8 @@ KERNEL_SLOTS: dict[type, tuple[str, ...]] = {
     QLinear: ("kernel", "act_kernel"),
     Experts: ("kernel", "prefill_kernel"),
     HyperConnection: ("kernel", "post_kernel"),
+    Attention: ("kernel", "decode_kernel"),
+    Indexer: ("decode_kernel",),
 }
 
 
@@ -92,6 +96,12 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
         if not (have_triton and _on_cuda(mod.sink)):
             return False
         mod.kernel = prefill_attention
+        mod.decode_kernel = decode_attention
+        return True
+    if isinstance(mod, Indexer):
+        if not (have_triton and _on_cuda(mod.compressor.ape)):
+            return False
+        mod.decode_kernel = index_scores_decode
         return True
     if isinstance(mod, (HyperConnection, HyperHead)):
         if not (have_triton and _on_cuda(mod.fn)):
@@ -118,8 +128,10 @@ def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, stri
     Defaults: ``quant_linear`` as ``QLinear.kernel`` (NVFP4, MXFP4, FP8-block weights) with
     ``act_quant_nvfp4`` as its ``act_kernel``, ``moe_decode`` as ``Experts.kernel`` and ``moe_prefill``
     as ``Experts.prefill_kernel`` (NVFP4 or MXFP4 experts), ``compressor_pool`` as ``Compressor.kernel``,
-    ``prefill_attention`` as ``Attention.kernel``, ``mhc_pre`` / ``mhc_post`` as ``HyperConnection.kernel`` /
-    ``.post_kernel``, ``mhc_head_pre`` as ``HyperHead.kernel``, each only where it runs (see the module
+    ``prefill_attention`` as ``Attention.kernel`` with ``decode_attention`` as its ``decode_kernel``,
+    ``index_scores_decode`` as ``Indexer.decode_kernel``, ``mhc_pre`` / ``mhc_post`` as
+    ``HyperConnection.kernel`` / ``.post_kernel``, ``mhc_head_pre`` as ``HyperHead.kernel``, each only
+    where it runs (see the module
     docstring). ``linear=`` / ``experts=`` install another callable with the same signature on
     every matching quantised QLinear / Experts whatever the device (e.g. a reference-equal fake on
     CPU in tests); ``experts_prefill=`` likewise as ``Experts.prefill_kernel``."""
