@@ -18,7 +18,7 @@ The returned handle restores the originals (``handle.restore()`` or ``with`` blo
 ``restore(model)`` undoes every replacement still active, newest first.
 
 ``use_kernels(model, pattern, enable)`` switches the kernel implementations (``QLinear.kernel``,
-``Experts.kernel``, ``Compressor.kernel``: ``dsv4lab.kernels``) of the matching components on or off.
+``Experts.kernel``, ``Compressor.kernel`` / ``.decode_kernel``: ``dsv4lab.kernels``) of the matching components on or off.
 """
 from __future__ import annotations
 
@@ -75,8 +75,9 @@ def impl_label(mod: nn.Module) -> str:
     lab = getattr(mod, "_impl_label", None)
     if lab:
         return lab
-    if getattr(mod, "kernel", None) is not None:
-        return f"kernel:{getattr(mod.kernel, '__name__', type(mod.kernel).__name__)}"
+    kernels = [k for k in (getattr(mod, "kernel", None), getattr(mod, "decode_kernel", None)) if k is not None]
+    if kernels:  # a Compressor may have two: its prefill pool and its decode step
+        return "kernel:" + "+".join(getattr(k, "__name__", type(k).__name__) for k in kernels)
     return "reference"
 
 

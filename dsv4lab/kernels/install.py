@@ -2,10 +2,10 @@
 
 Targets: every ``QLinear`` (``.kernel``: the matmul; ``.act_kernel``: the w4a4 activation
 quantiser), every routed ``Experts`` block (``.kernel``: the fused decode), every ``Compressor``
-(``.kernel``: the softmax pool) and every ``Attention`` (``.kernel``: the bounded prefill
+(``.kernel``: the CuTeDSL softmax pool of prefill; ``.decode_kernel``: the Triton decode step) and every ``Attention`` (``.kernel``: the bounded prefill
 attention) whose own name, or an enclosing component's, matches the pattern.
-By default a kernel goes only where it runs: weights (or, for the pool, parameters) on CUDA with
-triton (cutlass for the pool) importable; elsewhere the reference stays. Imports no triton.
+By default a kernel goes only where it runs: weights (or, for the compressor, parameters) on CUDA
+with triton (cutlass for the pool) importable; elsewhere the reference stays. Imports no triton.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from ..model.moe import Experts
 from ..patterns import component_matcher, no_match_error, unmatched
 from . import compressor_pool_cute as pool_cute
 from .device import have_triton_cuda
-from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, moe_decode, prefill_attention, quant_linear,
-                       weight_on_cuda)
+from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_decode, compressor_pool, moe_decode,
+                       prefill_attention, quant_linear, weight_on_cuda)
 
 TARGETS = (QLinear, Experts, Compressor, Attention)
 
@@ -59,7 +59,9 @@ def experts_fp4_on_cuda(experts: Experts) -> bool:
 
 
 def _kernel_slots(mod: nn.Module) -> tuple[str, ...]:
-    return ("kernel", "act_kernel") if isinstance(mod, QLinear) else ("kernel",)
+    if isinstance(mod, QLinear):
+        return ("kernel", "act_kernel")
+    return ("kernel", "decode_kernel") if isinstance(mod, Compressor) else ("kernel",)
 
 
 def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool:
@@ -80,10 +82,13 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
             return False
         mod.kernel = prefill_attention
         return True
-    if not (have_cute and _on_cuda(mod.ape)):  # Compressor
+    if not _on_cuda(mod.ape):  # Compressor: the pool (cutlass) and the decode step (triton) each where it runs
         return False
-    mod.kernel = compressor_pool
-    return True
+    if have_cute:
+        mod.kernel = compressor_pool
+    if have_triton:
+        mod.decode_kernel = compressor_decode
+    return have_cute or have_triton
 
 
 def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, strict: bool = False,
@@ -95,7 +100,8 @@ def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, stri
 
     Defaults: ``quant_linear`` as ``QLinear.kernel`` (NVFP4, MXFP4, FP8-block weights) with
     ``act_quant_nvfp4`` as its ``act_kernel``, ``moe_decode`` as ``Experts.kernel`` (NVFP4 or MXFP4
-    experts), ``compressor_pool`` as ``Compressor.kernel``, ``prefill_attention`` as ``Attention.kernel``,
+    experts), ``compressor_pool`` as ``Compressor.kernel`` and ``compressor_decode`` as its
+    ``decode_kernel``, ``prefill_attention`` as ``Attention.kernel``,
     each only where it runs (see the module
     docstring). ``linear=`` / ``experts=`` install another callable with the same signature on
     every matching quantised QLinear / Experts whatever the device (e.g. a reference-equal fake on
