@@ -3,12 +3,13 @@ on CPU tensors against the reference ``Compressor.decode``: run by
 tests/test_compressor_decode_kernel.py in a subprocess with TRITON_INTERPRET=1 (set before triton
 is imported). Prints one line ``RESULT{json}``.
 
-Cases: ratio 4 with overlap (CSA), ratios 8 and 16 without (HCA-like); d 16 and 24 (not a power of
-two; slot tiles of 4, so several tiles per softmax pass); fp32 module and state, bf16 module and state, bf16 module with an fp32 state. Each runs
-three windows of decode steps from an empty state and after a prefill of every residue mod the
-ratio (ratio 16: residues 1, 7, 15); after each step the kernel's state (its own, never reset to the reference's) is compared
-with the reference's: the rings must be identical, the entries within tolerance where the
-reference wrote one and identical elsewhere, the entry counts equal.
+Cases: ratio 4 with overlap (CSA), ratios 8 and 16 without (HCA-like); d 16 and 24 (not a power
+of two; slot tiles of 4, so several tiles per softmax pass); fp32 module and state, bf16 module
+and state, and (ratio 4) a bf16 module with an fp32 state. Each runs three windows of decode
+steps from an empty state and after a prefill of every residue mod the ratio (ratio 16: residues
+1, 7, 15); after each step the kernel's state (its own, never reset to the reference's) is
+compared with the reference's: the rings must be identical, the entries within tolerance where
+the reference wrote one and identical elsewhere, the entry counts equal.
 """
 import json
 import os
@@ -108,14 +109,16 @@ def run_case(cfg, dim, ratio, overlap, dtype, st_dtype, prefill_len, B=2, seed=0
 
 cfg = tiny_config()
 res = {}
-for ratio, overlap, dim in ((4, True, 16), (4, True, 24), (8, False, 16), (16, False, 24)):
-    for dtype, st_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                            (torch.bfloat16, torch.float32)):
+F32, BF16 = (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)
+MIXED = (torch.bfloat16, torch.float32)  # a bf16 module with an fp32 state
+for ratio, overlap, dim, dtypes in ((4, True, 16, (F32, BF16, MIXED)), (4, True, 24, (F32, BF16, MIXED)),
+                                    (8, False, 16, (F32, BF16)), (16, False, 24, (F32, BF16))):
+    for dtype, st_dtype in dtypes:
         residues = range(ratio) if ratio <= 8 else (0, 1, 7, 15)
         for r in residues:
             plen = 0 if r == 0 else ratio + r  # r == 0: from an empty state; else after a prefill
             key = f"m{ratio}_{'csa' if overlap else 'hca'}_d{dim}_{str(dtype)[6:]}_st{str(st_dtype)[6:]}_p{plen}"
-            # d 24 / ratio 16: slot tiles of 4 (several tiles per pass; CSA: one per half)
+            # d 24: slot tiles of 4 (several tiles per pass; CSA: one per half)
             res[key] = run_case(cfg, dim, ratio, overlap, dtype, st_dtype, plen, block_l=4 if dim == 24 else 16)
         if ratio == 4 and dim == 16:  # a prefill that ends on a window boundary too
             key = f"m4_csa_d16_{str(dtype)[6:]}_st{str(st_dtype)[6:]}_p8"
