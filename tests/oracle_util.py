@@ -1,4 +1,5 @@
-"""Helpers to build random tiny configs and the transformers oracle for parity tests."""
+"""Helpers to build random tiny configs and the transformers oracle for parity tests, and to run a
+model as prefill then token-by-token decode."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,3 +79,15 @@ def capture(modules: dict[str, nn.Module], run: Callable[[], object]) -> dict[st
         for h in handles:
             h.remove()
     return calls
+
+
+def prefill_then_decode(m, ids: torch.Tensor, n_prefill: int):
+    """Logits [B, S, V] of ``m.prefill`` on the first ``n_prefill`` tokens, then one
+    ``decode_step`` per remaining token, and the decode state they leave."""
+    with torch.no_grad():
+        st = m.new_state(ids.shape[0], ids.shape[1])
+        parts = [m.prefill(ids[:, :n_prefill], st)]
+        for t in range(n_prefill, ids.shape[1]):
+            parts.append(m.decode_step(ids[:, t : t + 1], st))
+            st.pos += 1
+    return torch.cat(parts, 1), st

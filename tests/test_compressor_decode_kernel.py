@@ -16,37 +16,24 @@ with round-to-nearest bf16 casts: fp32 <= 7.2e-7 (max|ref| ~ 4), bf16 bitwise eq
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from dsv4lab.analysis.components import components, replace
 from dsv4lab.bugzoo.variants import CompressorApeOnKV
 from dsv4lab.decode.graphs import model_signature
-from dsv4lab.kernels.device import triton_importable
 from dsv4lab.kernels.dispatch import compressor_decode
 from dsv4lab.kernels.install import install_kernels
 from dsv4lab.model.compressor import Compressor
 from dsv4lab.quant.modes import RoundTrip
 from dsv4lab.workbench import random_model
-from oracle_util import random_ids, tiny_config
-
-ROOT = Path(__file__).resolve().parents[1]
+from interp_util import interp_results
+from oracle_util import prefill_then_decode, random_ids, tiny_config
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_interp_compressor_decode_matches_reference():
-    assert triton_importable(), "triton is part of the test set-up (pip install -e '.[kernels]')"
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "compressor_decode_interp_check.py")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)})
-    assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT"):])
+    res = interp_results("compressor_decode_interp_check.py", timeout=900)
     wrong = res.pop("wrong_no_ape")
     assert len(res) == 51
     for case, v in res.items():
@@ -57,16 +44,6 @@ def test_interp_compressor_decode_matches_reference():
         assert v["entry_err"] <= tol, (case, v)
     # a kernel without the position bias in the gate logits fails the same comparison
     assert not wrong["rings_equal"] and wrong["entry_err"] > 0.1 * wrong["ref_max"]
-
-
-def _prefill_decode(m, ids, n_prefill):
-    with torch.no_grad():
-        st = m.new_state(ids.shape[0], ids.shape[1])
-        parts = [m.prefill(ids[:, :n_prefill], st)]
-        for t in range(n_prefill, ids.shape[1]):
-            parts.append(m.decode_step(ids[:, t : t + 1], st))
-            st.pos += 1
-    return torch.cat(parts, 1), st
 
 
 def test_decode_kernel_slot_and_install():
@@ -81,7 +58,7 @@ def test_decode_kernel_slot_and_install():
     assert install_kernels(m) == 0 and all(c.decode_kernel is None for c in comps.values())
     ids = random_ids(cfg, n=30, b=2)
     n_dec = 30 - 13
-    ref, ref_st = _prefill_decode(m, ids, 13)
+    ref, ref_st = prefill_then_decode(m, ids, 13)
     calls = []
 
     def counting(comp, kv, z, pos, st):
@@ -94,23 +71,23 @@ def test_decode_kernel_slot_and_install():
             c.decode_kernel = counting
         assert model_signature(m) != sig  # a captured graph is not replayed across the switch
         assert set(components(m, "**.compressor").impl) == {"kernel:counting"}
-        got, st = _prefill_decode(m, ids, 13)
+        got, st = prefill_then_decode(m, ids, 13)
         assert torch.equal(got, ref) and len(calls) == n_dec * len(comps)
         assert all(torch.equal(a, b) for a, b in zip(st.tensors(), ref_st.tensors()))
         # listening hooks, round trips, a replaced method: the reference runs
         for hook in ("hook_weights", "hook_entries"):
             calls.clear()
             with m.hooks([(f"layers.1.attn.compressor.{hook}", lambda t, n: None)]):
-                _prefill_decode(m, ids, 13)
+                prefill_then_decode(m, ids, 13)
             assert len(calls) == n_dec * (len(comps) - 1) and comps["layers.1.attn.compressor"] not in calls
         calls.clear()
         comps["layers.3.attn.indexer.compressor"].round_trips = frozenset({RoundTrip.INDEXER_FP4})
-        _prefill_decode(m, ids, 13)
+        prefill_then_decode(m, ids, 13)
         assert len(calls) == n_dec * (len(comps) - 1)
         comps["layers.3.attn.indexer.compressor"].round_trips = frozenset()
         calls.clear()
         with replace(m, "layers.2.attn.compressor", CompressorApeOnKV):
-            bad, _ = _prefill_decode(m, ids, 13)
+            bad, _ = prefill_then_decode(m, ids, 13)
         assert len(calls) == n_dec * (len(comps) - 1) and not torch.equal(bad, ref)
     finally:
         assert install_kernels(m, enable=False) == len(comps)
