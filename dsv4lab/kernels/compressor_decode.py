@@ -45,12 +45,12 @@ def _exp(x, ACCURATE: tl.constexpr):
 
 @triton.jit
 def _slot_tile(ring_kv_ptr, ring_gate_ptr, s_rkb, s_rkr, s_rgb, s_rgr, b, l0, pos, cur_kv, cur_g,
-               offs_d, dmask, M: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_L: tl.constexpr):
+               offs_d, dmask, M: tl.constexpr, L: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr,
+               BLOCK_L: tl.constexpr):
     """Slots l0 .. l0+BLOCK_L of the closing window: kv (ring dtype) and gate (fp32, -inf outside),
     the new token's slot taken from registers (its ring store may not be visible yet)."""
     offs_l = l0 + tl.arange(0, BLOCK_L)
     if OVERLAP:
-        L: tl.constexpr = 2 * M
         w = pos // M
         prev_row = ((w + 1) % 2) * M
         cur_row = (w % 2) * M
@@ -58,7 +58,6 @@ def _slot_tile(ring_kv_ptr, ring_gate_ptr, s_rkb, s_rkr, s_rgb, s_rgr, b, l0, po
         col = tl.where(offs_l < M, 0, D)  # Ca half of the previous window, Cb half of this one
         cur_l = M + pos % M
     else:
-        L: tl.constexpr = M
         row = offs_l
         col = offs_l * 0
         cur_l = pos % M
@@ -78,14 +77,13 @@ def _slot_tile(ring_kv_ptr, ring_gate_ptr, s_rkb, s_rkr, s_rgb, s_rgr, b, l0, po
 def _compressor_decode_kernel(
         kv_ptr, z_ptr, ape_ptr, pos_ptr, ring_kv_ptr, ring_gate_ptr, ent_ptr, nw_ptr, inv_freq_ptr, n_ptr,
         n_max, eps, s_kvb, s_zb, s_ape, s_rkb, s_rkr, s_rgb, s_rgr, s_eb, s_en,
-        M: tl.constexpr, D: tl.constexpr, C: tl.constexpr, RD: tl.constexpr, OVERLAP: tl.constexpr,
+        M: tl.constexpr, R: tl.constexpr, D: tl.constexpr, C: tl.constexpr, RD: tl.constexpr, OVERLAP: tl.constexpr,
+        CUR_COL: tl.constexpr,
         KV_DT: tl.constexpr, NORM_DT: tl.constexpr, ACCURATE: tl.constexpr,
         BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
     b = tl.program_id(0)
     pos = tl.load(pos_ptr)
     slot = pos % M
-    R: tl.constexpr = 2 * M if OVERLAP else M
-    RING_DT: tl.constexpr = ring_kv_ptr.dtype.element_ty
     # 1. ring write: kv in the ring's dtype, z + ape in fp32
     offs_c = tl.arange(0, BLOCK_C)
     cmask = offs_c < C
@@ -93,33 +91,32 @@ def _compressor_decode_kernel(
     g = tl.load(z_ptr + b * s_zb + offs_c, mask=cmask, other=0.0).to(tl.float32) \
         + tl.load(ape_ptr + slot * s_ape + offs_c, mask=cmask, other=0.0).to(tl.float32)
     rrow = pos % R
-    tl.store(ring_kv_ptr + b * s_rkb + rrow * s_rkr + offs_c, kv.to(RING_DT), mask=cmask)
+    tl.store(ring_kv_ptr + b * s_rkb + rrow * s_rkr + offs_c, kv.to(ring_kv_ptr.dtype.element_ty), mask=cmask)
     tl.store(ring_gate_ptr + b * s_rgb + rrow * s_rgr + offs_c, g, mask=cmask)
     if b == 0:
         tl.store(n_ptr, (pos + 1) // M)
     # 2. pool the window when it closes
-    if (pos + 1) % M == 0:
-        L: tl.constexpr = 2 * M if OVERLAP else M
+    if (pos + 1) % M == 0:  # R = L: the ring holds exactly the slots a window pools
         offs_d = tl.arange(0, BLOCK_D)
         dmask = offs_d < D
-        half: tl.constexpr = D if OVERLAP else 0  # the new token's slot holds the Cb half under CSA
-        cur_kv = tl.load(kv_ptr + b * s_kvb + half + offs_d, mask=dmask, other=0.0).to(RING_DT)
-        cur_g = tl.load(z_ptr + b * s_zb + half + offs_d, mask=dmask, other=0.0).to(tl.float32) \
-            + tl.load(ape_ptr + slot * s_ape + half + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        # the new token as a slot: its Cb half under CSA (CUR_COL = d), all of it otherwise
+        cur_kv = tl.load(kv_ptr + b * s_kvb + CUR_COL + offs_d, mask=dmask, other=0.0).to(ring_kv_ptr.dtype.element_ty)
+        cur_g = tl.load(z_ptr + b * s_zb + CUR_COL + offs_d, mask=dmask, other=0.0).to(tl.float32) \
+            + tl.load(ape_ptr + slot * s_ape + CUR_COL + offs_d, mask=dmask, other=0.0).to(tl.float32)
         mx = tl.full([BLOCK_D], float("-inf"), tl.float32)
-        for l0 in range(0, L, BLOCK_L):
+        for l0 in range(0, R, BLOCK_L):
             _, gt = _slot_tile(ring_kv_ptr, ring_gate_ptr, s_rkb, s_rkr, s_rgb, s_rgr, b, l0, pos, cur_kv, cur_g,
-                               offs_d, dmask, M, D, OVERLAP, BLOCK_L)
+                               offs_d, dmask, M, R, D, OVERLAP, BLOCK_L)
             mx = tl.maximum(mx, tl.max(gt, 0))
         den = tl.zeros([BLOCK_D], tl.float32)
-        for l0 in range(0, L, BLOCK_L):
+        for l0 in range(0, R, BLOCK_L):
             _, gt = _slot_tile(ring_kv_ptr, ring_gate_ptr, s_rkb, s_rkr, s_rgb, s_rgr, b, l0, pos, cur_kv, cur_g,
-                               offs_d, dmask, M, D, OVERLAP, BLOCK_L)
+                               offs_d, dmask, M, R, D, OVERLAP, BLOCK_L)
             den += tl.sum(_exp(gt - mx[None, :], ACCURATE), 0)
         acc = tl.zeros([BLOCK_D], tl.float32)
-        for l0 in range(0, L, BLOCK_L):
+        for l0 in range(0, R, BLOCK_L):
             kt, gt = _slot_tile(ring_kv_ptr, ring_gate_ptr, s_rkb, s_rkr, s_rgb, s_rgr, b, l0, pos, cur_kv, cur_g,
-                                offs_d, dmask, M, D, OVERLAP, BLOCK_L)
+                                offs_d, dmask, M, R, D, OVERLAP, BLOCK_L)
             wt = tl.math.div_rn(_exp(gt - mx[None, :], ACCURATE), den[None, :]).to(KV_DT)
             prod = (kt.to(KV_DT).to(tl.float32) * wt.to(tl.float32)).to(KV_DT)
             acc += tl.sum(prod.to(tl.float32), 0)
@@ -206,7 +203,7 @@ def compressor_decode_triton(kv: torch.Tensor, z: torch.Tensor, pos: torch.Tenso
         entries.shape[1], float(eps), kv2.stride(0), z2.stride(0), ape_c.stride(0),
         ring_kv.stride(0), ring_kv.stride(1), ring_gate.stride(0), ring_gate.stride(1),
         entries.stride(0), entries.stride(1),
-        M=m, D=d, C=C, RD=rd, OVERLAP=overlap, KV_DT=_TL[kv.dtype], NORM_DT=_TL[norm_dt],
+        M=m, R=c * m, D=d, C=C, RD=rd, OVERLAP=overlap, CUR_COL=d if overlap else 0, KV_DT=_TL[kv.dtype], NORM_DT=_TL[norm_dt],
         ACCURATE=not INTERPRET, BLOCK_C=triton.next_power_of_2(C), BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L,
         num_warps=num_warps, enable_fp_fusion=False)
     return n.reshape(pos.shape)
