@@ -153,5 +153,16 @@ if LAYOUT == "NEW":  # mHC sites (hc 4, hidden 7168): decode batches and one pre
         mhc.hc_pre(hs, torch.zeros(24, 4 * 7168), torch.zeros(24), torch.ones(3), 20, 1e-6, 1e-6)
         mhc.hc_head_pre(hs, torch.zeros(4, 4 * 7168), torch.zeros(4), torch.ones(1), 1e-6, 1e-6)
         mhc.hc_post(hs, torch.zeros(T, 1, 7168, dtype=torch.bfloat16), torch.zeros(T, 1, 4), torch.zeros(T, 1, 4, 4))
+
+if LAYOUT == "NEW":  # the compressor decode step: attention CSA (ratio 4) / HCA (128) at d 512, indexer d 128
+    from dsv4lab.kernels.compressor_decode import compressor_decode_triton  # noqa: E402
+
+    for kind, d, m, ov in (("csa", 512, 4, True), ("hca", 512, 128, False), ("indexer", 128, 4, True)):
+        CASE = f"compressor_decode/{kind}"
+        c, bf = 2 if ov else 1, torch.bfloat16
+        compressor_decode_triton(torch.zeros(1, 1, c * d, dtype=bf), torch.zeros(1, 1, c * d, dtype=bf),
+                                 torch.zeros((), dtype=torch.long), torch.zeros(1, c * m, c * d, dtype=bf),
+                                 torch.zeros(1, c * m, c * d), torch.zeros(1, 16, d, dtype=bf),
+                                 torch.zeros(m, c * d, dtype=bf), torch.zeros(d, dtype=bf), torch.zeros(32), 1e-6, ov)
 json.dump(PTX, open(OUT, "w"), indent=0, sort_keys=True)
 print(len(PTX), "launches", len(set(PTX.values())), "distinct PTX")

@@ -1,4 +1,5 @@
-"""Helpers to build random tiny configs and the transformers oracle for parity tests."""
+"""Helpers to build random tiny configs and the transformers oracle for parity tests, and to run a
+model as prefill then token-by-token decode."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from dsv4lab.config import DSV4Config, config_from_dict
+from dsv4lab.kernels.device import triton_importable
 
 
 def tiny_config(**over) -> DSV4Config:
@@ -88,8 +90,21 @@ def capture(modules: dict[str, nn.Module], run: Callable[[], object]) -> dict[st
 def interp_check_result(script: str, timeout: int = 600) -> dict:
     """Run ``tests/<script>`` in a subprocess with TRITON_INTERPRET=1 (set before triton is imported)
     and return the JSON of its last ``RESULT`` line."""
+    assert triton_importable(), "triton is part of the test set-up (pip install -e '.[kernels]'); the interpreter tests need it"
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, str(root / "tests" / script)], cwd=root, capture_output=True, text=True,
                        timeout=timeout, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)})
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT"):])
+
+
+def prefill_then_decode(m, ids: torch.Tensor, n_prefill: int):
+    """Logits [B, S, V] of ``m.prefill`` on the first ``n_prefill`` tokens, then one
+    ``decode_step`` per remaining token, and the decode state they leave."""
+    with torch.no_grad():
+        st = m.new_state(ids.shape[0], ids.shape[1])
+        parts = [m.prefill(ids[:, :n_prefill], st)]
+        for t in range(n_prefill, ids.shape[1]):
+            parts.append(m.decode_step(ids[:, t : t + 1], st))
+            st.pos += 1
+    return torch.cat(parts, 1), st

@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4lab.kernels.device import triton_importable
 from dsv4lab.kernels.install import install_kernels
 from dsv4lab.model.attention import Attention
 from dsv4lab.model.bounded_attention import bounded_attention
@@ -24,7 +23,6 @@ from dsv4lab.workbench import random_model
 from oracle_util import interp_check_result, random_ids, tiny_config
 
 def test_interp_bounded_attention_matches_reference():
-    assert triton_importable(), "triton is part of the test set-up (pip install -e '.[kernels]')"
     res = interp_check_result("attention_interp_check.py")
     assert len(res) == 12
     for case, v in res.items():

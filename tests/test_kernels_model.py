@@ -45,7 +45,7 @@ from dsv4lab.workbench import random_model
 from dsv4lab.model.linear import QLinear
 from dsv4lab.model.moe import Experts
 from dsv4lab.quant.weights import quantize_nvfp4
-from oracle_util import tiny_config
+from oracle_util import prefill_then_decode, tiny_config
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 HAVE_CUDA = torch.cuda.is_available()
@@ -111,13 +111,7 @@ def test_experts_kernel_dispatch_mxfp4():
 
 
 def _prefill_decode(m, ids, n_prefill):
-    with torch.no_grad():
-        st = m.new_state(ids.shape[0], ids.shape[1])
-        parts = [m.prefill(ids[:, :n_prefill], st)]
-        for t in range(n_prefill, ids.shape[1]):
-            parts.append(m.decode_step(ids[:, t : t + 1], st))
-            st.pos += 1
-    return torch.cat(parts, 1)
+    return prefill_then_decode(m, ids, n_prefill)[0]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ The returned handle restores the originals (``handle.restore()`` or ``with`` blo
 ``restore(model)`` undoes every replacement still active, newest first.
 
 ``use_kernels(model, pattern, enable)`` switches the kernel implementations (``QLinear.kernel``,
-``Experts.kernel``, ``Compressor.kernel``, ``Attention.kernel`` / ``decode_kernel``, ``Indexer.decode_kernel``:
+``Experts.kernel``, ``Compressor.kernel`` / ``.decode_kernel``, ``Attention.kernel`` / ``decode_kernel``, ``Indexer.decode_kernel``:
 ``dsv4lab.kernels``) of the matching components on or off.
 """
 from __future__ import annotations
@@ -77,7 +77,7 @@ def impl_label(mod: nn.Module) -> str:
     if lab:
         return lab
     fns = [fn for fn in (getattr(mod, "kernel", None), getattr(mod, "decode_kernel", None)) if fn is not None]
-    if fns:  # Attention: "kernel:prefill_attention+decode_attention"
+    if fns:  # Attention, Compressor: prefill and decode kernels
         return "kernel:" + "+".join(getattr(fn, "__name__", type(fn).__name__) for fn in fns)
     return "reference"
 

@@ -10,6 +10,7 @@
 | QLinear nvfp4 / mxfp4 / fp8_block, M >= 64 on sm_90+ | `linear_gemm.launch_gemm` (via `nvfp4_matmul`, `official_matmul`) | `w.dequantize` + `F.linear` | tests/test_gemm.py |
 | routed Experts prefill (nvfp4, mxfp4) | `moe_prefill.moe_prefill_triton` | `moe_prefill_ref.moe_prefill_ref` | tests/test_gemm.py |
 | Compressor pool | `compressor_pool_cute.compressor_pool_cute` | `compressor_pool_cute.compressor_pool_ref` | tests/test_cute_kernels.py |
+| Compressor decode step | `compressor_decode.compressor_decode_triton` | `dsv4lab.model.compressor.Compressor.decode_window` | tests/test_compressor_decode_kernel.py |
 | Attention prefill (bounded) | `attention_bounded.bounded_attention_triton` | `dsv4lab.model.bounded_attention.bounded_attention` | tests/test_attention_kernel.py |
 | HyperConnection mixes + collapse / expansion, HyperHead | `mhc_fused.hc_pre` / `hc_post` / `hc_head_pre` | `dsv4lab.model.mhc.mix_weights` + `collapse` / `HyperConnection.expand` / `head_weights` + `collapse` | tests/test_mhc_kernel.py |
 
@@ -18,7 +19,7 @@
 
 
 Entry points (``dispatch``: kernel where it runs, reference elsewhere): ``quant_linear``,
-``act_quant_nvfp4``, ``moe_decode``, ``moe_prefill``, ``compressor_pool``, ``prefill_attention``,
+``act_quant_nvfp4``, ``moe_decode``, ``moe_prefill``, ``compressor_pool``, ``compressor_decode``, ``prefill_attention``,
 ``decode_attention``, ``index_scores_decode``, ``mhc_pre``, ``mhc_post``, ``mhc_head_pre``. Installing them on a model:
 ``install.install_kernels(model, pattern, enable)``. Shared Triton helpers: ``common``; the
 launch-device guard and availability check: ``device``. Importing ``dsv4lab.kernels`` imports
@@ -28,10 +29,11 @@ See docs/kernels.md for layouts, tolerances and measured numbers.
 from __future__ import annotations
 
 from .device import have_triton_cuda
-from .dispatch import (act_quant_nvfp4, compressor_pool, decode_attention, index_scores_decode, mhc_head_pre, mhc_post,
-                       mhc_pre, moe_decode, moe_prefill, nvfp4_linear, prefill_attention, quant_linear)
+from .dispatch import (act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention, index_scores_decode,
+                       mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill, nvfp4_linear, prefill_attention,
+                       quant_linear)
 from .install import install_kernels, kernel_state, kernel_targets, restore_kernels
 
 __all__ = ["have_triton_cuda", "quant_linear", "nvfp4_linear", "moe_decode", "moe_prefill", "act_quant_nvfp4", "compressor_pool",
-           "prefill_attention", "decode_attention", "index_scores_decode", "mhc_pre", "mhc_post", "mhc_head_pre",
-           "install_kernels", "kernel_state", "kernel_targets", "restore_kernels"]
+           "compressor_decode", "prefill_attention", "decode_attention", "index_scores_decode", "mhc_pre", "mhc_post",
+           "mhc_head_pre", "install_kernels", "kernel_state", "kernel_targets", "restore_kernels"]

@@ -11,6 +11,8 @@ are imported inside the calls that use them (lazily, for that reason).
 * ``moe_prefill(x, ids, weights, w1, w3, w2, limit, weight_before_w2)``: routed experts for prefill
   tokens (grouped GEMMs over the tokens sorted by expert).
 * ``compressor_pool(kv, gate)``: the Compressor's softmax pool (CuTeDSL kernel).
+* ``compressor_decode(comp, kv, z, pos, st)``: ``Compressor.decode_kernel``, the decode step after
+  the two projections (ring write, masked pool + norm + RoPE + entry write) in one Triton launch.
 * ``prefill_attention(q, sink, scale, window, window_keys, q_start, k_start, entries, ratio,
   selected, ...)``: ``Attention.kernel``, the bounded prefill attention (Triton).
 * ``mhc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)`` / ``mhc_post(streams, block_out,
@@ -35,13 +37,15 @@ from ..model.bounded_attention import bounded_attention
 from ..model.mhc import HyperConnection, collapse, head_weights, mix_weights
 from ..model.decode_attention import decode_attention as decode_attention_ref
 from ..model.indexer import index_scores_decode as index_scores_decode_ref
+from ..model.compressor import Compressor
+from ..model.state import CompressorState
 from .moe_decode_ref import moe_decode_ref
 from .moe_prefill_ref import moe_prefill_ref
 
 KERNEL_FORMATS = ("nvfp4", "mxfp4", "fp8_block")
 
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear",
-           "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "prefill_attention", "decode_attention",
+           "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention",
            "index_scores_decode", "mhc_pre", "mhc_post", "mhc_head_pre"]
 
 
@@ -119,6 +123,19 @@ def compressor_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """softmax(gate, dim=2) weighted sum of kv [B, nW, L, d] -> [B, nW, d]: the CuTeDSL kernel on
     CUDA with cutlass importable, ``compressor_pool_ref`` elsewhere."""
     return pool_cute.compressor_pool(kv, gate)
+
+
+def compressor_decode(comp: Compressor, kv: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
+                      st: CompressorState) -> torch.Tensor:
+    """``Compressor.decode`` after its projections kv = wkv(x), z = wgate(x) (the raw gate, no
+    ape): the Triton kernel for CUDA tensors of a kernel dtype, ``comp.decode_window`` (the
+    reference) elsewhere. Returns the entry count (pos + 1) // ratio on the device."""
+    if kernel_can_take(kv) and st.ring_kv.is_cuda:
+        from .compressor_decode import compressor_decode_triton  # lazy: imports triton
+
+        return compressor_decode_triton(kv, z, pos, st.ring_kv, st.ring_gate, st.entries, comp.ape, comp.norm.weight,
+                                        comp.rotary.inv_freq, comp.norm.eps, comp.overlap)
+    return comp.decode_window(kv, comp.gate_logits(z, (pos % comp.ratio).view(1)), pos, st)
 
 
 def prefill_attention(q: torch.Tensor, sink: torch.Tensor, scale: float, window: int, window_keys: torch.Tensor,

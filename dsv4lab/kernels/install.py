@@ -2,12 +2,13 @@
 
 Targets: every ``QLinear`` (``.kernel``: the matmul; ``.act_kernel``: the w4a4 activation
 quantiser), every routed ``Experts`` block (``.kernel``: the fused decode; ``.prefill_kernel``: the
-grouped-GEMM prefill), every ``Compressor`` (``.kernel``: the softmax pool), every ``Attention``
+grouped-GEMM prefill), every ``Compressor``
+(``.kernel``: the CuTeDSL softmax pool of prefill; ``.decode_kernel``: the Triton decode step), every ``Attention``
 (``.kernel``: the bounded prefill attention; ``.decode_kernel``: the decode attention), every
 ``Indexer`` (``.decode_kernel``: the decode scores), every mHC site ``HyperConnection`` (``.kernel``:
 mixes + collapse; ``.post_kernel``: the expansion) and the ``HyperHead`` (``.kernel``) whose own
 name, or an enclosing component's, matches the pattern.
-By default a kernel goes only where it runs: weights (or, for the pool, parameters) on CUDA with
+By default a kernel goes only where it runs: weights (or, for the compressor and mHC, parameters) on CUDA with
 triton (cutlass for the pool) importable; elsewhere the reference stays. Imports no triton.
 """
 from __future__ import annotations
@@ -25,9 +26,9 @@ from ..model.moe import Experts
 from ..patterns import component_matcher, no_match_error, unmatched
 from . import compressor_pool_cute as pool_cute
 from .device import have_triton_cuda
-from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, decode_attention, index_scores_decode,
-                       mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill, prefill_attention, quant_linear,
-                       weight_on_cuda)
+from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention,
+                       index_scores_decode, mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill, prefill_attention,
+                       quant_linear, weight_on_cuda)
 
 TARGETS = (QLinear, Experts, Compressor, Attention, Indexer, HyperConnection, HyperHead)
 
@@ -71,6 +72,7 @@ KERNEL_SLOTS: dict[type, tuple[str, ...]] = {
     HyperConnection: ("kernel", "post_kernel"),
     Attention: ("kernel", "decode_kernel"),
     Indexer: ("decode_kernel",),
+    Compressor: ("kernel", "decode_kernel"),
 }
 
 
@@ -111,10 +113,13 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
         else:
             mod.kernel = mhc_head_pre
         return True
-    if not (have_cute and _on_cuda(mod.ape)):  # Compressor
+    if not _on_cuda(mod.ape):  # Compressor: the pool (cutlass) and the decode step (triton) each where it runs
         return False
-    mod.kernel = compressor_pool
-    return True
+    if have_cute:
+        mod.kernel = compressor_pool
+    if have_triton:
+        mod.decode_kernel = compressor_decode
+    return have_cute or have_triton
 
 
 def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, strict: bool = False,
@@ -127,7 +132,8 @@ def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, stri
 
     Defaults: ``quant_linear`` as ``QLinear.kernel`` (NVFP4, MXFP4, FP8-block weights) with
     ``act_quant_nvfp4`` as its ``act_kernel``, ``moe_decode`` as ``Experts.kernel`` and ``moe_prefill``
-    as ``Experts.prefill_kernel`` (NVFP4 or MXFP4 experts), ``compressor_pool`` as ``Compressor.kernel``,
+    as ``Experts.prefill_kernel`` (NVFP4 or MXFP4 experts), ``compressor_pool`` as ``Compressor.kernel``
+    and ``compressor_decode`` as its ``decode_kernel``,
     ``prefill_attention`` as ``Attention.kernel`` with ``decode_attention`` as its ``decode_kernel``,
     ``index_scores_decode`` as ``Indexer.decode_kernel``, ``mhc_pre`` / ``mhc_post`` as
     ``HyperConnection.kernel`` / ``.post_kernel``, ``mhc_head_pre`` as ``HyperHead.kernel``, each only
