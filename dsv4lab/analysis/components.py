@@ -75,9 +75,10 @@ def impl_label(mod: nn.Module) -> str:
     lab = getattr(mod, "_impl_label", None)
     if lab:
         return lab
-    if getattr(mod, "kernel", None) is not None:
-        return f"kernel:{getattr(mod.kernel, '__name__', type(mod.kernel).__name__)}"
-    return "reference"
+    # the main slot, else another installed ``*_kernel`` slot (a Router on a plain gate: route_kernel)
+    fns = [getattr(mod, "kernel", None)] + [v for k, v in vars(mod).items() if k.endswith("_kernel")]
+    fn = next((f for f in fns if f is not None), None)
+    return "reference" if fn is None else f"kernel:{getattr(fn, '__name__', type(fn).__name__)}"
 
 
 def iter_components(model, pattern=None):

@@ -11,6 +11,10 @@ are imported inside the calls that use them (lazily, for that reason).
 * ``compressor_pool(kv, gate)``: the Compressor's softmax pool (CuTeDSL kernel).
 * ``prefill_attention(q, sink, scale, window, window_keys, q_start, k_start, entries, ratio,
   selected, ...)``: ``Attention.kernel``, the bounded prefill attention (Triton).
+* ``rms_norm(x, weight, eps)`` / ``norm_rope(x, positions, inv_freq, ...)``: ``Attention.norm_kernel``
+  / ``rope_kernel``, the q_norm and the norm + RoPE (+ kv_fp8) / inverse RoPE launches (Triton).
+* ``route(logits, top_k, scoring, scale, bias, tid2eid, input_ids)``: ``Router.route_kernel``,
+  scores + choice + weights after the gate matmul (Triton).
 Which component gets which: ``dsv4lab.kernels.install``.
 """
 from __future__ import annotations
@@ -21,14 +25,18 @@ import torch.nn.functional as F
 from ..quant.activations import fake_quant_nvfp4
 from ..quant.stacked import StackedMXFP4, StackedNVFP4, stack_experts
 from . import compressor_pool_cute as pool_cute
-from .device import have_triton_cuda, kernel_can_take
+from .device import KERNEL_DTYPES, have_triton_cuda, kernel_can_take
 from ..model.bounded_attention import bounded_attention
+from ..model.moe import route as route_ref
+from ..model.norms import rms_norm as rms_norm_ref
 from .moe_decode_ref import moe_decode_ref
+from .norm_rope_ref import norm_rope_ref
 
 KERNEL_FORMATS = ("nvfp4", "mxfp4", "fp8_block")
+ROUTE_MAX_EXPERTS = 4096  # the router kernel holds one token's scores in registers
 
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear",
-           "act_quant_nvfp4", "moe_decode", "compressor_pool", "prefill_attention"]
+           "act_quant_nvfp4", "moe_decode", "compressor_pool", "prefill_attention", "rms_norm", "norm_rope", "route"]
 
 
 def weight_on_cuda(w) -> bool:
@@ -104,3 +112,41 @@ def prefill_attention(q: torch.Tensor, sink: torch.Tensor, scale: float, window:
         return bounded_attention_triton(q, sink, scale, window, window_keys, q_start, k_start, entries, ratio, selected)
     return bounded_attention(q, sink, scale, window, window_keys, q_start, k_start, entries, ratio, selected,
                              q_block, k_block, block_bytes)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``dsv4lab.model.norms.rms_norm`` (RMSNorm's math): one Triton launch on CUDA."""
+    if kernel_can_take(x) and weight.dtype in KERNEL_DTYPES:
+        from .norm_rope import NORM_WEIGHTED, launch_norm_rope  # lazy: imports triton
+
+        out = launch_norm_rope(x.unsqueeze(-2), torch.promote_types(weight.dtype, x.dtype), norm=NORM_WEIGHTED,
+                               eps=eps, weight=weight)
+        return out.squeeze(-2)
+    return rms_norm_ref(x, weight, eps)
+
+
+def norm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float | None = None,
+              weight: torch.Tensor | None = None, inverse: bool = False, fp8_nope: bool = False) -> torch.Tensor:
+    """``norm_rope_ref`` (same signature; x [..., S, H, D], positions [S] on the device): one Triton
+    launch on CUDA, the angles computed from the positions there (no tables, no host sync)."""
+    if kernel_can_take(x) and (weight is None or weight.dtype in KERNEL_DTYPES) and x.shape[-1] % 2 == 0:
+        from .norm_rope import NORM_NONE, NORM_PLAIN, NORM_WEIGHTED, launch_norm_rope  # lazy: imports triton
+
+        norm = NORM_NONE if eps is None else NORM_PLAIN if weight is None else NORM_WEIGHTED
+        out_dtype = x.dtype if norm != NORM_WEIGHTED else torch.promote_types(weight.dtype, x.dtype)
+        return launch_norm_rope(x, out_dtype, norm=norm, eps=eps or 0.0, weight=weight, positions=positions,
+                                inv_freq=inv_freq, inverse=inverse, fp8_nope=fp8_nope)
+    return norm_rope_ref(x, positions, inv_freq, eps, weight, inverse, fp8_nope)
+
+
+def route(logits: torch.Tensor, top_k: int, scoring: str, scale: float, bias: torch.Tensor | None = None,
+          tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dsv4lab.model.moe.route`` (same signature): one Triton launch on CUDA (up to
+    ``ROUTE_MAX_EXPERTS`` experts, one program's row), the reference elsewhere."""
+    if (kernel_can_take(logits) and logits.dim() == 2 and logits.shape[-1] <= ROUTE_MAX_EXPERTS
+            and scoring in ("sqrtsoftplus", "sigmoid", "softmax")):
+        from .router_topk import route_triton  # lazy: imports triton
+
+        return route_triton(logits, top_k, scoring, scale, bias, tid2eid, input_ids)
+    return route_ref(logits, top_k, scoring, scale, bias, tid2eid, input_ids)

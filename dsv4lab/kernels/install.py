@@ -1,9 +1,11 @@
 """Which component gets which kernel, and switching them on and off.
 
 Targets: every ``QLinear`` (``.kernel``: the matmul; ``.act_kernel``: the w4a4 activation
-quantiser), every routed ``Experts`` block (``.kernel``: the fused decode), every ``Compressor``
-(``.kernel``: the softmax pool) and every ``Attention`` (``.kernel``: the bounded prefill
-attention) whose own name, or an enclosing component's, matches the pattern.
+quantiser; a ``Router`` also ``.route_kernel``: scores + choice + weights), every routed
+``Experts`` block (``.kernel``: the fused decode), every ``Compressor`` (``.kernel``: the softmax
+pool) and every ``Attention`` (``.kernel``: the bounded prefill attention; ``.norm_kernel`` and
+``.rope_kernel``: the q/kv norms and RoPE, the output's inverse RoPE) whose own name, or an
+enclosing component's, matches the pattern.
 By default a kernel goes only where it runs: weights (or, for the pool, parameters) on CUDA with
 triton (cutlass for the pool) importable; elsewhere the reference stays. Imports no triton.
 """
@@ -16,12 +18,12 @@ from torch import nn
 from ..model.attention import Attention
 from ..model.compressor import Compressor
 from ..model.linear import QLinear
-from ..model.moe import Experts
+from ..model.moe import Experts, Router
 from ..patterns import component_matcher, no_match_error, unmatched
 from . import compressor_pool_cute as pool_cute
 from .device import have_triton_cuda
-from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, moe_decode, prefill_attention, quant_linear,
-                       weight_on_cuda)
+from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, moe_decode, norm_rope, prefill_attention,
+                       quant_linear, rms_norm, route, weight_on_cuda)
 
 TARGETS = (QLinear, Experts, Compressor, Attention)
 
@@ -59,14 +61,25 @@ def experts_fp4_on_cuda(experts: Experts) -> bool:
 
 
 def _kernel_slots(mod: nn.Module) -> tuple[str, ...]:
-    return ("kernel", "act_kernel") if isinstance(mod, QLinear) else ("kernel",)
+    if isinstance(mod, Router):
+        return ("kernel", "act_kernel", "route_kernel")
+    if isinstance(mod, QLinear):
+        return ("kernel", "act_kernel")
+    if isinstance(mod, Attention):
+        return ("kernel", "norm_kernel", "rope_kernel")
+    return ("kernel",)
 
 
 def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool:
     if isinstance(mod, QLinear):
+        routed = False
+        if isinstance(mod, Router) and have_triton and (weight_on_cuda(mod.qweight) if mod.qweight is not None
+                                                        else _on_cuda(mod.weight)):
+            mod.route_kernel = route
+            routed = True
         qw = mod.qweight
         if qw is None or not have_triton or qw.format not in KERNEL_FORMATS or not weight_on_cuda(qw):
-            return False
+            return routed
         mod.kernel = quant_linear
         mod.act_kernel = act_quant_nvfp4  # bit-exact with fake_quant_nvfp4; used in w4a4 only
         return True
@@ -79,6 +92,8 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
         if not (have_triton and _on_cuda(mod.sink)):
             return False
         mod.kernel = prefill_attention
+        mod.norm_kernel = rms_norm
+        mod.rope_kernel = norm_rope
         return True
     if not (have_cute and _on_cuda(mod.ape)):  # Compressor
         return False
@@ -94,8 +109,9 @@ def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, stri
     the reference (disable; only those that had a kernel). ``strict``: KeyError when nothing matches.
 
     Defaults: ``quant_linear`` as ``QLinear.kernel`` (NVFP4, MXFP4, FP8-block weights) with
-    ``act_quant_nvfp4`` as its ``act_kernel``, ``moe_decode`` as ``Experts.kernel`` (NVFP4 or MXFP4
-    experts), ``compressor_pool`` as ``Compressor.kernel``, ``prefill_attention`` as ``Attention.kernel``,
+    ``act_quant_nvfp4`` as its ``act_kernel``, ``route`` as ``Router.route_kernel``, ``moe_decode`` as
+    ``Experts.kernel`` (NVFP4 or MXFP4 experts), ``compressor_pool`` as ``Compressor.kernel``,
+    ``prefill_attention`` / ``rms_norm`` / ``norm_rope`` as ``Attention.kernel`` / ``norm_kernel`` / ``rope_kernel``,
     each only where it runs (see the module
     docstring). ``linear=`` / ``experts=`` install another callable with the same signature on
     every matching quantised QLinear / Experts whatever the device (e.g. a reference-equal fake on
