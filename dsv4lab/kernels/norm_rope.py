@@ -22,9 +22,9 @@ from .common import INTERPRET
 from .device import on_input_device
 
 NORM_NONE, NORM_PLAIN, NORM_WEIGHTED = 0, 1, 2  # NORM constexpr: none, unweighted (q heads), weighted
-E4M3_MAX = 448.0
-KV_FP8_BLOCK_PAIRS = 32  # 64 channels per kv_fp8 block = 32 RoPE pairs
-RNE_MAGIC = 12582912.0   # 1.5 * 2^23: (r + M) - M rounds 0 <= r < 2^22 to the nearest even integer
+E4M3_MAX = tl.constexpr(448.0)
+KV_FP8_BLOCK_PAIRS = tl.constexpr(32)  # 64 channels per kv_fp8 block = 32 RoPE pairs
+RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2^23: (r + M) - M rounds 0 <= r < 2^22 to the nearest even integer
 
 
 @triton.jit
@@ -135,7 +135,7 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
     T, H, D = x3.shape
     y = torch.empty(T, H, D, device=x.device, dtype=out_dtype)
     rope = positions is not None
-    BP = max(triton.next_power_of_2(D // 2), KV_FP8_BLOCK_PAIRS if fp8_nope else 1)
+    BP = max(triton.next_power_of_2(D // 2), KV_FP8_BLOCK_PAIRS.value if fp8_nope else 1)
     HB = heads_per_program or min(triton.next_power_of_2(H), 2)  # H=128: 64 programs per row
     _norm_rope_kernel[(T, triton.cdiv(H, HB))](
         x3, y, x3 if weight is None else weight, positions if rope else x3, inv_freq if rope else x3,

@@ -19,20 +19,25 @@ from .common import INTERPRET
 from .device import on_input_device
 
 SCORES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
-SOFTPLUS_THRESHOLD = 20.0  # F.softplus(beta=1, threshold=20): x itself above it
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus(beta=1, threshold=20): x itself above it
 
 
 @triton.jit
 def _elementwise_score(l, SCORE: tl.constexpr, PRECISE: tl.constexpr):
-    if SCORE == 0:    # sqrt(softplus(l))
+    """sqrt(softplus(l)) (SCORE 0) or 1 / (1 + exp(-l)) (SCORE 1), as torch's CUDA kernels compute them."""
+    if PRECISE:
+        e = libdevice.exp(l if SCORE == 0 else -l)
+    else:             # the interpreter has no libdevice
+        e = tl.exp(l if SCORE == 0 else -l)
+    if SCORE == 0:
         if PRECISE:
-            sp = libdevice.log1p(libdevice.exp(l))
-        else:         # the interpreter has no libdevice
-            sp = tl.log(1.0 + tl.exp(l))
-        return tl.sqrt_rn(tl.where(l > SOFTPLUS_THRESHOLD, l, sp))
-    if PRECISE:       # 1 / (1 + exp(-l))
-        return _div(tl.full(l.shape, 1.0, tl.float32), 1.0 + libdevice.exp(-l))
-    return _div(tl.full(l.shape, 1.0, tl.float32), 1.0 + tl.exp(-l))
+            sp = libdevice.log1p(e)
+        else:
+            sp = tl.log(1.0 + e)
+        s = tl.sqrt_rn(tl.where(l > SOFTPLUS_THRESHOLD, l, sp))
+    else:
+        s = _div(tl.full(l.shape, 1.0, tl.float32), 1.0 + e)
+    return s
 
 
 @triton.jit
