@@ -87,6 +87,17 @@ def test_interp_tma_gemv(interp_results):
     assert interp_results["tma_rejects_m17"] is True
 
 
+def test_interp_grouped_tma_gemv(interp_results):
+    """The block-diagonal use (wo_a) of the TMA GEMV: each row block against its own x row in one
+    prelude + one GEMV (split 1 with 1/xs in the pair rows, split 2 by pointer); tiles must not
+    straddle blocks; more tokens take one GEMV per block."""
+    for k in ("tmagrp_split1", "tmagrp_split2"):
+        v = interp_results[k]
+        assert v["bad"] == 0 and v["ref_max"] > 0 and v["max_abs"] <= 2e-3 * v["ref_max"], (k, v)
+    assert interp_results["tmagrp_rejects_partial_tiles"] is True
+    assert interp_results["grouped_loop"]["bad"] == 0
+
+
 def test_interp_nvfp4_matmul(interp_results):
     mm = {k: v for k, v in interp_results.items() if k.startswith("mm_")}
     assert len(mm) == 2 * (4 + 3 + 2 + 4 + 1)

@@ -5,6 +5,8 @@ are imported inside the calls that use them (lazily, for that reason).
 * ``quant_linear(x, w)`` (alias ``nvfp4_linear``): ``QLinear.kernel``-compatible ``f(x, qweight) -> y``
   for NVFP4, MXFP4 and FP8-block weights; other formats, CPU tensors or unsupported dtypes take the
   reference (``w.dequantize`` + ``F.linear``).
+* ``grouped_quant_linear(x, w, groups)``: ``QLinear.grouped_kernel``, the block-diagonal use (wo_a)
+  in one GEMV for one NVFP4 token.
 * ``act_quant_nvfp4(x, global_scale)``: NVFP4 fake quant of activations (``QLinear.act_kernel``,
   drop-in for ``fake_quant_nvfp4``, bit-exact).
 * ``moe_decode(x, ids, weights, w1, w3, w2, limit)``: routed experts for decode tokens.
@@ -27,6 +29,7 @@ from ..quant.stacked import StackedMXFP4, StackedNVFP4, stack_experts
 from . import compressor_pool_cute as pool_cute
 from .device import KERNEL_DTYPES, have_triton_cuda, kernel_can_take
 from ..model.bounded_attention import bounded_attention
+from ..model.linear import grouped_linear
 from ..model.moe import route as route_ref
 from ..model.norms import rms_norm as rms_norm_ref
 from .moe_decode_ref import moe_decode_ref
@@ -35,7 +38,7 @@ from .norm_rope_ref import norm_rope_ref
 KERNEL_FORMATS = ("nvfp4", "mxfp4", "fp8_block")
 ROUTE_MAX_EXPERTS = 4096  # the router kernel holds one token's scores in registers
 
-__all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear",
+__all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "grouped_quant_linear",
            "act_quant_nvfp4", "moe_decode", "compressor_pool", "prefill_attention", "rms_norm", "norm_rope", "route"]
 
 
@@ -63,6 +66,17 @@ def quant_linear(x: torch.Tensor, w) -> torch.Tensor:
 
 
 nvfp4_linear = quant_linear  # the name QLinear.kernel had when only NVFP4 had a kernel
+
+
+def grouped_quant_linear(x: torch.Tensor, w, groups: int) -> torch.Tensor:
+    """x [..., G, in] times the G row blocks of a ``QuantWeight`` -> [..., G, out/G]: NVFP4 on CUDA
+    through ``linear_nvfp4.nvfp4_grouped_matmul`` (one GEMV for one token), else the dense
+    reference (``grouped_linear`` of ``w.dequantize(x.dtype)``)."""
+    if getattr(w, "format", None) == "nvfp4" and kernel_can_take(x) and weight_on_cuda(w):
+        from .linear_nvfp4 import nvfp4_grouped_matmul  # lazy: imports triton
+
+        return nvfp4_grouped_matmul(x, w.packed, w.block_scale, w.global_scale)
+    return grouped_linear(x, w.dequantize(x.dtype), groups)
 
 
 def act_quant_nvfp4(x: torch.Tensor, global_scale) -> torch.Tensor:

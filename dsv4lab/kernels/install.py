@@ -1,7 +1,7 @@
 """Which component gets which kernel, and switching them on and off.
 
 Targets: every ``QLinear`` (``.kernel``: the matmul; ``.act_kernel``: the w4a4 activation
-quantiser; a ``Router`` also ``.route_kernel``: scores + choice + weights), every routed
+quantiser; ``.grouped_kernel``: the block-diagonal use, NVFP4; a ``Router`` also ``.route_kernel``: scores + choice + weights), every routed
 ``Experts`` block (``.kernel``: the fused decode), every ``Compressor`` (``.kernel``: the softmax
 pool) and every ``Attention`` (``.kernel``: the bounded prefill attention; ``.norm_kernel`` and
 ``.rope_kernel``: the q/kv norms and RoPE, the output's inverse RoPE) whose own name, or an
@@ -22,8 +22,8 @@ from ..model.moe import Experts, Router
 from ..patterns import component_matcher, no_match_error, unmatched
 from . import compressor_pool_cute as pool_cute
 from .device import have_triton_cuda
-from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, moe_decode, norm_rope, prefill_attention,
-                       quant_linear, rms_norm, route, weight_on_cuda)
+from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, grouped_quant_linear, moe_decode, norm_rope,
+                       prefill_attention, quant_linear, rms_norm, route, weight_on_cuda)
 
 TARGETS = (QLinear, Experts, Compressor, Attention)
 
@@ -62,9 +62,9 @@ def experts_fp4_on_cuda(experts: Experts) -> bool:
 
 def _kernel_slots(mod: nn.Module) -> tuple[str, ...]:
     if isinstance(mod, Router):
-        return ("kernel", "act_kernel", "route_kernel")
+        return ("kernel", "act_kernel", "grouped_kernel", "route_kernel")
     if isinstance(mod, QLinear):
-        return ("kernel", "act_kernel")
+        return ("kernel", "act_kernel", "grouped_kernel")
     if isinstance(mod, Attention):
         return ("kernel", "norm_kernel", "rope_kernel")
     return ("kernel",)
@@ -82,6 +82,8 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
             return routed
         mod.kernel = quant_linear
         mod.act_kernel = act_quant_nvfp4  # bit-exact with fake_quant_nvfp4; used in w4a4 only
+        if qw.format == "nvfp4":  # the block-diagonal use (wo_a) in one GEMV
+            mod.grouped_kernel = grouped_quant_linear
         return True
     if isinstance(mod, Experts):
         if not (have_triton and experts_fp4_on_cuda(mod)):
