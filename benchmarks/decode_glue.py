@@ -20,33 +20,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels import graph_time_us  # noqa: E402  (benchmarks/kernels.py, beside this script)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def graph_us(fn, reps: int = 200) -> tuple[float, int]:
-    """(mean us per replay, kernel nodes) of ``fn`` captured once in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    st.record()
-    for _ in range(reps):
-        g.replay()
-    en.record()
-    torch.cuda.synchronize()
+def timed(fn) -> tuple[float, int]:
+    """(us per call as CUDA-graph replays, ``kernels.graph_time_us``; kernels one eager call launches)."""
+    t = graph_time_us([fn], reps=200)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        g.replay()
+        fn()
         torch.cuda.synchronize()
-    nodes = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return st.elapsed_time(en) * 1e3 / reps, nodes
+    return t, sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 @torch.no_grad()
@@ -107,7 +92,7 @@ def main() -> None:
     }
     res = {}
     for name, (ref_fn, kern_fn) in cases.items():
-        (rt, rn), (kt, kn) = graph_us(ref_fn), graph_us(kern_fn)
+        (rt, rn), (kt, kn) = timed(ref_fn), timed(kern_fn)
         res[name] = {"reference_us": rt, "reference_launches": rn, "kernel_us": kt, "kernel_launches": kn,
                      "speedup": rt / kt}
     res["wo_a_grouped"]["reference"] = "one TMA GEMV per group (today's QLinear.grouped with kernels)"

@@ -34,6 +34,8 @@ from dsv4lab.model.moe import Router
 from dsv4lab.quant.modes import RoundTrip
 from dsv4lab.workbench import random_model
 from oracle_util import random_ids, tiny_config
+from test_kernels_model import Counting
+from test_kernels_model import _prefill_decode as _run
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,26 +59,6 @@ def test_interp_glue_kernels_match_reference():
     for case in route_cases:
         assert res[case]["ids_equal"] and res[case]["w_max_rel"] <= 1e-6, (case, res[case])
     assert res["ties"]["ids"] == [[1, 4, 0, 2]] * 2 and res["ties"]["w"] == [[0.25] * 4] * 2
-
-
-class Counting:
-    def __init__(self, fn):
-        self.fn, self.calls = fn, 0
-        self.__name__ = fn.__name__
-
-    def __call__(self, *a, **k):
-        self.calls += 1
-        return self.fn(*a, **k)
-
-
-def _run(m, ids, n_prefill):
-    with torch.no_grad():
-        st = m.new_state(ids.shape[0], ids.shape[1])
-        parts = [m.prefill(ids[:, :n_prefill], st)]
-        for t in range(n_prefill, ids.shape[1]):
-            parts.append(m.decode_step(ids[:, t : t + 1], st))
-            st.pos += 1
-    return torch.cat(parts, 1)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +92,7 @@ def test_attention_glue_slots(tiny, kv_fp8):
         with m.hooks([("layers.1.attn.hook_kv", lambda t, n: None)]):
             assert torch.equal(_run(m, ids, 20), ref)
         assert rope.calls == 3 * (len(attns) - 1) * steps  # layer 1 ran the reference
-        assert set(components(m, "layers.*.attn").impl) == {"kernel:rms_norm"}
+        assert set(components(m, "layers.*.attn").impl) == {"kernel:counting_rms_norm"}
     finally:
         for a in attns:
             a.round_trips = frozenset()
@@ -133,7 +115,7 @@ def test_router_route_kernel_slot(tiny):
         assert torch.equal(_run(m, ids, 20), ref)
         steps = 1 + ids.shape[1] - 20
         assert kern.calls == len(routers) * steps
-        assert components(m, "layers.0.mlp.router").impl.iloc[0] == "kernel:route"  # plain gate: the route slot
+        assert components(m, "layers.0.mlp.router").impl.iloc[0] == "kernel:counting_route"  # plain gate: the route slot
         for hook in ("hook_logits", "hook_ids", "hook_weights"):
             kern.calls = 0
             with m.hooks([(f"layers.2.mlp.router.{hook}", lambda t, n: None)]):

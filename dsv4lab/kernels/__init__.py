@@ -8,10 +8,14 @@
 | QLinear w4a4 activation quant | `act_quant_nvfp4.nvfp4_act_quant` | `dsv4lab.quant.activations.fake_quant_nvfp4` | tests/test_kernels.py |
 | routed Experts decode (nvfp4, mxfp4) | `moe_decode.moe_decode_triton` (-> `moe_decode_tma.moe_decode_tma` on sm_90+) | `moe_decode_ref.moe_decode_ref` | tests/test_kernels.py, tests/test_kernels_model.py |
 | Compressor pool | `compressor_pool_cute.compressor_pool_cute` | `compressor_pool_cute.compressor_pool_ref` | tests/test_cute_kernels.py |
+| QLinear grouped (wo_a), nvfp4 | `linear_nvfp4.nvfp4_grouped_matmul` (-> `linear_nvfp4_tma.launch_gemv_tma(groups=G)`) | `dsv4lab.model.linear.grouped_linear` | tests/test_kernels.py |
+| Attention q_norm / norm + RoPE / inverse RoPE (decode glue) | `norm_rope.launch_norm_rope` | `dsv4lab.model.norms.rms_norm`, `norm_rope_ref.norm_rope_ref` | tests/test_glue_kernels.py |
+| Router scores + top-k / hash + weights | `router_topk.route_triton` | `dsv4lab.model.moe.route` | tests/test_glue_kernels.py |
 | Attention prefill (bounded) | `attention_bounded.bounded_attention_triton` | `dsv4lab.model.bounded_attention.bounded_attention` | tests/test_attention_kernel.py |
 
 Entry points (``dispatch``: kernel where it runs, reference elsewhere): ``quant_linear``,
-``act_quant_nvfp4``, ``moe_decode``, ``compressor_pool``, ``prefill_attention``. Installing them on a model:
+``grouped_quant_linear``, ``act_quant_nvfp4``, ``moe_decode``, ``compressor_pool``, ``prefill_attention``,
+``rms_norm``, ``norm_rope``, ``route``. Installing them on a model:
 ``install.install_kernels(model, pattern, enable)``. Shared Triton helpers: ``common``; the
 launch-device guard and availability check: ``device``. Importing ``dsv4lab.kernels`` imports
 neither triton nor cutlass (the kernel modules do, and are imported inside the calls).
@@ -20,8 +24,9 @@ See docs/kernels.md for layouts, tolerances and measured numbers.
 from __future__ import annotations
 
 from .device import have_triton_cuda
-from .dispatch import act_quant_nvfp4, compressor_pool, moe_decode, nvfp4_linear, prefill_attention, quant_linear
+from .dispatch import (act_quant_nvfp4, compressor_pool, grouped_quant_linear, moe_decode, norm_rope, nvfp4_linear,
+                       prefill_attention, quant_linear, rms_norm, route)
 from .install import install_kernels, kernel_state, kernel_targets, restore_kernels
 
-__all__ = ["have_triton_cuda", "quant_linear", "nvfp4_linear", "moe_decode", "act_quant_nvfp4", "compressor_pool",
-           "prefill_attention", "install_kernels", "kernel_state", "kernel_targets", "restore_kernels"]
+__all__ = ["have_triton_cuda", "quant_linear", "nvfp4_linear", "grouped_quant_linear", "moe_decode", "act_quant_nvfp4",
+           "compressor_pool", "prefill_attention", "rms_norm", "norm_rope", "route", "install_kernels", "kernel_state", "kernel_targets", "restore_kernels"]
