@@ -92,6 +92,13 @@ def test_attention_glue_slots(tiny, kv_fp8):
         with m.hooks([("layers.1.attn.hook_kv", lambda t, n: None)]):
             assert torch.equal(_run(m, ids, 20), ref)
         assert rope.calls == 3 * (len(attns) - 1) * steps  # layer 1 ran the reference
+        rope.calls = 0
+        m.train()
+        try:
+            m(ids[:, :8])  # training with grad: the kernels have no backward
+        finally:
+            m.eval()
+        assert rope.calls == 0
         assert set(components(m, "layers.*.attn").impl) == {"kernel:counting_rms_norm"}
     finally:
         for a in attns:

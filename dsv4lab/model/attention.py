@@ -78,10 +78,12 @@ class Attention(nn.Module):
     def fused_rows(self) -> bool:
         """Do ``_q_kv`` / ``_output`` run the fused slots? ``rope_kernel`` installed, the norms
         and rotary stock (a replaced one is not what the kernels compute) and neither ``hook_q``
-        nor ``hook_kv`` listening (hooks see the reference's tensors). Host-side checks only."""
+        nor ``hook_kv`` listening (hooks see the reference's tensors), and not training (the
+        kernels have no backward). Host-side checks only."""
         return (self.rope_kernel is not None and type(self.q_norm) is RMSNorm and type(self.kv_norm) is RMSNorm
                 and type(self.rotary).forward is Rotary.forward
-                and not (self.hook_q.active or self.hook_kv.active))
+                and not (self.hook_q.active or self.hook_kv.active)
+                and not (self.training and torch.is_grad_enabled()))
 
     def _q_kv(self, x: torch.Tensor, positions: torch.Tensor):
         """(q_res, q, kv, cos, sin): the latent query (for the indexer), the queries, the new K=V

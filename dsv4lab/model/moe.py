@@ -53,10 +53,11 @@ class Router(QLinear):
         self.hook_weights = HookPoint("routing weights [T,k] (fp32, scaled)")
 
     def kernel_applies(self) -> bool:
-        """Does a call run ``route_kernel``? Installed and no router hook listening (the kernel
-        never shows the logits, ids and weights to hooks)."""
-        return self.route_kernel is not None and not (
-            self.hook_logits.active or self.hook_ids.active or self.hook_weights.active)
+        """Does a call run ``route_kernel``? Installed, no router hook listening (the kernel never
+        shows the logits, ids and weights to hooks) and not training (it has no backward)."""
+        return (self.route_kernel is not None
+                and not (self.hook_logits.active or self.hook_ids.active or self.hook_weights.active)
+                and not (self.training and torch.is_grad_enabled()))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         flat = x.reshape(-1, x.shape[-1])
