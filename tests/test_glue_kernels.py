@@ -135,6 +135,18 @@ def test_router_route_kernel_slot(tiny):
     assert all(r.route_kernel is None for r in routers)
 
 
+def test_glue_entry_points_name_bad_arguments():
+    x = torch.zeros(1, 3, 2, 16)
+    with pytest.raises(ValueError, match="len\\(positions\\)"):
+        norm_rope(x, torch.arange(2), torch.ones(4))
+    with pytest.raises(ValueError, match="unsqueeze"):
+        norm_rope(torch.zeros(3, 16), torch.arange(3), torch.ones(4))
+    with pytest.raises(ValueError, match="top_k"):
+        route(torch.zeros(2, 4), 5, "sigmoid", 1.0, torch.zeros(4))
+    with pytest.raises(ValueError, match="input_ids"):
+        route(torch.zeros(2, 4), 2, "sigmoid", 1.0, None, torch.zeros(9, 2, dtype=torch.long))
+
+
 # ----------------------------------------------------------------------------- GPU, V4-Pro shapes
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and triton_importable()), reason="needs CUDA + triton")
 

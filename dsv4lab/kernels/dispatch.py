@@ -143,6 +143,10 @@ def norm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, 
               weight: torch.Tensor | None = None, inverse: bool = False, fp8_nope: bool = False) -> torch.Tensor:
     """``norm_rope_ref`` (same signature; x [..., S, H, D], positions [S] on the device): one Triton
     launch on CUDA, the angles computed from the positions there (no tables, no host sync)."""
+    if x.dim() < 3 or x.shape[-3] != positions.numel() or 2 * inv_freq.shape[-1] > x.shape[-1]:
+        raise ValueError(f"norm_rope: x must be [..., S, H, D] with S = len(positions) and D >= 2 * len(inv_freq); "
+                         f"got x {tuple(x.shape)}, {positions.numel()} positions, {inv_freq.shape[-1]} frequencies "
+                         "(one head: unsqueeze(-2))")
     if kernel_can_take(x) and (weight is None or weight.dtype in KERNEL_DTYPES) and x.shape[-1] % 2 == 0:
         from .norm_rope import NORM_NONE, NORM_PLAIN, NORM_WEIGHTED, launch_norm_rope  # lazy: imports triton
 
@@ -158,6 +162,9 @@ def route(logits: torch.Tensor, top_k: int, scoring: str, scale: float, bias: to
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dsv4lab.model.moe.route`` (same signature): one Triton launch on CUDA (up to
     ``ROUTE_MAX_EXPERTS`` experts, one program's row), the reference elsewhere."""
+    if not 0 < top_k <= logits.shape[-1] or (tid2eid is not None and input_ids is None):
+        raise ValueError(f"route: top_k must be in 1..{logits.shape[-1]} (the experts) and hash routing needs "
+                         f"input_ids; got top_k={top_k}, input_ids {'missing' if input_ids is None else 'given'}")
     if (kernel_can_take(logits) and logits.dim() == 2 and logits.shape[-1] <= ROUTE_MAX_EXPERTS
             and scoring in ("sqrtsoftplus", "sigmoid", "softmax")):
         from .router_topk import route_triton  # lazy: imports triton
