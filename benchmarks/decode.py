@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.measure import copy_ceiling, kernels_per_call, timed  # noqa: E402
 from dsv4lab.config import config_from_dict  # noqa: E402
 from dsv4lab.model.decoder import DecoderLayer  # noqa: E402
 from dsv4lab.model.linear import QLinear  # noqa: E402
@@ -32,26 +33,13 @@ from dsv4lab.quant.weights import FP8BlockWeight, MXFP4Weight, NVFP4Weight  # no
 RESULTS = Path(__file__).resolve().parent / "results"  # default --json location
 
 
-def copy_ceiling(dev, nbytes=4 * 2**30, iters=10) -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second."""
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 2 * nbytes * iters / (time.perf_counter() - t0)
-
-
 V4_PRO = dict(model_type="deepseek_v4", vocab_size=1024, hidden_size=7168, num_hidden_layers=1, num_attention_heads=128,
               head_dim=512, qk_rope_head_dim=64, q_lora_rank=1536, o_groups=16, o_lora_rank=1024,
               n_routed_experts=384, num_experts_per_tok=6, moe_intermediate_size=3072, index_n_heads=64,
               index_head_dim=128, index_topk=512, sliding_window=128, hc_mult=4,
               compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
               mlp_layer_types=["moe"])
+LAYER_MODES = ("reference", "kernels", "compiled")
 BF16_KINDS = ("router", "compressor.", "indexer.weights_proj", "indexer.compressor.")
 
 
@@ -117,21 +105,13 @@ def build_layer(layer_type: str, dev, small: bool = False, fmt: str = "nvfp4") -
     return layer.eval(), cfg, active_bytes
 
 
-def time_fn(fn, iters=50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
-
-
 @torch.no_grad()
-def bench_layer(layer_type: str, dev, ceiling: float, use_kernels: bool, fmt: str = "nvfp4") -> dict:
+def bench_layer(layer_type: str, dev, ceiling: float, mode: str, fmt: str = "nvfp4") -> dict:
+    """One layer's decode step, eager and replayed from a CUDA graph, with its launches per step.
+    ``mode``: "reference" (PyTorch only), "kernels" (installed kernels), "compiled" (kernels, and
+    the step through ``torch.compile``: Inductor fuses the glue)."""
     layer, cfg, active = build_layer(layer_type, dev, fmt=fmt)
-    if use_kernels:
+    if mode in ("kernels", "compiled"):
         from dsv4lab.kernels.install import install_kernels
         install_kernels(layer)
     st = DecodeState.allocate(cfg, 1, 4096, torch.bfloat16, dev)
@@ -139,22 +119,33 @@ def bench_layer(layer_type: str, dev, ceiling: float, use_kernels: bool, fmt: st
     ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
     pos = st.pos_on(dev)
     pos.fill_(1000)
-    layer.decode(h, ids, pos, st.layers[0])  # warm caches (expert stack)
-    eager = time_fn(lambda: layer.decode(h, ids, pos, st.layers[0]))
+    step = layer.decode
+    t0 = time.perf_counter()
+    if mode == "compiled":
+        step = torch.compile(layer.decode, dynamic=False)
+    step(h, ids, pos, st.layers[0])  # warm caches (expert stack), compile
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    eager = timed(lambda: step(h, ids, pos, st.layers[0]), 50, warmup=5)
+    eager_launches = kernels_per_call(lambda: step(h, ids, pos, st.layers[0]), reps=2)
     s = torch.cuda.Stream(device=dev)
     s.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(s):
         for _ in range(2):
-            layer.decode(h, ids, pos, st.layers[0])
+            step(h, ids, pos, st.layers[0])
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):
-        out = layer.decode(h, ids, pos, st.layers[0])
-    graph = time_fn(g.replay)
-    return {"layer_type": layer_type, "active_weight_bytes": active, "eager_ms": eager * 1e3, "graph_ms": graph * 1e3,
-            "graph_speedup": eager / graph, "floor_ms": active / ceiling * 1e3,
-            "eager_fraction_of_ceiling": active / eager / ceiling, "graph_fraction_of_ceiling": active / graph / ceiling,
-            "kernels": use_kernels, "format": fmt, "out_finite": bool(torch.isfinite(out).all())}
+        out = step(h, ids, pos, st.layers[0])
+    graph = timed(g.replay, 50, warmup=5)
+    launches = kernels_per_call(g.replay, reps=3)
+    return {"layer_type": layer_type, "mode": mode, "active_weight_bytes": active, "eager_ms": eager * 1e3,
+            "graph_ms": graph * 1e3, "graph_speedup": eager / graph, "floor_ms": active / ceiling * 1e3,
+            "graph_over_floor": graph * ceiling / active, "eager_fraction_of_ceiling": active / eager / ceiling,
+            "graph_fraction_of_ceiling": active / graph / ceiling, "kernels": mode != "reference",
+            "kernels_per_step": launches["kernels"], "eager_kernels_per_step": eager_launches["kernels"],
+            "graph_device_us": launches["device_us"], "top_kernels_us": launches["top_us"], "warm_s": warm_s,
+            "format": fmt, "out_finite": bool(torch.isfinite(out).all())}
 
 
 def bench_tiny(steps: int) -> dict:
@@ -177,11 +168,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=512)
     ap.add_argument("--skip-tiny", action="store_true")
     ap.add_argument("--layer-modes", default="reference,kernels",
-                    help="comma list of V4-Pro layer variants to time: reference, kernels (empty: none)")
+                    help="comma list of V4-Pro layer variants to time: reference, kernels, compiled (empty: none)")
     ap.add_argument("--cpu-smoke", action="store_true", help="build a shrunken layer on CPU and run one eager step")
     ap.add_argument("--format", choices=("nvfp4", "official"), default="nvfp4",
                     help="layer weights: NVFP4 (our users' engine) or the official MXFP4 experts + FP8-block")
     args = ap.parse_args()
+    bad = [m for m in args.layer_modes.split(",") if m and m not in LAYER_MODES]
+    if bad:
+        ap.error(f"--layer-modes: unknown mode {bad[0]!r}; choose from {', '.join(LAYER_MODES)}")
     if args.cpu_smoke:
         for lt in ("compressed_sparse_attention", "heavily_compressed_attention"):
             layer, cfg, active = build_layer(lt, torch.device("cpu"), small=True, fmt=args.format)
@@ -201,14 +195,17 @@ def main() -> None:
         print(json.dumps(res["tiny"]), flush=True)
     modes = [m for m in args.layer_modes.split(",") if m]
     for lt in ("compressed_sparse_attention", "heavily_compressed_attention"):
-        for k in [m == "kernels" for m in modes]:
-            r = bench_layer(lt, dev, ceiling, k, args.format)
+        for mode in modes:
+            try:
+                r = bench_layer(lt, dev, ceiling, mode, args.format)
+            except Exception as e:  # one failing variant (e.g. a compile error) must not lose the others
+                r = {"layer_type": lt, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:500]}"}
             res.setdefault("v4_pro_layer", []).append(r)
             print(json.dumps(r), flush=True)
             torch.cuda.empty_cache()
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1))
+            if args.json:  # after every variant: a call cut short keeps what ran
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.measure import copy_ceiling, kernels_per_call, matmul_rate, peak_extra_bytes, timed  # noqa: E402
 from dsv4lab.checkpoint.expected import expected_tensors  # noqa: E402
 from dsv4lab.checkpoint.fake import tiny_config  # noqa: E402
 from dsv4lab.checkpoint.synth import Planned, master_tensor, preset_config, store_of  # noqa: E402
@@ -31,34 +32,6 @@ from dsv4lab.quant.weights import FP8BlockWeight, MXFP4Weight, NVFP4Weight  # no
 
 E2M1_RMS = 2.93       # RMS of uniformly random E2M1 codes (|values| 0 .. 6)
 E4M3_RMS = 1.0        # randn cast to e4m3
-
-
-def copy_ceiling(dev, nbytes=4 * 2**30, iters=10) -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second."""
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize(dev)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        b.copy_(a)
-    torch.cuda.synchronize(dev)
-    return 2 * nbytes * iters / (time.perf_counter() - t0)
-
-
-def matmul_rate(dev, n=8192, iters=10) -> float:
-    """Dense BF16 matmul FLOP/s on ``dev`` (the prefill compute floor's denominator)."""
-    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize(dev)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    torch.cuda.synchronize(dev)
-    return 2 * n**3 * iters / (time.perf_counter() - t0)
 
 
 def random_weight(name: str, out: int, inn: int, store: str, dev, g):
@@ -113,19 +86,6 @@ def active_bytes(model, cfg) -> tuple[int, int]:
     return int(nbytes + cfg.hidden_size * 2), int(params)
 
 
-def timed(fn, iters: int, devices) -> float:
-    for _ in range(3):
-        fn()
-    for d in devices:
-        torch.cuda.synchronize(d)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    for d in devices:
-        torch.cuda.synchronize(d)
-    return (time.perf_counter() - t0) / iters
-
-
 @torch.no_grad()
 def run(args) -> dict:
     cfg = preset_config(args.preset, layers=args.layers, experts=args.experts)
@@ -147,39 +107,78 @@ def run(args) -> dict:
            "active_weight_bytes_per_token": w_bytes, "copy_ceiling_GBps_read_plus_write": ceiling / 1e9,
            "bf16_matmul_TFLOPs": flops / 1e12}
 
-    # prefill at --context
+    # prefill at --context, in chunks chosen from free memory (model.prefill_chunk) unless --chunk
     ids = torch.randint(0, cfg.vocab_size, (1, args.context), device=used[0], generator=torch.Generator(used[0]).manual_seed(0))
     state = model.new_state(1, args.context + 2 * args.steps + 16)  # eager and graph steps both advance it
+    budget = int(2 * args.transient_gb * 1e9) if args.transient_gb else None  # prefill_chunk fits half of `free`
+    chunk = args.chunk or model.prefill_chunk(args.context, free=budget)
 
     def prefill():
         state.set_pos(0)
-        return model.prefill(ids, state)
+        return model.prefill(ids, state, chunk=chunk)
 
-    logits = prefill()
+    logits, extra = peak_extra_bytes(prefill, used[0])
     finite = bool(torch.isfinite(logits).all())
-    t_pre = timed(prefill, args.prefill_iters, used)
-    pre_floor = max(2 * w_params * args.context / flops, total_bytes / ceiling)
-    res["prefill"] = {"tokens": args.context, "tokens_per_s": args.context / t_pre, "s": t_pre,
+    del logits
+    t_pre = timed(prefill, args.prefill_iters, used, warmup=0)
+    compute_floor_s = 2 * w_params * args.context / flops
+    pre_floor = max(compute_floor_s, total_bytes / ceiling)
+    res["prefill"] = {"tokens": args.context, "chunk": chunk, "tokens_per_s": args.context / t_pre, "s": t_pre,
                       "floor_tokens_per_s": args.context / pre_floor, "fraction_of_floor": pre_floor / t_pre,
-                      "logits_finite": finite}
+                      "peak_extra_GB_gpu0": extra / 1e9, "logits_finite": finite}
+    res.update(prefill_tok_s=args.context / t_pre, prefill_compute_floor_tok_s=args.context / compute_floor_s,
+               prefill_over_compute_floor=compute_floor_s / t_pre, prefill_peak_extra_GB=extra / 1e9)
 
-    # decode after the prompt: eager, then graphs
+    # decode after the prompt: eager, then graphs (and, with --compile, the step through torch.compile)
     state.set_pos(0)
-    model.prefill(ids, state)
+    model.prefill(ids, state, chunk=chunk)
     step_ids = torch.zeros(1, 1, dtype=torch.long, device=used[0])
     eager = timed(lambda: model.decode_step(step_ids, state), args.steps, used)
+    eager_launches = kernels_per_call(lambda: model.decode_step(step_ids, state), reps=1)
     gd = GraphDecoder(model, state)
     t0 = time.perf_counter()
     gd.capture()
     capture_s = time.perf_counter() - t0
     graph = timed(lambda: gd.step(step_ids, state), args.steps, used)
+    graph_launches = kernels_per_call(lambda: gd.step(step_ids, state), reps=2)
     floor = w_bytes / ceiling
     out = gd.step(step_ids, state)
     res["decode"] = {"eager_ms_per_token": eager * 1e3, "graph_ms_per_token": graph * 1e3, "capture_s": capture_s,
                      "floor_ms_per_token": floor * 1e3, "eager_fraction_of_floor": floor / eager,
                      "graph_fraction_of_floor": floor / graph, "graph_speedup": eager / graph,
+                     "eager_kernels_per_step": eager_launches["kernels"], "graph_launches": graph_launches,
                      "logits_finite": bool(torch.isfinite(out).all())}
+    res.update(floor_ms=floor * 1e3, graph_ms=graph * 1e3, graph_over_floor=graph / floor, eager_ms=eager * 1e3,
+               capture_s=capture_s, kernels_per_step=graph_launches["kernels"],
+               kernels_per_layer=graph_launches["kernels"] / cfg.num_hidden_layers)
+    if args.compile:
+        res["compiled"] = compiled_decode(model, state, step_ids, args.steps, used, floor)
     return res
+
+
+def compiled_decode(model, state, step_ids, steps: int, used, floor: float) -> dict:
+    """``torch.compile`` of the decode step (Inductor fuses the PyTorch glue, as gpt-fast does),
+    timed eagerly and inside one CUDA graph captured around the compiled step."""
+    t0 = time.perf_counter()
+    step = torch.compile(model.decode_step, dynamic=False)
+    for _ in range(3):
+        step(step_ids, state)
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0
+    eager = timed(lambda: step(step_ids, state), steps, used)
+    dev = used[0]
+    s = torch.cuda.Stream(device=dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        step(step_ids, state)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g, stream=s):
+            step(step_ids, state)
+    torch.cuda.current_stream(dev).wait_stream(s)
+    graph = timed(g.replay, steps, used)
+    return {"compile_s": compile_s, "eager_ms": eager * 1e3, "graph_ms": graph * 1e3, "graph_over_floor": graph / floor,
+            "kernels_per_step": kernels_per_call(g.replay, reps=2)["kernels"]}
 
 
 @torch.no_grad()
@@ -205,7 +204,11 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=None, help="spread the layers over this many GPUs (default all)")
     ap.add_argument("--context", type=int, default=4096, help="prefill length (default 4096)")
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed per variant")
-    ap.add_argument("--prefill-iters", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: from free memory)")
+    ap.add_argument("--transient-gb", type=float, default=None,
+                    help="choose the chunk so the prefill transient fits this many GB (default: half of free memory)")
+    ap.add_argument("--prefill-iters", type=int, default=2)
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile(decode_step), eager and in a graph")
     ap.add_argument("--no-kernels", dest="kernels", action="store_false", help="reference linears, no Triton kernels")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")

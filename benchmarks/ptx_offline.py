@@ -118,7 +118,40 @@ for fmt, K, N in (("mxfp4", 7168, 3072), ("mxfp4", 3072, 7168), ("fp8_block", 71
         else:
             w = FP8BlockWeight(torch.zeros(N, K, dtype=torch.float8_e4m3fn), torch.ones(N // 128, K // 128))
         off.official_matmul(xx, w, {"TMA": False})
+# prefill GEMM (sm_90+, M >= 64; stand-in tensors are on the CPU, so call the launcher directly)
+gemm = importlib.import_module(P + "linear_gemm") if LAYOUT == "NEW" else None
+if gemm is not None:
+    gemm.num_sms = lambda device: 132
+    for name, K, N in SHAPES:
+        if name == "lm_head":
+            continue
+        for M in (128, 4096):
+            xx = torch.zeros(M, K, dtype=torch.bfloat16)
+            yy = torch.empty(M, N, dtype=torch.bfloat16)
+            for fmt in ("nvfp4", "mxfp4", "fp8_block"):
+                CASE = f"gemm/{name}/{fmt}/M{M}"
+                if fmt == "fp8_block":
+                    d, sc, g1 = torch.zeros(N, K, dtype=torch.uint8), torch.ones((N + 127) // 128, K // 128), None
+                else:
+                    d = torch.zeros(N, K // 2, dtype=torch.uint8)
+                    sc, g1 = torch.zeros(N, K // (16 if fmt == "nvfp4" else 32), dtype=torch.uint8), torch.ones(1)
+                gemm.launch_gemm(xx, fmt, d, sc, g1, yy)
+    mp = importlib.import_module(P + "moe_prefill")
+    for fmt, mkw in (("nv", mk), ("mx", mkx)):
+        CASE = f"moe_prefill_{fmt}"
+        T = 256
+        ids_p = torch.arange(T * k).remainder(E).view(T, k)
+        mp.moe_prefill_triton(torch.zeros(T, H, dtype=torch.bfloat16), ids_p, torch.ones(T, k), mkw(I, H), mkw(I, H),
+                              mkw(H, I), 10.0)
 CASE = "act_quant"
 aq.nvfp4_act_quant(torch.zeros(4, 7168, dtype=torch.bfloat16))
+if LAYOUT == "NEW":  # mHC sites (hc 4, hidden 7168): decode batches and one prefill chunk
+    mhc = importlib.import_module(P + "mhc_fused")
+    for T in (1, 4, 64):
+        CASE = f"mhc/T{T}"
+        hs = torch.zeros(T, 1, 4, 7168, dtype=torch.bfloat16)
+        mhc.hc_pre(hs, torch.zeros(24, 4 * 7168), torch.zeros(24), torch.ones(3), 20, 1e-6, 1e-6)
+        mhc.hc_head_pre(hs, torch.zeros(4, 4 * 7168), torch.zeros(4), torch.ones(1), 1e-6, 1e-6)
+        mhc.hc_post(hs, torch.zeros(T, 1, 7168, dtype=torch.bfloat16), torch.zeros(T, 1, 4), torch.zeros(T, 1, 4, 4))
 json.dump(PTX, open(OUT, "w"), indent=0, sort_keys=True)
 print(len(PTX), "launches", len(set(PTX.values())), "distinct PTX")

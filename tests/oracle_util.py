@@ -1,7 +1,12 @@
 """Helpers to build random tiny configs and the transformers oracle for parity tests."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -78,3 +83,13 @@ def capture(modules: dict[str, nn.Module], run: Callable[[], object]) -> dict[st
         for h in handles:
             h.remove()
     return calls
+
+
+def interp_check_result(script: str, timeout: int = 600) -> dict:
+    """Run ``tests/<script>`` in a subprocess with TRITON_INTERPRET=1 (set before triton is imported)
+    and return the JSON of its last ``RESULT`` line."""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "tests" / script)], cwd=root, capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)})
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT"):])

@@ -11,11 +11,6 @@ bf16 <= 2e-2 * max|ref|: each side rounds P to bf16 per key tile against its own
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,18 +21,11 @@ from dsv4lab.model.attention import Attention
 from dsv4lab.model.bounded_attention import bounded_attention
 from dsv4lab.quant.modes import RoundTrip
 from dsv4lab.workbench import random_model
-from oracle_util import random_ids, tiny_config
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from oracle_util import interp_check_result, random_ids, tiny_config
 
 def test_interp_bounded_attention_matches_reference():
     assert triton_importable(), "triton is part of the test set-up (pip install -e '.[kernels]')"
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "attention_interp_check.py")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)})
-    assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT"):])
+    res = interp_check_result("attention_interp_check.py")
     assert len(res) == 12
     for case, v in res.items():
         tol = 1e-5 * max(1.0, v["ref_max"]) if "float32" in case else 2e-2 * v["ref_max"]

@@ -18,7 +18,8 @@ The returned handle restores the originals (``handle.restore()`` or ``with`` blo
 ``restore(model)`` undoes every replacement still active, newest first.
 
 ``use_kernels(model, pattern, enable)`` switches the kernel implementations (``QLinear.kernel``,
-``Experts.kernel``, ``Compressor.kernel``: ``dsv4lab.kernels``) of the matching components on or off.
+``Experts.kernel``, ``Compressor.kernel``, ``Attention.kernel`` / ``decode_kernel``, ``Indexer.decode_kernel``:
+``dsv4lab.kernels``) of the matching components on or off.
 """
 from __future__ import annotations
 
@@ -75,10 +76,14 @@ def impl_label(mod: nn.Module) -> str:
     lab = getattr(mod, "_impl_label", None)
     if lab:
         return lab
-    # the main slot, else another installed ``*_kernel`` slot (a Router on a plain gate: route_kernel)
-    fns = [getattr(mod, "kernel", None)] + [v for k, v in vars(mod).items() if k.endswith("_kernel")]
-    fn = next((f for f in fns if f is not None), None)
-    return "reference" if fn is None else f"kernel:{getattr(fn, '__name__', type(fn).__name__)}"
+    # the main slots (Attention: "kernel:prefill_attention+decode_attention"), else another installed
+    # ``*_kernel`` slot (a Router on a plain gate: route_kernel)
+    fns = [fn for fn in (getattr(mod, "kernel", None), getattr(mod, "decode_kernel", None)) if fn is not None]
+    if not fns:
+        fns = [v for k, v in vars(mod).items() if k.endswith("_kernel") and v is not None][:1]
+    if fns:
+        return "kernel:" + "+".join(getattr(fn, "__name__", type(fn).__name__) for fn in fns)
+    return "reference"
 
 
 def iter_components(model, pattern=None):

@@ -7,14 +7,22 @@
 | QLinear mxfp4 / fp8_block | `linear_official.verified_official_matmul` | `w.dequantize` + `F.linear` | tests/test_kernels.py |
 | QLinear w4a4 activation quant | `act_quant_nvfp4.nvfp4_act_quant` | `dsv4lab.quant.activations.fake_quant_nvfp4` | tests/test_kernels.py |
 | routed Experts decode (nvfp4, mxfp4) | `moe_decode.moe_decode_triton` (-> `moe_decode_tma.moe_decode_tma` on sm_90+) | `moe_decode_ref.moe_decode_ref` | tests/test_kernels.py, tests/test_kernels_model.py |
+| QLinear nvfp4 / mxfp4 / fp8_block, M >= 64 on sm_90+ | `linear_gemm.launch_gemm` (via `nvfp4_matmul`, `official_matmul`) | `w.dequantize` + `F.linear` | tests/test_gemm.py |
+| routed Experts prefill (nvfp4, mxfp4) | `moe_prefill.moe_prefill_triton` | `moe_prefill_ref.moe_prefill_ref` | tests/test_gemm.py |
 | Compressor pool | `compressor_pool_cute.compressor_pool_cute` | `compressor_pool_cute.compressor_pool_ref` | tests/test_cute_kernels.py |
 | QLinear grouped (wo_a), nvfp4 | `linear_nvfp4.nvfp4_grouped_matmul` (-> `linear_nvfp4_tma.launch_gemv_tma(groups=G)`) | `dsv4lab.model.linear.grouped_linear` | tests/test_kernels.py |
 | Attention q_norm / norm + RoPE / inverse RoPE (decode glue) | `norm_rope.launch_norm_rope` | `dsv4lab.model.norms.rms_norm`, `norm_rope_ref.norm_rope_ref` | tests/test_glue_kernels.py |
 | Router scores + top-k / hash + weights | `router_topk.route_triton` | `dsv4lab.model.moe.route` | tests/test_glue_kernels.py |
 | Attention prefill (bounded) | `attention_bounded.bounded_attention_triton` | `dsv4lab.model.bounded_attention.bounded_attention` | tests/test_attention_kernel.py |
+| HyperConnection mixes + collapse / expansion, HyperHead | `mhc_fused.hc_pre` / `hc_post` / `hc_head_pre` | `dsv4lab.model.mhc.mix_weights` + `collapse` / `HyperConnection.expand` / `head_weights` + `collapse` | tests/test_mhc_kernel.py |
+
+| Attention decode (window ring + entries / top-k, sink) | `attention_decode.decode_attention_triton` | `dsv4lab.model.decode_attention.decode_attention` | tests/test_attention_decode_kernel.py |
+| Indexer decode scores | `indexer_decode.index_scores_decode_triton` | `dsv4lab.model.indexer.index_scores_decode` | tests/test_attention_decode_kernel.py |
+
 
 Entry points (``dispatch``: kernel where it runs, reference elsewhere): ``quant_linear``,
-``grouped_quant_linear``, ``act_quant_nvfp4``, ``moe_decode``, ``compressor_pool``, ``prefill_attention``,
+``grouped_quant_linear``, ``act_quant_nvfp4``, ``moe_decode``, ``moe_prefill``, ``compressor_pool``,
+``prefill_attention``, ``decode_attention``, ``index_scores_decode``, ``mhc_pre``, ``mhc_post``, ``mhc_head_pre``,
 ``rms_norm``, ``norm_rope``, ``route``. Installing them on a model:
 ``install.install_kernels(model, pattern, enable)``. Shared Triton helpers: ``common``; the
 launch-device guard and availability check: ``device``. Importing ``dsv4lab.kernels`` imports
@@ -24,9 +32,12 @@ See docs/kernels.md for layouts, tolerances and measured numbers.
 from __future__ import annotations
 
 from .device import have_triton_cuda
-from .dispatch import (act_quant_nvfp4, compressor_pool, grouped_quant_linear, moe_decode, norm_rope, nvfp4_linear,
+from .dispatch import (act_quant_nvfp4, compressor_pool, decode_attention, grouped_quant_linear, index_scores_decode,
+                       mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill, norm_rope, nvfp4_linear,
                        prefill_attention, quant_linear, rms_norm, route)
 from .install import install_kernels, kernel_state, kernel_targets, restore_kernels
 
-__all__ = ["have_triton_cuda", "quant_linear", "nvfp4_linear", "grouped_quant_linear", "moe_decode", "act_quant_nvfp4",
-           "compressor_pool", "prefill_attention", "rms_norm", "norm_rope", "route", "install_kernels", "kernel_state", "kernel_targets", "restore_kernels"]
+__all__ = ["have_triton_cuda", "quant_linear", "nvfp4_linear", "grouped_quant_linear", "moe_decode", "moe_prefill",
+           "act_quant_nvfp4", "compressor_pool", "prefill_attention", "decode_attention", "index_scores_decode",
+           "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "route",
+           "install_kernels", "kernel_state", "kernel_targets", "restore_kernels"]

@@ -16,28 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_dtype
+from .common import dot_dtype, head_block_query, online_softmax_tile
 from .device import on_input_device
-
-
-@triton.jit
-def _online_tile(q, k, valid, m_i, l_i, acc, scale, DOT: tl.constexpr, IEEE: tl.constexpr):
-    k = k.to(DOT)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(valid[None, :], s * scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE:
-        pv = tl.dot(p.to(DOT), k, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(DOT), k)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -49,14 +29,9 @@ def _bounded_attention_kernel(q_ptr, wk_ptr, ent_ptr, sel_ptr, sink_ptr, out_ptr
     t = tl.program_id(0).to(tl.int64)  # 64-bit offsets: one call may hold > 2^31 query elements
     hb = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_h, offs_d, hmask, dmask, q, m_i = head_block_query(q_ptr + b * sq_b + t * sq_s, sink_ptr, sq_h, H, D, hb,
+                                                            DOT, BLOCK_H, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    hmask = offs_h < H
-    dmask = offs_d < D
-    q = tl.load(q_ptr + b * sq_b + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0).to(DOT)
-    m_i = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32)
     l_i = tl.full([BLOCK_H], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     qpos = q_start + t
@@ -66,7 +41,7 @@ def _bounded_attention_kernel(q_ptr, wk_ptr, ent_ptr, sel_ptr, sink_ptr, out_ptr
         j = n0 + offs_n
         valid = j <= j_hi
         k = tl.load(wk_ptr + b * swk_b + j[:, None] * swk_p + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
-        m_i, l_i, acc = _online_tile(q, k, valid, m_i, l_i, acc, scale, DOT, IEEE)
+        m_i, l_i, acc = online_softmax_tile(q, k, valid, m_i, l_i, acc, scale, DOT, IEEE)
     if HAS_SEL:
         for n0 in range(0, K, BLOCK_N):
             c = n0 + offs_n
@@ -74,14 +49,14 @@ def _bounded_attention_kernel(q_ptr, wk_ptr, ent_ptr, sel_ptr, sink_ptr, out_ptr
             valid = idx >= 0
             k = tl.load(ent_ptr + b * sent_b + tl.maximum(idx, 0)[:, None] * sent_t + offs_d[None, :],
                         mask=valid[:, None] & dmask[None, :], other=0.0)
-            m_i, l_i, acc = _online_tile(q, k, valid, m_i, l_i, acc, scale, DOT, IEEE)
+            m_i, l_i, acc = online_softmax_tile(q, k, valid, m_i, l_i, acc, scale, DOT, IEEE)
     elif HAS_ENT:
         n_vis = tl.minimum((qpos + 1) // ratio, T)
         for n0 in range(0, n_vis, BLOCK_N):
             w = n0 + offs_n
             valid = w < n_vis
             k = tl.load(ent_ptr + b * sent_b + w[:, None] * sent_t + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
-            m_i, l_i, acc = _online_tile(q, k, valid, m_i, l_i, acc, scale, DOT, IEEE)
+            m_i, l_i, acc = online_softmax_tile(q, k, valid, m_i, l_i, acc, scale, DOT, IEEE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + b * so_b + t * so_s + offs_h[:, None] * so_h + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])

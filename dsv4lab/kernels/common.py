@@ -1,6 +1,7 @@
-"""What several Triton kernels share: the E2M1/E4M3/E8M0 decodes, the f16x2 group dot, the split-K
-finish, the activation-pair builder of the TMA paths, and host helpers (interpreter flag, split-K
-counters, SM count, tl.dot dtype).
+"""What several Triton kernels share: the E2M1/E4M3/E8M0 decodes, the prefill GEMMs' weight-tile
+dequantisation (``dequant_tile``) and rounding (``round_to``), the f16x2 group dot, the split-K
+finish, the attention kernels' online-softmax tile, the activation-pair builder of the TMA paths,
+and host helpers (interpreter flag, split-K counters, SM count, tl.dot dtype).
 
 Layouts: NVFP4 weights as int64 words (16 nibbles = one e4m3 scale block); the batch-1 loops take
 the activation as f16x2 pairs ``x' = x * xs`` (xs a power of two per 16-group, so x' is exact in
@@ -160,6 +161,114 @@ def gemv_rows_m1(w_ptr, s_ptr, stride_wn, stride_sn, x_ptr, rows, row_ok, g_lo, 
             part += c * xc[None, :] + d * xd[None, :]
         acc += part * sc
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def round_to(v, OUT_TY: tl.constexpr):
+    """fp32 ``v`` rounded to OUT_TY (round to nearest even), kept in fp32: what a torch op in that
+    dtype returns. bf16 by integer arithmetic, so the interpreter (whose numpy bf16 cast truncates)
+    rounds like the GPU; NaN stays NaN."""
+    if OUT_TY == tl.bfloat16:
+        b = v.to(tl.int32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # -65536 = 0xFFFF0000
+        return tl.where(v != v, v, r)
+    else:
+        return v.to(OUT_TY).to(tl.float32)
+
+
+# weight formats of the prefill GEMM tiles (``dequant_tile``)
+FMT_NVFP4 = tl.constexpr(0)
+FMT_MXFP4 = tl.constexpr(1)
+FMT_FP8 = tl.constexpr(2)
+
+
+@triton.jit
+def fp4_nibbles_f32(b):
+    """uint8/int32 bytes [R, C] -> (low, high nibble) as exact E2M1 * 2^-14 in fp32 (the f16 bit
+    trick of ``fp16_pair``, one byte at a time: subnormal 0.5 included)."""
+    b = b.to(tl.int32)
+    lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def dequant_tile(w_ptr, s_ptr, rows, row_ok, k0, stride_wn, stride_sn, BN: tl.constexpr, BK: tl.constexpr,
+                 FMT: tl.constexpr, DOT_DTYPE: tl.constexpr, WORDS: tl.constexpr = False):
+    """Weight rows ``rows`` [BN], columns k0 .. k0 + BK (BK a multiple of 32; FP8 tiles inside one
+    128-column scale block) as [BN, BK] DOT_DTYPE in K order, block scales applied (exact: E2M1
+    times e4m3 / E8M0 has at most 6 significant bits; FP8 rounds e4m3 * fp32 scale once, like
+    ``FP8BlockWeight.dequantize``); NVFP4's global scale is left to the caller.
+
+    NVFP4: ``w_ptr`` bytes [N, K/2], ``s_ptr`` e4m3 bytes [N, K/16]. MXFP4: the same bytes, E8M0
+    [N, K/32]. FP8: e4m3 bytes [N, K], ``s_ptr`` fp32 [ceil(N/128), ceil(K/128)]."""
+    if FMT == FMT_FP8:
+        offs_k = k0 + tl.arange(0, BK)
+        w8 = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=row_ok[:, None], other=0)
+        sc = tl.load(s_ptr + (rows // 128) * stride_sn + k0 // 128, mask=row_ok, other=0.0)
+        return (w8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]).to(DOT_DTYPE)
+    else:
+        if WORDS:
+            # int32 words (8 codes): 4-byte shared-memory reads instead of single bytes; bytes 4w + i
+            offs_w = k0 // 8 + tl.arange(0, BK // 8)
+            w32 = tl.load(w_ptr + rows[:, None] * (stride_wn // 4) + offs_w[None, :], mask=row_ok[:, None], other=0)
+            b = tl.join(tl.join(w32 & 0xFF, (w32 >> 8) & 0xFF), tl.join((w32 >> 16) & 0xFF, (w32 >> 24) & 0xFF))
+            b = tl.reshape(tl.permute(b, (0, 1, 3, 2)), (BN, BK // 2))
+        else:
+            offs_b = k0 // 2 + tl.arange(0, BK // 2)
+            b = tl.load(w_ptr + rows[:, None] * stride_wn + offs_b[None, :], mask=row_ok[:, None], other=0)
+        lo, hi = fp4_nibbles_f32(b)
+        w = tl.join(lo, hi)  # [BN, BK/2, 2]: element 2i (low nibble), 2i + 1 (high)
+        if FMT == FMT_NVFP4:
+            offs_g = k0 // 16 + tl.arange(0, BK // 16)
+            sc = e4m3_to_f32(tl.load(s_ptr + rows[:, None] * stride_sn + offs_g[None, :], mask=row_ok[:, None],
+                                     other=0)) * 16384.0
+            w = tl.reshape(w, (BN, BK // 16, 16)) * sc[:, :, None]
+        else:
+            offs_g = k0 // 32 + tl.arange(0, BK // 32)
+            sc = e8m0_to_f32(tl.load(s_ptr + rows[:, None] * stride_sn + offs_g[None, :], mask=row_ok[:, None],
+                                     other=127)) * 16384.0
+            w = tl.reshape(w, (BN, BK // 32, 32)) * sc[:, :, None]
+        return tl.reshape(w, (BN, BK)).to(DOT_DTYPE)
+
+
+@triton.jit
+def head_block_query(q_row_ptr, sink_ptr, sq_h, H, D, hb, DOT: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    """The attention kernels' start for heads hb * BLOCK_H.. of one query row (``q_row_ptr``: its
+    head 0): head / dim offsets and masks, q [BLOCK_H, BLOCK_D] in DOT (masked: 0) and the running
+    max started at the per-head sink logit (fp32)."""
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    hmask = offs_h < H
+    dmask = offs_d < D
+    q = tl.load(q_row_ptr + offs_h[:, None] * sq_h + offs_d[None, :], mask=hmask[:, None] & dmask[None, :],
+                other=0.0).to(DOT)
+    m_i = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32)
+    return offs_h, offs_d, hmask, dmask, q, m_i
+
+
+@triton.jit
+def online_softmax_tile(q, k, valid, m_i, l_i, acc, scale, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile of the attention kernels' online softmax: q [BH, D] (in DOT), keys k [BN, D]
+    (K == V, loaded; masked rows zero), valid [BN]; running max m_i, sum l_i [BH] and acc [BH, D]
+    in fp32. P goes to DOT for P.V (IEEE fp32 dots when DOT is fp32)."""
+    k = k.to(DOT)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(valid[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p.to(DOT), k, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(DOT), k)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
 
 
 # f16x2 path (M == 1 on the GPU): the nibbles of an int32 word are turned into E5M2-like bytes

@@ -10,9 +10,18 @@ are imported inside the calls that use them (lazily, for that reason).
 * ``act_quant_nvfp4(x, global_scale)``: NVFP4 fake quant of activations (``QLinear.act_kernel``,
   drop-in for ``fake_quant_nvfp4``, bit-exact).
 * ``moe_decode(x, ids, weights, w1, w3, w2, limit)``: routed experts for decode tokens.
+* ``moe_prefill(x, ids, weights, w1, w3, w2, limit, weight_before_w2)``: routed experts for prefill
+  tokens (grouped GEMMs over the tokens sorted by expert).
 * ``compressor_pool(kv, gate)``: the Compressor's softmax pool (CuTeDSL kernel).
 * ``prefill_attention(q, sink, scale, window, window_keys, q_start, k_start, entries, ratio,
   selected, ...)``: ``Attention.kernel``, the bounded prefill attention (Triton).
+* ``mhc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)`` / ``mhc_post(streams, block_out,
+  post, comb)`` / ``mhc_head_pre(streams, fn, base, scale, eps, norm_eps)``: the fused mHC sites
+  (``HyperConnection.kernel`` / ``.post_kernel``, ``HyperHead.kernel``; Triton).
+* ``decode_attention(q, sink, scale, window_ring, pos, entries, n_entries, selected)``:
+  ``Attention.decode_kernel``, one decode token over the ring and the valid entries (Triton).
+* ``index_scores_decode(q, w_raw, keys, n_valid, w_scale)``: ``Indexer.decode_kernel``, the
+  indexer's decode scores (Triton; the top-k stays ``Indexer.select``).
 * ``rms_norm(x, weight, eps)`` / ``norm_rope(x, positions, inv_freq, ...)``: ``Attention.norm_kernel``
   / ``rope_kernel``, the q_norm and the norm + RoPE (+ kv_fp8) / inverse RoPE launches (Triton).
 * ``route(logits, top_k, scoring, scale, bias, tid2eid, input_ids)``: ``Router.route_kernel``,
@@ -30,16 +39,21 @@ from . import compressor_pool_cute as pool_cute
 from .device import KERNEL_DTYPES, have_triton_cuda, kernel_can_take
 from ..model.bounded_attention import bounded_attention
 from ..model.linear import grouped_linear
+from ..model.mhc import HyperConnection, collapse, head_weights, mix_weights
 from ..model.moe import route as route_ref
 from ..model.norms import rms_norm as rms_norm_ref
+from ..model.decode_attention import decode_attention as decode_attention_ref
+from ..model.indexer import index_scores_decode as index_scores_decode_ref
 from .moe_decode_ref import moe_decode_ref
+from .moe_prefill_ref import moe_prefill_ref
 from .norm_rope_ref import norm_rope_ref
 
 KERNEL_FORMATS = ("nvfp4", "mxfp4", "fp8_block")
 ROUTE_MAX_EXPERTS = 4096  # the router kernel holds one token's scores in registers
 
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "grouped_quant_linear",
-           "act_quant_nvfp4", "moe_decode", "compressor_pool", "prefill_attention", "rms_norm", "norm_rope", "route"]
+           "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "prefill_attention", "decode_attention",
+           "index_scores_decode", "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "route"]
 
 
 def weight_on_cuda(w) -> bool:
@@ -108,6 +122,21 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3
     return moe_decode_ref(x, ids, weights, w1, w3, w2, limit)
 
 
+def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3, w2, limit: float | None,
+                weight_before_w2: bool = False) -> torch.Tensor:
+    """Routed-expert output [T, H] for prefill tokens x [T, H] with top-k ``ids`` / ``weights``
+    [T, k] (``Experts.prefill_kernel``): the grouped-GEMM kernels (``moe_prefill.moe_prefill_triton``)
+    for CUDA tokens and same-format NVFP4 / MXFP4 stacks they support (sm_90+), else
+    ``moe_prefill_ref``. Stacks as for ``moe_decode``."""
+    w1, w3, w2 = (w if isinstance(w, (StackedNVFP4, StackedMXFP4)) else stack_experts(w) for w in (w1, w3, w2))
+    if kernel_can_take(x) and w1.packed.is_cuda:
+        from .moe_prefill import moe_prefill_supported, moe_prefill_triton  # lazy: imports triton
+
+        if moe_prefill_supported(x, w1, w3, w2):
+            return moe_prefill_triton(x, ids, weights, w1, w3, w2, limit, weight_before_w2)
+    return moe_prefill_ref(x, ids, weights, w1, w3, w2, limit, weight_before_w2)
+
+
 def compressor_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """softmax(gate, dim=2) weighted sum of kv [B, nW, L, d] -> [B, nW, d]: the CuTeDSL kernel on
     CUDA with cutlass importable, ``compressor_pool_ref`` elsewhere."""
@@ -126,6 +155,78 @@ def prefill_attention(q: torch.Tensor, sink: torch.Tensor, scale: float, window:
         return bounded_attention_triton(q, sink, scale, window, window_keys, q_start, k_start, entries, ratio, selected)
     return bounded_attention(q, sink, scale, window, window_keys, q_start, k_start, entries, ratio, selected,
                              q_block, k_block, block_bytes)
+
+
+def _mhc_kernel_can_take(streams: torch.Tensor, *params: torch.Tensor) -> bool:
+    return streams.dim() == 4 and kernel_can_take(streams) and all(p.device == streams.device for p in params)
+
+
+def _mhc_params_fit(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, mix: int,
+                    n_scale: int) -> bool:
+    """fn [mix, hc*D], base [mix], scale [n_scale] (else the reference runs and raises its own error)."""
+    hc, D = streams.shape[-2:]
+    return fn.shape == (mix, hc * D) and base.shape == (mix,) and scale.shape == (n_scale,)
+
+
+def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+            hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre, post, comb, collapsed) of one mHC site for streams [B,S,hc,D]: ``mhc_fused.hc_pre`` (one
+    launch) on CUDA, ``mix_weights`` + ``collapse`` elsewhere."""
+    hc = streams.shape[-2] if streams.dim() == 4 else 0
+    if _mhc_kernel_can_take(streams, fn, base, scale) and _mhc_params_fit(streams, fn, base, scale, (2 + hc) * hc, 3):
+        from .mhc_fused import hc_pre  # lazy: imports triton
+
+        return hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
+    pre, post, comb = mix_weights(streams, fn, base, scale, iters, hc_eps, norm_eps)
+    return pre, post, comb, collapse(pre, streams)
+
+
+def mhc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams of one mHC site (``HyperConnection.expand``): ``mhc_fused.hc_post`` on CUDA when
+    block_out has the streams' dtype and every shape is the un-broadcast one, the reference elsewhere."""
+    if _mhc_kernel_can_take(streams, block_out, post, comb) and block_out.dtype == streams.dtype:
+        B, S, hc, D = streams.shape
+        if block_out.shape == (B, S, D) and post.shape == (B, S, hc) and comb.shape == (B, S, hc, hc):
+            from .mhc_fused import hc_post  # lazy: imports triton
+
+            return hc_post(streams, block_out, post, comb)
+    return HyperConnection.expand(streams, block_out, post, comb)
+
+
+def mhc_head_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+                 norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pre, collapsed) of the HyperHead: ``mhc_fused.hc_head_pre`` on CUDA, ``head_weights`` +
+    ``collapse`` elsewhere."""
+    hc = streams.shape[-2] if streams.dim() == 4 else 0
+    if _mhc_kernel_can_take(streams, fn, base, scale) and _mhc_params_fit(streams, fn, base, scale, hc, 1):
+        from .mhc_fused import hc_head_pre  # lazy: imports triton
+
+        return hc_head_pre(streams, fn, base, scale, eps, norm_eps)
+    pre = head_weights(streams, fn, base, scale, eps, norm_eps)
+    return pre, collapse(pre, streams)
+
+
+def decode_attention(q: torch.Tensor, sink: torch.Tensor, scale: float, window_ring: torch.Tensor, pos: torch.Tensor,
+                     entries: torch.Tensor | None = None, n_entries: torch.Tensor | None = None,
+                     selected: torch.Tensor | None = None) -> torch.Tensor:
+    """``dsv4lab.model.decode_attention.decode_attention`` (same signature): the Triton kernel for
+    CUDA keys of a kernel dtype, the PyTorch reference elsewhere."""
+    if kernel_can_take(window_ring):
+        from .attention_decode import decode_attention_triton  # lazy: heavy optional dependency
+
+        return decode_attention_triton(q, sink, scale, window_ring, pos, entries, n_entries, selected)
+    return decode_attention_ref(q, sink, scale, window_ring, pos, entries, n_entries, selected)
+
+
+def index_scores_decode(q: torch.Tensor, w_raw: torch.Tensor, keys: torch.Tensor, n_valid: torch.Tensor,
+                        w_scale: float) -> torch.Tensor:
+    """``dsv4lab.model.indexer.index_scores_decode`` (same signature): the Triton kernel for CUDA
+    keys of a kernel dtype, the PyTorch reference elsewhere."""
+    if kernel_can_take(keys) and q.dtype in KERNEL_DTYPES:
+        from .indexer_decode import index_scores_decode_triton  # lazy: heavy optional dependency
+
+        return index_scores_decode_triton(q, w_raw, keys, n_valid, w_scale)
+    return index_scores_decode_ref(q, w_raw, keys, n_valid, w_scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

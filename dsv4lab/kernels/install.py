@@ -1,11 +1,14 @@
 """Which component gets which kernel, and switching them on and off.
 
 Targets: every ``QLinear`` (``.kernel``: the matmul; ``.act_kernel``: the w4a4 activation
-quantiser; ``.grouped_kernel``: the block-diagonal use, NVFP4; a ``Router`` also ``.route_kernel``: scores + choice + weights), every routed
-``Experts`` block (``.kernel``: the fused decode), every ``Compressor`` (``.kernel``: the softmax
-pool) and every ``Attention`` (``.kernel``: the bounded prefill attention; ``.norm_kernel`` and
-``.rope_kernel``: the q/kv norms and RoPE, the output's inverse RoPE) whose own name, or an
-enclosing component's, matches the pattern.
+quantiser; ``.grouped_kernel``: the block-diagonal use, NVFP4; a ``Router`` also ``.route_kernel``:
+scores + choice + weights), every routed ``Experts`` block (``.kernel``: the fused decode; ``.prefill_kernel``: the
+grouped-GEMM prefill), every ``Compressor`` (``.kernel``: the softmax pool), every ``Attention``
+(``.kernel``: the bounded prefill attention; ``.decode_kernel``: the decode attention;
+``.norm_kernel`` / ``.rope_kernel``: the q/kv norms and RoPE, the output's inverse RoPE), every
+``Indexer`` (``.decode_kernel``: the decode scores), every mHC site ``HyperConnection`` (``.kernel``:
+mixes + collapse; ``.post_kernel``: the expansion) and the ``HyperHead`` (``.kernel``) whose own
+name, or an enclosing component's, matches the pattern.
 By default a kernel goes only where it runs: weights (or, for the pool, parameters) on CUDA with
 triton (cutlass for the pool) importable; elsewhere the reference stays. Imports no triton.
 """
@@ -17,20 +20,23 @@ from torch import nn
 
 from ..model.attention import Attention
 from ..model.compressor import Compressor
+from ..model.indexer import Indexer
 from ..model.linear import QLinear
+from ..model.mhc import HyperConnection, HyperHead
 from ..model.moe import Experts, Router
 from ..patterns import component_matcher, no_match_error, unmatched
 from . import compressor_pool_cute as pool_cute
 from .device import have_triton_cuda
-from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, grouped_quant_linear, moe_decode, norm_rope,
+from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_pool, decode_attention, grouped_quant_linear,
+                       index_scores_decode, mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill, norm_rope,
                        prefill_attention, quant_linear, rms_norm, route, weight_on_cuda)
 
-TARGETS = (QLinear, Experts, Compressor, Attention)
+TARGETS = (QLinear, Experts, Compressor, Attention, Indexer, HyperConnection, HyperHead)
 
 
 def kernel_targets(model: nn.Module, pattern="**") -> tuple[list[tuple[str, nn.Module]], bool]:
-    """((name, module) of every QLinear / Experts / Compressor / Attention whose name, or an enclosing
-    component's name, matches ``pattern``; whether anything matched at all)."""
+    """((name, module) of every kernel target (``TARGETS``) whose name, or an enclosing component's
+    name, matches ``pattern``; whether anything matched at all)."""
     match = component_matcher(pattern)
     hit_names: set[str] = set()
     out = []
@@ -60,14 +66,19 @@ def experts_fp4_on_cuda(experts: Experts) -> bool:
     return len(fmts) == 1
 
 
+# the kernel attributes of each target class (every other target has one: ``kernel``)
+KERNEL_SLOTS: dict[type, tuple[str, ...]] = {  # the first class that matches (Router before QLinear)
+    Router: ("kernel", "act_kernel", "grouped_kernel", "route_kernel"),
+    QLinear: ("kernel", "act_kernel", "grouped_kernel"),
+    Experts: ("kernel", "prefill_kernel"),
+    HyperConnection: ("kernel", "post_kernel"),
+    Attention: ("kernel", "decode_kernel", "norm_kernel", "rope_kernel"),
+    Indexer: ("decode_kernel",),
+}
+
+
 def _kernel_slots(mod: nn.Module) -> tuple[str, ...]:
-    if isinstance(mod, Router):
-        return ("kernel", "act_kernel", "grouped_kernel", "route_kernel")
-    if isinstance(mod, QLinear):
-        return ("kernel", "act_kernel", "grouped_kernel")
-    if isinstance(mod, Attention):
-        return ("kernel", "norm_kernel", "rope_kernel")
-    return ("kernel",)
+    return next((slots for cls, slots in KERNEL_SLOTS.items() if isinstance(mod, cls)), ("kernel",))
 
 
 def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool:
@@ -89,13 +100,28 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
         if not (have_triton and experts_fp4_on_cuda(mod)):
             return False
         mod.kernel = moe_decode
+        mod.prefill_kernel = moe_prefill
         return True
     if isinstance(mod, Attention):
         if not (have_triton and _on_cuda(mod.sink)):
             return False
         mod.kernel = prefill_attention
+        mod.decode_kernel = decode_attention
         mod.norm_kernel = rms_norm
         mod.rope_kernel = norm_rope
+        return True
+    if isinstance(mod, Indexer):
+        if not (have_triton and _on_cuda(mod.compressor.ape)):
+            return False
+        mod.decode_kernel = index_scores_decode
+        return True
+    if isinstance(mod, (HyperConnection, HyperHead)):
+        if not (have_triton and _on_cuda(mod.fn)):
+            return False
+        if isinstance(mod, HyperConnection):
+            mod.kernel, mod.post_kernel = mhc_pre, mhc_post
+        else:
+            mod.kernel = mhc_head_pre
         return True
     if not (have_cute and _on_cuda(mod.ape)):  # Compressor
         return False
@@ -104,20 +130,25 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
 
 
 def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, strict: bool = False,
-                    linear: Callable | None = None, experts: Callable | None = None) -> int:
+                    linear: Callable | None = None, experts: Callable | None = None,
+                    experts_prefill: Callable | None = None) -> int:
     """Install (``enable=True``) or remove (``False``) the kernels of the components matching
     ``pattern`` (their own name or an enclosing component's: ``"layers.3"`` = every linear, expert
     block and compressor of layer 3). Returns how many components were set (enable) or put back on
     the reference (disable; only those that had a kernel). ``strict``: KeyError when nothing matches.
 
     Defaults: ``quant_linear`` as ``QLinear.kernel`` (NVFP4, MXFP4, FP8-block weights) with
-    ``act_quant_nvfp4`` as its ``act_kernel``, ``route`` as ``Router.route_kernel``, ``moe_decode`` as
-    ``Experts.kernel`` (NVFP4 or MXFP4 experts), ``compressor_pool`` as ``Compressor.kernel``,
-    ``prefill_attention`` / ``rms_norm`` / ``norm_rope`` as ``Attention.kernel`` / ``norm_kernel`` / ``rope_kernel``,
-    each only where it runs (see the module
+    ``act_quant_nvfp4`` as its ``act_kernel`` and ``grouped_quant_linear`` as its ``grouped_kernel``
+    (NVFP4), ``route`` as ``Router.route_kernel``, ``moe_decode`` as ``Experts.kernel`` and ``moe_prefill``
+    as ``Experts.prefill_kernel`` (NVFP4 or MXFP4 experts), ``compressor_pool`` as ``Compressor.kernel``,
+    ``prefill_attention`` as ``Attention.kernel`` with ``decode_attention`` as its ``decode_kernel`` and
+    ``rms_norm`` / ``norm_rope`` as its ``norm_kernel`` / ``rope_kernel``,
+    ``index_scores_decode`` as ``Indexer.decode_kernel``, ``mhc_pre`` / ``mhc_post`` as
+    ``HyperConnection.kernel`` / ``.post_kernel``, ``mhc_head_pre`` as ``HyperHead.kernel``, each only
+    where it runs (see the module
     docstring). ``linear=`` / ``experts=`` install another callable with the same signature on
     every matching quantised QLinear / Experts whatever the device (e.g. a reference-equal fake on
-    CPU in tests)."""
+    CPU in tests); ``experts_prefill=`` likewise as ``Experts.prefill_kernel``."""
     targets, any_match = kernel_targets(model, pattern)
     if not any_match and strict:
         names = [n for n, _ in model.named_modules() if n]
@@ -140,8 +171,9 @@ def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, stri
             if mod.qweight is None:
                 continue
             mod.kernel = linear
-        elif isinstance(mod, Experts) and experts is not None:
-            mod.kernel = experts
+        elif isinstance(mod, Experts) and (experts is not None or experts_prefill is not None):
+            mod.kernel = experts if experts is not None else mod.kernel
+            mod.prefill_kernel = experts_prefill if experts_prefill is not None else mod.prefill_kernel
         elif not _install_default(mod, have_triton, have_cute):
             continue
         n += 1

@@ -25,7 +25,7 @@ takes on Hopper+ (this module's GEMV stays for older GPUs and unaligned shapes):
   Split-K over many CTAs with an in-kernel fix-up: every split writes an fp32 partial, bumps a
   per-tile counter, and the last one sums the partials, writes the output and resets the
   counter (one launch, graph-safe). Configs are tuned per shape on first use.
-* ``_gemm_kernel`` (M > 16, prefill): tiles dequantised to bf16/fp16 in registers (lo/hi nibbles
+* ``_gemm_kernel`` (M > 16 below sm_90 or M < 64; M >= 64 on sm_90+ takes ``dsv4lab.kernels.linear_gemm``): tiles dequantised to bf16/fp16 in registers (lo/hi nibbles
   joined back into K order) and ``tl.dot``; split-K (same fix-up) when the (M, N) tiles cannot
   fill the SMs.
 
@@ -59,6 +59,7 @@ from .common import (
     store_or_fix_up,
 )
 from .device import on_input_device
+from .linear_gemm import gemm_supported, launch_gemm
 from .linear_nvfp4_tma import launch_gemv_tma, tma_default_config, tma_supported
 
 
@@ -423,7 +424,9 @@ def nvfp4_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
                  config: dict | None = None) -> torch.Tensor:
     """y[..., N] = x[..., K] @ W^T for NVFP4 W given as (packed [N,K/2], block_scale [N,K/16], gs).
 
-    M = prod(leading dims) <= 16 takes the split-K GEMV kernel, larger M the tiled GEMM. M <= 16 on
+    M = prod(leading dims) <= 16 takes the split-K GEMV kernel, larger M the tiled GEMM; M >= 64 on
+    sm_90+ the prefill GEMM of ``dsv4lab.kernels.linear_gemm`` (``config`` keys of its
+    ``gemm_tiles``; ``TILED=True`` keeps this module's tiled GEMM). M <= 16 on
     CUDA capability >= 9.0 with K % 256 == 0 takes the TMA-fed GEMV (``dsv4lab.kernels.linear_nvfp4_tma``).
     ``config`` overrides the tuned choice (GEMV: BN, G, SPLIT, num_warps, H2, XP, PF; TMA GEMV:
     TMA=True, BN, STAGES, SPLIT, num_warps; GEMM: BM, BN, BK, SPLIT, num_warps). Output dtype =
@@ -451,6 +454,8 @@ def nvfp4_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
     if M <= 16:
         cfg = config or _tuned_config(x2, packed, scale, gs, y)
         _launch_gemv(x2, packed, scale, gs, y, cfg)
+    elif gemm_supported(x2, K) and not (config or {}).get("TILED"):
+        launch_gemm(x2, "nvfp4", packed, scale, gs, y, config)
     else:
         _launch_gemm(x2, packed, scale, gs, y, {**gemm_config(M, N, K, x2.device), **(config or {})})
     return y.reshape(*lead, N)

@@ -11,7 +11,8 @@ y[M, N] = x[M, K] @ W^T with W kept as stored (``dsv4lab.quant.weights``):
   against x^T [128, BM]; the fp32 block scale (E8M0 scales are widened on the host, a
   [N/128, K/128] tensor) multiplies each 128-wide partial product.
 
-One kernel per format covers decode (BM = 16) and prefill (BM = 64) over (N tiles, M tiles, K
+M >= 64 on sm_90+ takes the prefill GEMM of ``dsv4lab.kernels.linear_gemm`` (``TILED=True`` in
+``config`` keeps the kernels here). One kernel per format covers decode (BM = 16) and prefill (BM = 64) over (N tiles, M tiles, K
 splits); the loads go through Triton's software pipeline (``tl.range(num_stages=...)``, cp.async
 on sm_80+). Split K finishes with the counter fix-up used by every kernel here (deterministic,
 one launch, graph-safe). x is cast to bf16 (fp16 for fp16 x), the accumulation is fp32.
@@ -37,6 +38,7 @@ import triton.language as tl
 
 from .common import INTERPRET, counters, dot_dtype, e8m0_to_f32, nibble_plane_dots, num_sms, store_or_fix_up
 from .device import on_input_device
+from .linear_gemm import GEMM_MIN_M, gemm_supported, launch_gemm
 from .linear_nvfp4_tma import launch_gemv_tma, tma_default_config, tma_supported
 
 
@@ -166,6 +168,12 @@ def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Ten
     if M == 0:
         return y.reshape(*lead, N)
     cfg = dict(config or {})
+    if gemm_supported(x2, K) and not cfg.get("TILED"):
+        if w.format == "mxfp4":
+            launch_gemm(x2, "mxfp4", w.packed, w.scale, None, y, cfg)
+        else:
+            launch_gemm(x2, "fp8_block", w.data, w.scale_float().contiguous(), None, y, cfg)
+        return y.reshape(*lead, N)
     if w.format == "mxfp4" and M <= 16 and cfg.get("TMA", True) and mx_tma_supported(x2, w):
         _mx_decode_tma(x2, w, y, cfg)
         return y.reshape(*lead, N)
@@ -218,7 +226,8 @@ def verified_official_matmul(x: torch.Tensor, w) -> torch.Tensor:
     before that check runs the reference (graph-safe). ``DSV4LAB_KERNEL_VERIFY=0`` skips the check."""
     ref = lambda: F.linear(x, w.dequantize(x.dtype))  # noqa: E731
     M = x.numel() // max(x.shape[-1], 1)
-    key = (w.format, *w.shape, 1 if M == 1 else (16 if M <= 16 else 17), x.dtype, x.device.type, x.device.index)
+    bucket = 1 if M == 1 else (16 if M <= 16 else (17 if M < GEMM_MIN_M else GEMM_MIN_M))  # one per kernel path
+    key = (w.format, *w.shape, bucket, x.dtype, x.device.type, x.device.index)
     ok = _VERIFIED.get(key)
     if ok is None and os.environ.get("DSV4LAB_KERNEL_VERIFY", "1") == "0":
         ok = _VERIFIED[key] = True

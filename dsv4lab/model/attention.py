@@ -21,6 +21,7 @@ from ..config import CSA, SLIDING, DSV4Config
 from ..quant.modes import RoundTrip
 from .bounded_attention import DEFAULT_BLOCK_BYTES, block_rows, bounded_attention
 from .compressor import Compressor
+from .decode_attention import decode_keys_bias, masked_logits, sink_softmax
 from .hooks import HookPoint
 from .indexer import Indexer
 from .linear import QLinear
@@ -63,6 +64,7 @@ class Attention(nn.Module):
         self.k_block: int | None = None  # prefill keys per block (None: DEFAULT_K_BLOCK)
         self.block_bytes = DEFAULT_BLOCK_BYTES  # working set per prefill block (attention, indexer)
         self.kernel = None  # optional bounded prefill attention with bounded_attention's signature (dsv4lab.kernels)
+        self.decode_kernel = None  # optional decode attention with decode_attention's signature (dsv4lab.kernels)
         # optional fused glue of _q_kv / _output (dsv4lab.kernels; see fused_rows): q_norm as
         # rms_norm(x, weight, eps), and norm + RoPE as norm_rope_ref(x, positions, inv_freq, ...)
         self.norm_kernel: Callable | None = None
@@ -118,16 +120,11 @@ class Attention(nn.Module):
 
     def _logits(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Scaled, masked logits [B,H,S,L] of q [B,S,H,Dh] over keys [B,L,Dh], bias [B or 1,S,L]."""
-        logits = torch.matmul(q.transpose(1, 2), keys.unsqueeze(1).transpose(-1, -2)) * self.scale  # [B,H,S,L]
-        return logits + bias.unsqueeze(1).to(logits.dtype)
+        return masked_logits(q, keys, bias, self.scale)
 
     def _sink_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Probabilities [B,H,S,L+1] over [keys | sink] (the reference softmax)."""
-        B, H, S, _ = logits.shape
-        sinks = self.sink.to(logits.dtype).view(1, H, 1, 1).expand(B, H, S, 1)
-        combined = torch.cat([logits, sinks], dim=-1)
-        combined = combined - combined.amax(dim=-1, keepdim=True)
-        return torch.softmax(combined, dim=-1)
+        return sink_softmax(logits, self.sink)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """q [B,S,H,Dh], keys [B,L,Dh] (also the values), bias [B or 1,S,L] -> [B,S,H,Dh]."""
@@ -274,36 +271,38 @@ class Attention(nn.Module):
         return self._output(out, cos, sin)
 
     # --------------------------------------------------------------- decode
+    def decode_takes_kernel(self) -> bool:
+        """Does this decode step run ``decode_kernel``? Only when one is installed, nobody listens
+        to ``hook_probs`` (the kernel never materialises the probabilities), ``probs_bf16`` is off
+        (the kernel's online softmax rounds against running maxima, not the row's maximum), the
+        module is in eval mode and the reference math (``_attend``, ``_logits``,
+        ``_sink_softmax``) is not replaced (bug-zoo variants)."""
+        cls = type(self)
+        return (self.decode_kernel is not None and not self.hook_probs.active and not self.training
+                and RoundTrip.PROBS_BF16 not in self.round_trips
+                and cls._attend is Attention._attend and cls._logits is Attention._logits
+                and cls._sink_softmax is Attention._sink_softmax)
+
     def decode(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
-        """One token per sequence at device position ``pos``: fixed shapes, no host branches."""
-        B = x.shape[0]
-        dev = x.device
+        """One token per sequence at device position ``pos``: fixed shapes, no host branches.
+        The kernel path (``decode_takes_kernel``) reads the ring and the valid entries in place;
+        the reference concatenates them with an additive -inf mask (``decode_keys_bias``)."""
         positions = pos.view(1)
         q_res, q, kv, cos, sin = self._q_kv(x, positions)
-        W = self.window
-        st.kv_ring.index_copy_(1, (pos % W).view(1), kv.to(st.kv_ring.dtype))
-        zero = torch.zeros((), device=dev)
-        neg = torch.full((), float("-inf"), device=dev)
-        bias = torch.where(torch.arange(W, device=dev) <= pos, zero, neg).view(1, 1, W).expand(B, 1, W)
-        keys = st.kv_ring.to(kv.dtype)
+        st.kv_ring.index_copy_(1, (pos % self.window).view(1), kv.to(st.kv_ring.dtype))
+        entries = n_entries = selected = None
         if self.compressor is not None:
             n_entries = self.compressor.decode(x, pos, st.compressor)
             entries = st.compressor.entries.to(kv.dtype)
-            T = entries.shape[1]
             if self.indexer is not None:
                 n_idx = self.indexer.compressor.decode(x, pos, st.indexer)
                 if self.indexer.enabled:
-                    idx = self.indexer.select(
-                        self.indexer.scores(x, q_res, positions, st.indexer.entries), n_idx.view(1))  # [B,1,k]
-                    ok = idx >= 0
-                    entries = torch.gather(entries, 1, idx.clamp(min=0).view(B, -1, 1).expand(-1, -1, entries.shape[-1]))
-                    ent_bias = torch.where(ok, zero, neg)
-                else:
-                    ent_bias = torch.where(torch.arange(T, device=dev) < n_entries, zero, neg).view(1, 1, T).expand(B, 1, T)
-            else:
-                ent_bias = torch.where(torch.arange(T, device=dev) < n_entries, zero, neg).view(1, 1, T).expand(B, 1, T)
-            if not self.use_compressed:
-                ent_bias = torch.full_like(ent_bias, float("-inf"))
-            keys = torch.cat([keys, entries], dim=1)
-            bias = torch.cat([bias, ent_bias], dim=-1)
-        return self._output(self._attend(q, keys, bias), cos, sin)
+                    selected = self.indexer.decode_select(x, q_res, positions, st.indexer.entries, n_idx)  # [B,1,k]
+        ring = st.kv_ring.to(kv.dtype)
+        if self.decode_takes_kernel():
+            use = entries is not None and self.use_compressed
+            out = self.decode_kernel(q, self.sink, self.scale, ring, pos, entries if use else None,
+                                     n_entries if use else None, selected if use else None)
+        else:
+            out = self._attend(q, *decode_keys_bias(ring, pos, entries, n_entries, selected, self.use_compressed))
+        return self._output(out, cos, sin)

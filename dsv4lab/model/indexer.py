@@ -40,6 +40,7 @@ class Indexer(nn.Module):
         self.round_trips: frozenset = frozenset()  # of RoundTrip; set by dsv4lab.precision
         self.rotary = Rotary(config, "compress")
         self.enabled = True
+        self.decode_kernel = None  # optional decode scores with index_scores_decode's signature (dsv4lab.kernels)
         self.train_dense = False  # training: attend every closed entry while the indexer distils
         self.aux_loss: torch.Tensor | None = None
         self.hook_q = HookPoint("indexer queries [B,S,Hi,Ih] after RoPE")
@@ -62,9 +63,7 @@ class Indexer(nn.Module):
 
     def combine(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """scores [B,S,T] from q [B,S,Hi,Ih], w [B,S,Hi], keys [B,T,Ih]; transient [B,S,Hi,T] fp32."""
-        s = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1))  # [B,S,H,T]
-        s = torch.relu(s) * self.head_dim ** -0.5
-        return (s * w.unsqueeze(-1)).sum(dim=2)
+        return index_scores(q, w, keys)
 
     def scores(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         return self.combine(self.queries(q_res, positions), self.head_weights(x), keys)
@@ -90,6 +89,25 @@ class Indexer(nn.Module):
                 return self.scores(x[:, a:b], q_res[:, a:b], positions[a:b], keys)
         return torch.cat([self.select(part(a, min(S, a + rows)), visible[a : a + rows]) for a in range(0, S, rows)], 1)
 
+    def decode_takes_kernel(self) -> bool:
+        """Does decode score with ``decode_kernel``? Only when one is installed, no indexer hook
+        listens (the kernel's scores differ from the reference's in summation order) and the
+        scoring math (``scores``, ``combine``, ``head_weights``) is not replaced (bug-zoo variants)."""
+        cls = type(self)
+        return (self.decode_kernel is not None and not (self.hook_q.active or self.hook_scores.active or self.hook_indices.active)
+                and cls.scores is Indexer.scores and cls.combine is Indexer.combine and cls.head_weights is Indexer.head_weights)
+
+    def decode_select(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                      n_valid: torch.Tensor) -> torch.Tensor:
+        """Decode top-k [B,1,k] over the entries w < ``n_valid`` (a 0-d device tensor) of keys
+        [B,T,Ih]: ``select(scores(...))``, the scores from ``decode_kernel`` when it applies
+        (``decode_takes_kernel``; it takes weights_proj(x) unscaled and folds the 1/sqrt(Hi))."""
+        if not self.decode_takes_kernel():
+            return self.select(self.scores(x, q_res, positions, keys), n_valid.view(1))
+        scores = self.decode_kernel(self.queries(q_res, positions), self.weights_proj(x), keys, n_valid,
+                                    self.n_heads ** -0.5)
+        return self.select(scores, n_valid.view(1))
+
     def select(self, scores: torch.Tensor, n_valid_for_query: torch.Tensor) -> torch.Tensor:
         """Top-k valid entries per query; scores [B,S,T], n_valid [S] -> indices [B,S,k]."""
         T = scores.shape[-1]
@@ -111,3 +129,20 @@ class Indexer(nn.Module):
         logp = torch.log_softmax(scores.masked_fill(~valid, -1e9), dim=-1)
         kl = (target * (torch.log(target.clamp_min(1e-9)) - logp)).masked_fill(~valid, 0).sum(-1)
         self.aux_loss = (kl * rows).sum() / rows.sum().clamp_min(1)
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """scores [B,S,T] = sum_h w[h] * ReLU(q[h] . k) / sqrt(Ih) from q [B,S,Hi,Ih], w [B,S,Hi] (fp32),
+    keys [B,T,Ih], all in fp32 (transient [B,S,Hi,T])."""
+    s = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1))  # [B,S,H,T]
+    s = torch.relu(s) * q.shape[-1] ** -0.5
+    return (s * w.unsqueeze(-1)).sum(dim=2)
+
+
+def index_scores_decode(q: torch.Tensor, w_raw: torch.Tensor, keys: torch.Tensor, n_valid: torch.Tensor,
+                        w_scale: float) -> torch.Tensor:
+    """Decode scores [B,1,T] (fp32, -inf at t >= n_valid) of q [B,1,Hi,Ih] over keys [B,T,Ih], with
+    head weights w_raw [B,1,Hi] * w_scale (in fp32, as ``Indexer.head_weights``); n_valid a 0-d
+    device tensor. The reference of ``dsv4lab.kernels.indexer_decode`` (``Indexer.decode_kernel``)."""
+    s = index_scores(q, w_raw.float() * w_scale, keys)
+    return s.masked_fill(torch.arange(keys.shape[1], device=keys.device) >= n_valid, float("-inf"))

@@ -4,6 +4,13 @@ Per site: RMS-normalised flattened streams -> linear ``fn`` -> split into pre [h
 comb [hc, hc] logits (in that order); pre = sigmoid(.)+eps, post = 2*sigmoid(.), comb =
 Sinkhorn(softmax(.)+eps). The block input is sum_j pre_j * stream_j; the new streams are
 post_k * block_out + sum_j comb[j, k] * stream_j (comb used TRANSPOSED).
+
+The math is in the functions ``mix_weights`` / ``collapse`` / ``head_weights`` (the reference the
+fused kernels of ``dsv4lab.kernels.mhc_fused`` are checked against); the components add the hook
+points and the ``kernel`` slots: ``HyperConnection.kernel`` (mixes + collapse in one call),
+``HyperConnection.post_kernel`` (the expansion), ``HyperHead.kernel``. A slot is used only while
+none of the component's hook points listens and the method it replaces is the reference's, so
+hooks and overriding implementations (docs/components.md) always see the reference path.
 """
 from __future__ import annotations
 
@@ -26,6 +33,32 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
+def mix_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [B,S,hc,D] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), all fp32."""
+    hc = streams.shape[-2]
+    flat = unweighted_rms_norm(streams.flatten(start_dim=2).float(), norm_eps)
+    pre_w, post_w, comb_w = F.linear(flat, fn.float()).split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
+    s_pre, s_post, s_comb = scale.float().unbind(0)
+    pre = torch.sigmoid(pre_w * s_pre + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * s_post + post_b)
+    comb = sinkhorn(comb_w.unflatten(-1, (hc, hc)) * s_comb + comb_b.view(hc, hc), iters, hc_eps)
+    return pre, post, comb
+
+
+def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """Block input sum_j pre_j * stream_j [B,S,D]: fp32 products and sum, one cast to streams.dtype."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+
+
+def head_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+                 norm_eps: float) -> torch.Tensor:
+    """HyperHead's collapse weights [B,S,hc] (fp32) for streams [B,S,hc,D]."""
+    flat = unweighted_rms_norm(streams.flatten(2).float(), norm_eps)
+    return torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + eps
+
+
 class HyperConnection(nn.Module):
     """One mHC site (attention or FFN): computes pre/post/comb and collapses the streams."""
 
@@ -45,26 +78,34 @@ class HyperConnection(nn.Module):
         self.hook_comb = HookPoint("Sinkhorn stream mixer [B,S,hc,hc] (fp32, doubly stochastic)")
         self.hook_collapsed = HookPoint("collapsed block input [B,S,D]")
         self.hook_streams = HookPoint("new residual streams after this site [B,S,hc,D]")
+        # optional fused implementations (dsv4lab.kernels.install), used while no hook listens:
+        # kernel(streams, fn, base, scale, iters, hc_eps, norm_eps) -> (pre, post, comb, collapsed)
+        self.kernel = None
+        # post_kernel(streams, block_out, post, comb) -> new streams (the expansion)
+        self.post_kernel = None
+
+    def hooked(self) -> bool:
+        """Does any hook point of this site listen? (then the reference runs, kernels or not)"""
+        return any(hp.active for hp in (self.hook_pre, self.hook_post, self.hook_comb, self.hook_collapsed,
+                                        self.hook_streams))
 
     def mixes(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hc = self.hc
-        flat = unweighted_rms_norm(streams.flatten(start_dim=2).float(), self.norm_eps)
-        pre_w, post_w, comb_w = F.linear(flat, self.fn.float()).split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = self.base.float().split([hc, hc, hc * hc])
-        s_pre, s_post, s_comb = self.scale.float().unbind(0)
-        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * s_post + post_b)
-        comb = sinkhorn(comb_w.unflatten(-1, (hc, hc)) * s_comb + comb_b.view(hc, hc), self.iters, self.hc_eps)
+        pre, post, comb = mix_weights(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps)
         return self.hook_pre(pre), self.hook_post(post), self.hook_comb(comb)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B,S,hc,D] -> (post, comb, collapsed [B,S,D])."""
+        if self.kernel is not None and type(self).mixes is HyperConnection.mixes and not self.hooked():
+            _, post, comb, collapsed = self.kernel(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps,
+                                                   self.norm_eps)
+            return post, comb, collapsed
         pre, post, comb = self.mixes(streams)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
-        return post, comb, self.hook_collapsed(collapsed)
+        return post, comb, self.hook_collapsed(collapse(pre, streams))
 
     def combine(self, streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """Instance entry point of the expansion (implementations may override ``expand``)."""
+        if self.post_kernel is not None and type(self).expand is HyperConnection.expand and not self.hooked():
+            return self.post_kernel(streams, block_out, post, comb)
         return self.hook_streams(self.expand(streams, block_out, post, comb))
 
     @staticmethod
@@ -86,9 +127,12 @@ class HyperHead(nn.Module):
         self.base = nn.Parameter(torch.zeros(hc))
         self.scale = nn.Parameter(torch.ones(1))
         self.hook_pre = HookPoint("final collapse weights [B,S,hc] (fp32)")
+        # optional fused implementation (dsv4lab.kernels.install), used while hook_pre does not listen:
+        # kernel(streams, fn, base, scale, eps, norm_eps) -> (pre, collapsed)
+        self.kernel = None
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float() + self.base.float()) + self.eps
-        pre = self.hook_pre(pre)
-        return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+        if self.kernel is not None and not self.hook_pre.active:
+            return self.kernel(streams, self.fn, self.base, self.scale, self.eps, self.norm_eps)[1]
+        pre = self.hook_pre(head_weights(streams, self.fn, self.base, self.scale, self.eps, self.norm_eps))
+        return collapse(pre, streams)

@@ -142,6 +142,11 @@ class Experts(nn.Module):
     projection is NVFP4 (or every one MXFP4), the mode is ``w4a16`` (no activation quant), x is on one of ``kernel_devices`` and
     ``hook_expert_out`` is not active (it needs per-expert outputs: the reference runs then).
 
+    ``prefill_kernel``: optional grouped prefill ``f(x, ids, weights, w1, w3, w2, limit,
+    weight_before_w2)`` over the same stacks (``dsv4lab.kernels.dispatch.moe_prefill``): the
+    sparse (non-graph-safe) path calls it under the same conditions as ``kernel``, except that it
+    applies the routing weight in either order.
+
     ``weight_before_w2`` (the round trip of that name, or ``w4a8`` / ``official`` experts): each
     expert gets its routing weight before w2; ``hook_expert_out`` then shows weighted outputs."""
 
@@ -157,6 +162,7 @@ class Experts(nn.Module):
         self._stack = None
         self._kernel_stacks = None  # (ExpertStack, (w1, w3, w2) StackedNVFP4/StackedMXFP4 views of it)
         self.kernel = None  # optional fused decode fast path (see the class docstring)
+        self.prefill_kernel = None  # optional grouped prefill fast path (see the class docstring)
         self.round_trips: frozenset = frozenset()  # of RoundTrip; set by dsv4lab.precision
         self.gather_in_decode = config.n_routed_experts > 16  # small E: the masked loop is as cheap
         self.hook_expert_out = HookPoint("per-token chosen experts' outputs [T,k,D], unweighted")
@@ -190,13 +196,13 @@ class Experts(nn.Module):
                 return None
         return self._stack
 
-    def kernel_applies(self, x: torch.Tensor, stack) -> bool:
-        """Would graph-safe decode run ``self.kernel`` on ``x`` with this stack? (Host-side
-        checks only: no device syncs.)"""
-        return (self.kernel is not None and stack is not None
+    def kernel_applies(self, x: torch.Tensor, stack, prefill: bool = False) -> bool:
+        """Would graph-safe decode run ``self.kernel`` (``prefill``: the sparse path
+        ``self.prefill_kernel``) on ``x`` with this stack? (Host-side checks only: no device syncs.)"""
+        return ((self.prefill_kernel if prefill else self.kernel) is not None and stack is not None
                 and len({stack.formats[p] for p in stack.PROJ}) == 1 and stack.formats["w1"] in ("nvfp4", "mxfp4")
                 # stack() guarantees one mode for every projection; the kernel quantises nothing
-                and self[0].w1.act_format() == "none" and not self.weight_before_w2
+                and self[0].w1.act_format() == "none" and (prefill or not self.weight_before_w2)
                 and x.device.type in self.kernel_devices
                 # a replaced linear (e.g. another quantize_input) is not what the kernel computes
                 and all(type(getattr(self[e], p)) is QLinear for e in range(self.n_experts) for p in stack.PROJ))
@@ -252,6 +258,11 @@ class Experts(nn.Module):
                 self.hook_expert_out(each_g)
             return self.hook_out(out)
         before = self.weight_before_w2
+        if not graph_safe and self.prefill_kernel is not None and not want_each:
+            stack = self.stack()
+            if self.kernel_applies(x, stack, prefill=True):
+                w1, w3, w2 = self.kernel_stacks(stack)
+                return self.hook_out(self.prefill_kernel(x, ids, weights, w1, w3, w2, self.limit, before).to(x.dtype))
         if graph_safe:
             for e in range(self.n_experts):
                 expert = self[e]

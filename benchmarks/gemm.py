@@ -1,0 +1,194 @@
+"""Prefill GEMM benchmark (CUDA): the W4A16 GEMM of ``dsv4lab.kernels.linear_gemm`` per V4-Pro
+shape and weight format at M = 128 and 4096 against cuBLAS BF16 (``F.linear`` on a dense bf16
+weight of the same shape, timed in the same run) and the path it replaced (``TILED=True``: the
+older tiled NVFP4 GEMM / official-format kernels); then the grouped routed-experts prefill
+(``dsv4lab.kernels.moe_prefill``) at 4096 tokens, top-6, against the per-expert reference.
+
+Per row: kernel us and TFLOP/s, cuBLAS us and TFLOP/s, kernel / cuBLAS, the old path's us and the
+speedup over it, max |y - ref| / max |ref| against dequantise + ``F.linear``. ``--sweep`` also
+times a few tile variants per (shape, format, M) and prints the fastest (the fixed rule in
+``gemm_tiles`` comes from such a sweep). Timing: ``triton.testing.do_bench`` (median, L2 flushed
+between runs by do_bench).
+
+    python3 benchmarks/gemm.py --json $OUT/gemm_h200.json
+    python3 benchmarks/gemm.py --sweep --json $OUT/gemm_sweep.json
+    python3 benchmarks/gemm.py --cpu-smoke        # tiny shapes through the interpreter (tested)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+SMOKE = "--cpu-smoke" in sys.argv
+if SMOKE:  # before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dsv4lab.quant.stacked import stack_experts  # noqa: E402
+from dsv4lab.quant.weights import FP8BlockWeight, MXFP4Weight, NVFP4Weight  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = {"q_a": (7168, 1536), "q_b": (1536, 65536), "o_b": (16384, 7168), "wkv": (7168, 512),
+          "w1/w3": (7168, 3072), "w2": (3072, 7168)}  # name -> (K, N)
+SMOKE_SHAPES = {"tiny": (256, 96)}
+SWEEP = [{"SWAP": True, "BM": 128, "BN": 128, "BK": 128, "num_warps": 8},
+         {"SWAP": True, "BM": 128, "BN": 128, "BK": 64, "num_warps": 8},
+         {"SWAP": True, "BM": 128, "BN": 128, "BK": 128, "num_warps": 8, "WORDS": True},
+         {"SWAP": True, "BM": 128, "BN": 64, "BK": 128, "num_warps": 4},
+         {"SWAP": False, "BM": 128, "BN": 256, "BK": 64, "num_warps": 8},
+         {"SWAP": False, "BM": 128, "BN": 128, "BK": 64, "num_warps": 8},
+         {"SWAP": False, "BM": 128, "BN": 128, "BK": 128, "num_warps": 8},
+         {"SWAP": False, "BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "STAGES": 4}]
+
+
+def rand_weight(fmt: str, N: int, K: int, dev, seed: int):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    if fmt == "fp8_block":
+        codes = torch.randint(0, 256, (N, K), generator=g, dtype=torch.uint8, device=dev)
+        codes[(codes & 0x7F) == 0x7F] = 0x3C
+        return FP8BlockWeight(codes.view(torch.float8_e4m3fn),
+                              torch.rand((N + 127) // 128, K // 128, generator=g, device=dev) * 0.01 + 1e-5)
+    packed = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8, device=dev)
+    if fmt == "mxfp4":
+        return MXFP4Weight(packed, torch.randint(118, 124, (N, K // 32), generator=g, dtype=torch.uint8,
+                                                 device=dev).view(torch.float8_e8m0fnu))
+    sc = (torch.rand(N, K // 16, generator=g, device=dev) * 4 + 2 ** -9).to(torch.float8_e4m3fn)
+    return NVFP4Weight(packed, sc, torch.tensor(0.021, device=dev))
+
+
+def timed(fn, dev) -> float:
+    """Median microseconds (do_bench on CUDA; one call on the CPU smoke)."""
+    if dev.type != "cuda":
+        fn()
+        return float("nan")
+    from triton.testing import do_bench  # lazy: heavy optional dependency
+    return do_bench(fn, warmup=10, rep=50) * 1e3
+
+
+def matmul(x, w, cfg):
+    """The kernel entry points with a config (``TILED=True``: the older kernels)."""
+    from dsv4lab.kernels.linear_nvfp4 import nvfp4_matmul  # lazy: imports triton
+    from dsv4lab.kernels.linear_official import official_matmul
+
+    if w.format == "nvfp4":
+        return nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config=cfg)
+    return official_matmul(x, w, config=cfg)
+
+
+def gemm_row(name, fmt, K, N, M, dev, sweep: bool) -> dict:
+    w = rand_weight(fmt, N, K, dev, seed=M + N)
+    x = torch.randn(M, K, device=dev).to(torch.bfloat16)
+    dense = w.dequantize(torch.bfloat16)
+    ref = F.linear(x, dense)
+    y = matmul(x, w, None)
+    flop = 2 * M * N * K
+    t_k = timed(lambda: matmul(x, w, None), dev)
+    t_b = timed(lambda: F.linear(x, dense), dev)
+    row = {"shape": name, "format": fmt, "M": M, "K": K, "N": N,
+           "max_err_over_max_ref": float((y.float() - ref.float()).abs().max() / ref.float().abs().max()),
+           "kernel_us": t_k, "kernel_TFLOPs": flop / t_k / 1e6, "cublas_bf16_us": t_b,
+           "cublas_bf16_TFLOPs": flop / t_b / 1e6, "of_cublas": t_b / t_k}
+    if M <= 256 or dev.type != "cuda":  # the old path at 4096 takes long and is not the comparison asked for
+        t_o = timed(lambda: matmul(x, w, {"TILED": True}), dev)
+        row.update(old_us=t_o, speedup_over_old=t_o / t_k)
+    if sweep and dev.type == "cuda":
+        from dsv4lab.kernels.linear_gemm import gemm_tiles  # lazy: imports triton
+
+        base = gemm_tiles(fmt, M, N, K, dev)
+        best = (t_k, base)
+        for c in SWEEP:
+            cfg = {**base, **c}
+            if K % cfg["BK"]:
+                continue
+            try:
+                ok = float((matmul(x, w, cfg).float() - ref.float()).abs().max() / ref.float().abs().max()) < 2e-2
+                t = timed(lambda: matmul(x, w, cfg), dev) if ok else float("inf")
+            except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
+                t = float("inf")
+                print(f"  skip {cfg}: {type(e).__name__}", file=sys.stderr)
+            if t < best[0]:
+                best = (t, cfg)
+        row.update(sweep_best_us=best[0], sweep_best=best[1])
+    del dense
+    return row
+
+
+def moe_row(fmt, T, E, k, H, I, dev, limit=10.0) -> dict:
+    from dsv4lab.kernels.moe_prefill import moe_prefill_triton  # lazy: imports triton
+    from dsv4lab.kernels.moe_prefill_ref import moe_prefill_ref
+
+    w1 = stack_experts([rand_weight(fmt, I, H, dev, 10 + e) for e in range(E)])
+    w3 = stack_experts([rand_weight(fmt, I, H, dev, 1000 + e) for e in range(E)])
+    w2 = stack_experts([rand_weight(fmt, H, I, dev, 2000 + e) for e in range(E)])
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = (torch.randn(T, H, device=dev, generator=g) * 0.05).to(torch.bfloat16)
+    ids = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1).indices
+    wt = torch.rand(T, k, device=dev, generator=g)
+    y = moe_prefill_triton(x, ids, wt, w1, w3, w2, limit)
+    ref = moe_prefill_ref(x, ids, wt, w1, w3, w2, limit)
+    t_k = timed(lambda: moe_prefill_triton(x, ids, wt, w1, w3, w2, limit), dev)
+    t_r = timed(lambda: moe_prefill_ref(x, ids, wt, w1, w3, w2, limit), dev)
+    flop = 2 * T * k * 3 * H * I
+    return {"moe_prefill": fmt, "tokens": T, "experts": E, "top_k": k, "hidden": H, "inter": I,
+            "kernel_us": t_k, "kernel_TFLOPs": flop / t_k / 1e6, "reference_us": t_r, "speedup": t_r / t_k,
+            "max_err_over_max_ref": float((y.float() - ref.float()).abs().max() / ref.float().abs().max())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--formats", default="nvfp4,mxfp4,fp8_block")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    ap.add_argument("--m", default="128,4096", help="batch sizes")
+    ap.add_argument("--experts", type=int, default=384, help="routed experts in the MoE prefill (fewer if memory)")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--no-moe", dest="moe", action="store_false")
+    ap.add_argument("--sweep", action="store_true", help="also time tile variants and report the fastest")
+    ap.add_argument("--json", type=Path, nargs="?", default=None, const=RESULTS / "gemm.json")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes through Triton's interpreter (no timing)")
+    args = ap.parse_args()
+    fmts = [f for f in args.formats.split(",") if f]
+    bad = [f for f in fmts if f not in ("nvfp4", "mxfp4", "fp8_block")]
+    if bad:
+        ap.error(f"--formats: {bad} not in ['fp8_block', 'mxfp4', 'nvfp4']")
+    if args.cpu_smoke:
+        dev, shapes, ms = torch.device("cpu"), SMOKE_SHAPES, [64, 130]
+        moe_args = dict(T=40, E=6, k=3, H=64, I=96)
+    else:
+        if not torch.cuda.is_available():
+            ap.error("needs CUDA (or --cpu-smoke)")
+        names = [s for s in args.shapes.split(",") if s]
+        unknown = [s for s in names if s not in SHAPES]
+        if unknown:
+            ap.error(f"--shapes: {unknown} not in {list(SHAPES)}")
+        dev, shapes, ms = torch.device("cuda"), {s: SHAPES[s] for s in names}, [int(m) for m in args.m.split(",")]
+        moe_args = dict(T=args.tokens, E=args.experts, k=6, H=7168, I=3072)
+    rows = []
+    for name, (K, N) in shapes.items():
+        for fmt in fmts:
+            for M in ms:
+                rows.append(gemm_row(name, fmt, K, N, M, dev, args.sweep))
+                print(json.dumps(rows[-1]), flush=True)
+    moe = []
+    if args.moe:
+        for fmt in [f for f in fmts if f != "fp8_block"]:
+            moe.append(moe_row(fmt, dev=dev, **moe_args))
+            print(json.dumps(moe[-1]), flush=True)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+           "gemm": rows, "moe_prefill": moe}
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=1) + "\n")
+    print("RESULT" + json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Floors and counters the CUDA benchmarks share: copy ceiling, BF16 matmul rate, timing,
+kernels per call (from the CUDA profiler) and the memory a call adds on top of what it started
+with. Every benchmark states its results as ratios against floors measured in the same run.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Callable, Iterable
+
+import torch
+
+
+def copy_ceiling(dev, nbytes: int = 4 * 2**30, iters: int = 10) -> float:
+    """Device-to-device copy bandwidth on ``dev``, bytes read + written per second."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        b.copy_(a)
+    torch.cuda.synchronize(dev)
+    return 2 * nbytes * iters / (time.perf_counter() - t0)
+
+
+def matmul_rate(dev, n: int = 8192, iters: int = 10) -> float:
+    """Dense BF16 matmul FLOP/s on ``dev`` (cuBLAS; the compute floors' denominator)."""
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    torch.cuda.synchronize(dev)
+    return 2 * n**3 * iters / (time.perf_counter() - t0)
+
+
+def timed(fn: Callable[[], object], iters: int, devices: Iterable = (None,), warmup: int = 3) -> float:
+    """Mean seconds per call of ``fn`` after ``warmup`` calls, synchronising every device used."""
+    devices = list(devices)
+    for _ in range(warmup):
+        fn()
+    for d in devices:
+        torch.cuda.synchronize(d)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    for d in devices:
+        torch.cuda.synchronize(d)
+    return (time.perf_counter() - t0) / iters
+
+
+def kernels_per_call(fn: Callable[[], object], reps: int = 3, top: int = 12) -> dict:
+    """What one call of ``fn`` launches, from the CUDA profiler (kernels inside graph replays
+    included): kernel count, memcpy/memset count, device time, and the names taking most time."""
+    from torch.profiler import ProfilerActivity, profile  # only the benchmarks profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    n_kernels = n_copies = 0
+    device_us = 0.0
+    by_name: Counter = Counter()
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        name = e.name
+        if name.startswith(("Memcpy", "Memset", "memcpy", "memset")):
+            n_copies += 1
+        else:
+            n_kernels += 1
+        device_us += e.device_time
+        by_name[name[:60]] += e.device_time
+    return {"kernels": n_kernels / reps, "copies": n_copies / reps, "device_us": device_us / reps,
+            "top_us": {k: round(v / reps, 2) for k, v in by_name.most_common(top)}}
+
+
+def peak_extra_bytes(fn: Callable[[], object], dev) -> tuple[object, int]:
+    """(result of ``fn``, the most memory allocated on ``dev`` during it beyond what was allocated before)."""
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    out = fn()
+    torch.cuda.synchronize(dev)
+    return out, torch.cuda.max_memory_allocated(dev) - base

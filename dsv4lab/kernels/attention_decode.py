@@ -1,0 +1,165 @@
+"""Triton decode attention: one query token per sequence over [sliding-window ring | compressed
+entries] with the sink, reading only the valid keys in place: the kernel of
+``dsv4lab.model.decode_attention.decode_attention`` (same signature, so it fills the
+``Attention.decode_kernel`` slot; reference parity on CPU through the interpreter).
+
+Keys are a virtual sequence of BLOCK_N-row tiles: first the ring's valid slots i < min(pos + 1,
+W) (addressed by slot, the softmax does not care about order), then the entries: w < n_entries
+(HCA, CSA with the indexer off) or the indexer's ``selected`` [B,1,k] gathered by index (-1 =
+none, masked; a masked row is never read). ``pos`` and ``n_entries`` are read on the device, so
+the grid and every shape are fixed by host ints (CUDA-graph safe, no host sync).
+
+FlashMLA-style split: at batch 1 the 128 heads make only 4 blocks of 32, so the tiles are spread
+over ``splits`` programs per (head block, batch row), a balanced share each (split s takes tiles
+[s*n/S, (s+1)*n/S) of the n valid ones). Every split runs the online softmax of
+``common.online_softmax_tile`` from m = sink, l = 0 and writes its fp32 (acc, m, l); a second
+launch combines them per head in split order with the sink's exp(sink - M) (deterministic, no
+atomics). One split (large batches) is one launch that starts from l = 1 and writes the output.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import dot_dtype, head_block_query, num_sms, online_softmax_tile
+from .device import on_input_device
+
+BLOCK_H = 32   # heads per program: the bounded prefill kernel's tile (offline sm_90a: no spills)
+BLOCK_N = 32   # keys per tile
+NUM_WARPS = 8
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, ring_ptr, ent_ptr, sel_ptr, n_ent_ptr, pos_ptr, sink_ptr,
+                         out_ptr, part_ptr, m_ptr, l_ptr,
+                         H, D, W, T, K, SPLITS, scale,
+                         sq_b, sq_h, sr_b, sr_p, se_b, se_t, ssel_b, so_b, so_h,
+                         HAS_ENT: tl.constexpr, HAS_SEL: tl.constexpr, FINAL: tl.constexpr,
+                         DOT: tl.constexpr, IEEE: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    hb = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_h, offs_d, hmask, dmask, q, m_i = head_block_query(q_ptr + b * sq_b, sink_ptr, sq_h, H, D, hb, DOT, BLOCK_H, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    pos = tl.load(pos_ptr).to(tl.int32)
+    n_win = tl.minimum(pos + 1, W)
+    if HAS_SEL:
+        n_ent = K                                   # slots; validity per index
+    elif HAS_ENT:
+        n_ent = tl.minimum(tl.load(n_ent_ptr).to(tl.int32), T)
+    else:
+        n_ent = 0
+    tiles_win = tl.cdiv(n_win, BLOCK_N)
+    n_tiles = tiles_win + tl.cdiv(n_ent, BLOCK_N)
+    t_lo = (sp * n_tiles) // SPLITS
+    t_hi = ((sp + 1) * n_tiles) // SPLITS
+    if FINAL:
+        l_i = tl.full([BLOCK_H], 1.0, tl.float32)   # the sink's exp(sink - sink)
+    else:
+        l_i = tl.zeros([BLOCK_H], tl.float32)       # the combine adds the sink once
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for t in range(t_lo, t_hi):
+        in_win = t < tiles_win
+        j = tl.where(in_win, t, t - tiles_win) * BLOCK_N + offs_n
+        if HAS_SEL:  # one row index per key, -1 = masked: the ring slot j or the selected entry
+            idx = tl.load(sel_ptr + b * ssel_b + j, mask=j < tl.where(in_win, 0, K), other=-1).to(tl.int32)
+            row = tl.where(in_win, tl.where(j < n_win, j, -1), idx)
+        else:
+            row = tl.where(j < tl.where(in_win, n_win, n_ent), j, -1)
+        valid = row >= 0
+        row = tl.maximum(row, 0)
+        base = tl.where(in_win, ring_ptr + b * sr_b + row.to(tl.int64) * sr_p, ent_ptr + b * se_b + row.to(tl.int64) * se_t)
+        k = tl.load(base[:, None] + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        m_i, l_i, acc = online_softmax_tile(q, k, valid, m_i, l_i, acc, scale, DOT, IEEE)
+    if FINAL:
+        tl.store(out_ptr + b * so_b + offs_h[:, None] * so_h + offs_d[None, :],
+                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+    else:
+        row_ml = (b * SPLITS + sp) * H + offs_h                          # [B, SPLITS, H]
+        tl.store(part_ptr + row_ml[:, None] * D + offs_d[None, :], acc, mask=hmask[:, None] & dmask[None, :])
+        tl.store(m_ptr + row_ml, m_i, mask=hmask)
+        tl.store(l_ptr + row_ml, l_i, mask=hmask)
+
+
+@triton.jit
+def _decode_combine_kernel(part_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, H, D, SPLITS, so_b, so_h,
+                           BLOCK_D: tl.constexpr):
+    h = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    sink = tl.load(sink_ptr + h).to(tl.float32)
+    m_all = sink
+    for s in range(SPLITS):
+        m_all = tl.maximum(m_all, tl.load(m_ptr + (b * SPLITS + s) * H + h))
+    l_all = tl.exp(sink - m_all)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(SPLITS):  # split order: the same sums on every run
+        r = (b * SPLITS + s) * H + h
+        w = tl.exp(tl.load(m_ptr + r) - m_all)
+        l_all += tl.load(l_ptr + r) * w
+        acc += tl.load(part_ptr + r * D + offs_d, mask=dmask, other=0.0) * w
+    tl.store(out_ptr + b * so_b + h * so_h + offs_d, (acc / l_all).to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def decode_splits(batch: int, heads: int, key_capacity: int, device: torch.device) -> int:
+    """Splits per (head block, batch row): enough programs for one wave of the SMs, then as few as
+    keep the longest split's tile count (partials cost fp32 [splits, H, Dh] of writes and reads).
+    A host rule of the shapes, so a step's grid and summation order never depend on ``pos``."""
+    cap_tiles = max(1, triton.cdiv(key_capacity, BLOCK_N))
+    want = max(1, triton.cdiv(num_sms(device), batch * triton.cdiv(heads, BLOCK_H)))
+    per_split = triton.cdiv(cap_tiles, min(want, cap_tiles))
+    return triton.cdiv(cap_tiles, per_split)
+
+
+@on_input_device
+def decode_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, window_ring: torch.Tensor,
+                            pos: torch.Tensor, entries: torch.Tensor | None = None,
+                            n_entries: torch.Tensor | None = None, selected: torch.Tensor | None = None,
+                            splits: int | None = None) -> torch.Tensor:
+    """``decode_attention`` in one launch (one split) or two (splits + combine). q [B,1,H,Dh];
+    window_ring [B,W,Dh]; entries [B,T,Dh] with ``n_entries`` (0-d device tensor) or ``selected``
+    [B,1,k]; ``pos`` a 0-d device tensor. Returns [B,1,H,Dh] in the ring's dtype. ``splits``:
+    None = ``decode_splits``."""
+    B, S, H, D = q.shape
+    if S != 1:
+        raise ValueError(f"decode_attention_triton: q must hold one token per sequence, got q.shape={tuple(q.shape)}; "
+                         "use the bounded prefill kernel for more")
+    if entries is not None and selected is None and n_entries is None:
+        raise ValueError("decode_attention_triton: entries without selected need n_entries (a 0-d device tensor)")
+    ring = window_ring.contiguous()
+    q = q.to(ring.dtype).contiguous()
+    has_ent = entries is not None
+    ent = entries.to(ring.dtype).contiguous() if has_ent else ring
+    sel = selected.contiguous() if (has_ent and selected is not None) else None
+    dev = q.device
+    W, T = ring.shape[1], ent.shape[1] if has_ent else 0
+    K = sel.shape[-1] if sel is not None else 0
+    cap = W + (K if sel is not None else T)
+    n_split = splits or decode_splits(B, H, cap, dev)
+    out = torch.empty(B, 1, H, D, dtype=ring.dtype, device=dev)
+    final = n_split == 1
+    if final:
+        part = m_part = l_part = out
+    else:
+        part = torch.empty(B, n_split, H, D, dtype=torch.float32, device=dev)
+        m_part = torch.empty(B, n_split, H, dtype=torch.float32, device=dev)
+        l_part = torch.empty(B, n_split, H, dtype=torch.float32, device=dev)
+    sel_arg = sel if sel is not None else pos
+    n_ent_arg = n_entries if (has_ent and n_entries is not None) else pos
+    sink32 = sink.float().contiguous()
+    dot = tl.float32 if ring.dtype == torch.float32 else dot_dtype(ring)  # fp32 under the interpreter
+    block_d = triton.next_power_of_2(max(D, 16))
+    _decode_split_kernel[(triton.cdiv(H, BLOCK_H), n_split, B)](
+        q, ring, ent, sel_arg, n_ent_arg, pos, sink32, out, part, m_part, l_part,
+        H, D, W, T, K, n_split, scale,
+        q.stride(0), q.stride(2), ring.stride(0), ring.stride(1), ent.stride(0), ent.stride(1),
+        sel.stride(0) if sel is not None else 0, out.stride(0), out.stride(2),
+        HAS_ENT=has_ent, HAS_SEL=sel is not None, FINAL=final, DOT=dot, IEEE=dot == tl.float32,
+        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=block_d, num_warps=NUM_WARPS)
+    if not final:
+        _decode_combine_kernel[(H, B)](part, m_part, l_part, sink32, out, H, D, n_split, out.stride(0), out.stride(2),
+                                       BLOCK_D=block_d, num_warps=4)
+    return out

@@ -1,0 +1,164 @@
+"""W4A16 prefill GEMM (M >= 64) for NVFP4, MXFP4 and FP8-block weights on tensor cores.
+
+y[M, N] = x[M, K] @ W^T with W kept as stored: each program dequantises a [BN, BK] weight tile in
+registers (``common.dequant_tile``: nibbles decoded into K order, block scales applied, one
+rounding to bf16/fp16 that is exact for the FP4 formats) and feeds it to ``tl.dot`` (wgmma on
+sm_90) against the [BM, BK] activation tile; the K loop is software-pipelined
+(``tl.range(num_stages=STAGES)``: cp.async into shared memory), so the weight bytes, scales and x
+of the next steps are in flight while this step decodes and multiplies. Scales are read once per
+K step (BK / 16 e4m3, BK / 32 E8M0, one fp32 per 128-column FP8 block).
+
+Two tile orientations, chosen per shape by ``gemm_tiles`` (a fixed rule, no run-time tuning: the
+summation order is the same on every GPU):
+
+* ``SWAP`` (small M, e.g. 128): acc[BN, BM] = W_tile @ x_tile^T, weight rows as the MMA's M side
+  (64 rows per warpgroup) and the tokens as its N side, so a 128-token batch fills one tile; the
+  few (M, N) tiles are split over K (the counter fix-up of ``common.store_or_fix_up``: fp32
+  partials summed in split order, one launch, deterministic) until they cover the SMs.
+* plain (large M): acc[BM, BN] = x_tile @ W_tile^T in 128 x 128 / 128 x 256 tiles, programs in
+  groups of GROUP_M row tiles sharing the weight columns (L2 reuse of the decoded weights' bytes).
+
+NVFP4's global scale multiplies the fp32 accumulator (like ``linear_nvfp4``); the reference
+rounds W * global scale to bf16 instead (tolerances in docs/kernels.md).
+Imports triton: import lazily (``dsv4lab.kernels.dispatch`` reaches it through ``linear_nvfp4``
+and ``linear_official``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import FMT_FP8, FMT_MXFP4, FMT_NVFP4, INTERPRET, counters, dequant_tile, dot_dtype, num_sms, \
+    store_or_fix_up
+
+GEMM_MIN_M = 64  # from this batch on, the prefill GEMM (below: the GEMV / older tiled kernels)
+FORMAT_CODES = {"nvfp4": 0, "mxfp4": 1, "fp8_block": 2}
+
+
+@triton.jit
+def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Program ``pid`` -> (row tile, column tile), GROUP_M row tiles at a time per column tile."""
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split, SPLIT,
+                 stride_xm, stride_wn, stride_sn, stride_ym,
+                 FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                 SWAP: tl.constexpr, STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_SPLIT: tl.constexpr,
+                 WORDS: tl.constexpr):
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, num_n, GROUP_M)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    # rows past the end read the last row (unmasked loads pipeline as whole vectors); not stored
+    x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm
+    w_rows = tl.minimum(offs_n, N - 1)
+    offs_k = tl.arange(0, BK)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+        xt = tl.load(x_rows + (k0 + offs_k)[None, :]).to(DOT_DTYPE)
+        w = dequant_tile(w_ptr, s_ptr, w_rows, n_ok, k0, stride_wn, stride_sn, BN, BK, FMT, DOT_DTYPE, WORDS)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(xt), acc)
+        else:
+            acc = tl.dot(xt, tl.trans(w), acc)
+    gs = 1.0
+    if FMT == FMT_NVFP4:
+        gs = tl.load(gs_ptr).to(tl.float32)
+    tile = pid_m * num_n + pid_n
+    if SWAP:
+        store_or_fix_up(acc, y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None],
+                        ws_ptr + offs_m[None, :] * N + offs_n[:, None], n_ok[:, None] & m_ok[None, :],
+                        cnt_ptr, tile, pid_k, M * N, SPLIT, gs, USE_SPLIT)
+    else:
+        store_or_fix_up(acc, y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+                        ws_ptr + offs_m[:, None] * N + offs_n[None, :], m_ok[:, None] & n_ok[None, :],
+                        cnt_ptr, tile, pid_k, M * N, SPLIT, gs, USE_SPLIT)
+
+
+# ----------------------------------------------------------------------------- host side
+def block_k(K: int) -> int:
+    """The K step: 128 where it divides K (every V4-Pro shape), else 64 or 32; 0 = no kernel."""
+    for bk in (128, 64, 32):
+        if K % bk == 0:
+            return bk
+    return 0
+
+
+def gemm_tiles(fmt: str, M: int, N: int, K: int, device: torch.device) -> dict:
+    """The fixed tile rule (H200, 132 SMs; see docs/kernels.md). M <= 256: SWAP tiles of 128
+    weight rows x 64/128 tokens, K split until the grid covers the SMs (>= 4 K steps a split).
+    Larger M: 128 x 256 tiles (128 x 128 where 128 x 256 leaves SMs idle), BK 64, 8 warps,
+    groups of 8 row tiles."""
+    bk = block_k(K)
+    if INTERPRET:
+        return {"BM": 64 if M <= 64 else 128, "BN": 32, "BK": min(bk, 64), "SWAP": M <= 256, "GROUP_M": 2,
+                "STAGES": 2, "SPLIT": 1, "num_warps": 4}
+    sms = num_sms(device)
+    if M <= 256:
+        bm, bn, bk2, warps, stages, swap = (64 if M <= 64 else 128), 128, min(bk, 128), 8, 3, True
+    else:
+        bm, bn, bk2, warps, stages, swap = 128, 256, min(bk, 64), 8, 3, False
+        if triton.cdiv(M, bm) * triton.cdiv(N, bn) < 2 * sms:
+            bn = 128
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    steps = K // bk2
+    split = 1
+    if tiles < sms:
+        split = max(1, min(triton.cdiv(sms, tiles), steps // 4, 32))
+    return {"BM": bm, "BN": bn, "BK": bk2, "SWAP": swap, "GROUP_M": 8, "STAGES": stages, "SPLIT": split,
+            "num_warps": warps}
+
+
+def gemm_supported(x2: torch.Tensor, K: int) -> bool:
+    """The prefill GEMM takes M >= GEMM_MIN_M with K a multiple of 32 on sm_90+ (its tiles were
+    chosen for Hopper) or under the interpreter; other cases keep the older kernels."""
+    if x2.shape[0] < GEMM_MIN_M or not block_k(K):
+        return False
+    return INTERPRET or (x2.is_cuda and torch.cuda.get_device_capability(x2.device) >= (9, 0))
+
+
+def launch_gemm(x2: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None,
+                y: torch.Tensor, cfg: dict | None = None) -> None:
+    """y [M, N] = x2 [M, K] @ W^T for W = (``data``, ``scale``) of format ``fmt``: NVFP4 (packed
+    uint8 [N, K/2], e4m3 [N, K/16], ``gs`` fp32 [1]), MXFP4 (packed, E8M0 [N, K/32]) or FP8-block
+    (e4m3 [N, K], fp32 scales [ceil(N/128), ceil(K/128)]). ``cfg`` overrides ``gemm_tiles``."""
+    M, K = x2.shape
+    N = data.shape[0]
+    c = {**gemm_tiles(fmt, M, N, K, x2.device), **(cfg or {})}
+    bm, bn, bk = c["BM"], c["BN"], c["BK"]
+    if K % bk or bk % 32 or (fmt == "fp8_block" and 128 % bk):
+        raise ValueError(f"BK {bk} must be a multiple of 32 dividing K = {K} (FP8-block: and 128)")
+    kps = triton.cdiv(triton.cdiv(K, c["SPLIT"]), bk) * bk
+    split = triton.cdiv(K, kps)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split)
+    if split > 1:
+        ws = torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
+        cnt = counters(x2.device, grid[0])
+    else:
+        ws, cnt = y, y
+    s = scale.view(torch.uint8) if fmt != "fp8_block" else scale
+    wd = data.view(torch.int32) if c.get("WORDS") and fmt != "fp8_block" else data.view(torch.uint8)
+    _gemm_kernel[grid](x2, wd, s, gs if gs is not None else s, y, ws, cnt, M, N, K, kps, split,
+                       x2.stride(0), data.stride(0), s.stride(0), y.stride(0),
+                       FMT=FORMAT_CODES[fmt], BM=bm, BN=bn, BK=bk, GROUP_M=c["GROUP_M"], SWAP=c["SWAP"],
+                       STAGES=c["STAGES"], DOT_DTYPE=dot_dtype(x2), USE_SPLIT=split > 1, WORDS=c.get("WORDS", False) and fmt != "fp8_block",
+                       num_warps=c["num_warps"])
+
+
+__all__ = ["GEMM_MIN_M", "FMT_NVFP4", "FMT_MXFP4", "FMT_FP8", "gemm_tiles", "gemm_supported", "launch_gemm",
+           "block_k", "grouped_tile"]

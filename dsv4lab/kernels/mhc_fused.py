@@ -1,0 +1,256 @@
+"""Fused mHC (manifold-constrained hyper-connection) sites for decode: one launch per step each.
+
+* ``hc_pre``: ``HyperConnection.mixes`` + ``forward`` (``dsv4lab.model.mhc.mix_weights`` and
+  ``collapse``): the RMS statistic of the flattened streams x [T, hc*D], the [mix, hc*D] linear
+  ``fn`` (mix = (2+hc)*hc), sigmoid, the Sinkhorn loop over [hc, hc] and the collapsed block input.
+* ``hc_head_pre``: the same for ``HyperHead`` (mix = hc, pre only).
+* ``hc_post``: ``HyperConnection.expand``, new streams post_k*out + sum_j comb[j,k]*stream_j.
+
+Pre: the hc*D reduction is split over a grid (token blocks of BT rows) x (SPLIT chunks of hc*D);
+each program accumulates x·fn rows and sum x^2 for its chunk in fp32, writes them as one partial
+and bumps the token block's counter; the last program of the block sums the SPLIT partials (a
+fixed-shape reduction: the same order every launch), finishes sigmoid / Sinkhorn in fp32 and
+collapses the streams (products and sum in fp32, stream order 0..hc-1, one cast to the streams'
+dtype), then resets the counter: one launch, deterministic, CUDA-graph safe. The split is a fixed
+rule of the shape (no SM count, no tuning), so the order is the same on every GPU. F.linear(x*r, fn)
+is computed as r * (x·fn): the same value up to fp32 rounding.
+
+Post: one program per (token, BD columns); the rounding points are the reference's in the
+streams' dtype: post and comb cast to it, post*out rounded, the comb^T·streams sum of hc exact
+products in fp32 (stream order) rounded, the sum of both rounded.
+
+Imports triton (import only from ``dispatch``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import INTERPRET, counters
+from .device import on_input_device
+
+BT_MAX = 16         # token rows per program of hc_pre
+ACC_ELEMS = 256     # BT * BK: the per-program K step (fp32 accumulators ~ 25 * 256 / 128 threads)
+SPLIT_ROWS = 128    # BT * SPLIT: the partials the last program reads at once
+POST_BD = 512       # columns per hc_post program
+COLLAPSE_ELEMS = 2048  # BT * BD: the collapse tile of the last program (T = 1: 4 steps over D = 7168)
+
+
+@triton.jit
+def _rounded(x, dt: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """fp32 x rounded to dt (nearest even, as the GPU's cvt.rn) and widened back to fp32. Under the
+    interpreter, whose fp32 -> bf16 cast truncates, bf16 is rounded with integer ops instead."""
+    if BF16_BY_HAND:
+        b = x.to(tl.int32, bitcast=True)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return x.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
+            K, D, iters, hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+            HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """Totals of one token block -> pre (post, comb) stored in fp32, collapsed stored in x's dtype."""
+    r = 1.0 / tl.sqrt(ss / K + norm_eps)                      # unweighted RMS of the flattened streams
+    jj = tl.arange(0, HCP)
+    j_ok = jj < HC
+    s_pre = tl.load(scale_ptr).to(tl.float32)
+    b_pre = tl.load(base_ptr + jj, mask=j_ok, other=0.0).to(tl.float32)
+    pre = tl.sigmoid(p_pre * r[:, None] * s_pre + b_pre[None, :]) + hc_eps
+    m2 = t_ok[:, None] & j_ok[None, :]
+    tl.store(pre_ptr + t[:, None] * HC + jj[None, :], pre, mask=m2)
+    if not HEAD:
+        s_post = tl.load(scale_ptr + 1).to(tl.float32)
+        s_comb = tl.load(scale_ptr + 2).to(tl.float32)
+        b_post = tl.load(base_ptr + HC + jj, mask=j_ok, other=0.0).to(tl.float32)
+        post = 2.0 * tl.sigmoid(p_post * r[:, None] * s_post + b_post[None, :])
+        tl.store(post_ptr + t[:, None] * HC + jj[None, :], post, mask=m2)
+        ij = jj[:, None] * HC + jj[None, :]                  # [HCP, HCP] index i*hc + j
+        ij_ok = j_ok[:, None] & j_ok[None, :]
+        b_comb = tl.load(base_ptr + 2 * HC + ij, mask=ij_ok, other=0.0).to(tl.float32)
+        logit = tl.reshape(p_comb, (BT, HCP, HCP)) * r[:, None, None] * s_comb + b_comb[None, :, :]
+        logit = tl.where(ij_ok[None, :, :], logit, float("-inf"))
+        e = tl.exp(logit - tl.max(logit, axis=2)[:, :, None])
+        c = e / tl.sum(e, axis=2)[:, :, None] + hc_eps          # row softmax + eps
+        c = tl.where(ij_ok[None, :, :], c, 0.0)              # padding stays out of every sum
+        c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+        for _ in range(iters - 1):
+            c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
+            c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+        tl.store(comb_ptr + t[:, None, None] * (HC * HC) + ij[None, :, :], c, mask=t_ok[:, None, None] & ij_ok[None, :, :])
+    for d0 in range(0, D, BD):                                # collapsed = sum_j pre_j * stream_j
+        d = d0 + tl.arange(0, BD)
+        m = t_ok[:, None] & (d < D)[None, :]
+        acc = tl.zeros((BT, BD), dtype=tl.float32)
+        for j in tl.static_range(HC):
+            pj = tl.sum(tl.where(jj[None, :] == j, pre, 0.0), axis=1)
+            sj = tl.load(x_ptr + t[:, None] * K + j * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+            acc += pj[:, None] * sj
+        dt = out_ptr.dtype.element_ty
+        tl.store(out_ptr + t[:, None] * D + d[None, :], _rounded(acc, dt, BF16_BY_HAND).to(dt), mask=m)
+
+
+@triton.jit
+def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, cnt_ptr,
+                   T, K, D, CH, iters, hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr,
+                   BK: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
+                   HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    tb = tl.program_id(0)
+    sp = tl.program_id(1)
+    t = tb.to(tl.int64) * BT + tl.arange(0, BT)
+    t_ok = t < T
+    jj = tl.arange(0, HCP)
+    j_ok = jj < HC
+    cc = tl.arange(0, HCP * HCP)                             # comb row (i, j) = cc // HCP, cc % HCP
+    c_row = 2 * HC + (cc // HCP) * HC + cc % HCP
+    c_ok = ((cc // HCP) < HC) & ((cc % HCP) < HC)
+    acc_pre = tl.zeros((BT, HCP, BK), dtype=tl.float32)
+    acc_post = tl.zeros((BT, HCP, BK), dtype=tl.float32)
+    acc_comb = tl.zeros((BT, HCP * HCP, BK), dtype=tl.float32)
+    acc_ss = tl.zeros((BT, BK), dtype=tl.float32)
+    k_lo = sp * CH
+    for k0 in range(0, CH, BK):
+        kk = k0 + tl.arange(0, BK)
+        k = k_lo + kk
+        k_ok = (kk < CH) & (k < K)
+        x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc_ss += x * x
+        w = tl.load(fn_ptr + jj[:, None] * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc_pre += x[:, None, :] * w[None, :, :]
+        if not HEAD:
+            w = tl.load(fn_ptr + (HC + jj[:, None]) * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc_post += x[:, None, :] * w[None, :, :]
+            w = tl.load(fn_ptr + c_row[:, None] * K + k[None, :], mask=c_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc_comb += x[:, None, :] * w[None, :, :]
+    ss = tl.sum(acc_ss, axis=1)
+    p_pre = tl.sum(acc_pre, axis=2)
+    p_post = tl.sum(acc_post, axis=2)
+    p_comb = tl.sum(acc_comb, axis=2)
+    if SPLIT == 1:
+        _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
+                K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND)
+    else:
+        # partial row per (block, split, token): [pre HCP | post HCP | comb HCP^2 | sum x^2]
+        W = 2 * HCP + HCP * HCP + 1
+        tt = tl.arange(0, BT)
+        row = ws_ptr + ((tb * SPLIT + sp) * BT + tt) * W
+        tl.store(row[:, None] + jj[None, :], p_pre)
+        tl.store(row[:, None] + HCP + jj[None, :], p_post)
+        tl.store(row[:, None] + 2 * HCP + cc[None, :], p_comb)
+        tl.store(row + 2 * HCP + HCP * HCP, ss)
+        tl.debug_barrier()
+        old = tl.atomic_add(cnt_ptr + tb, 1, sem="acq_rel")
+        if old == SPLIT - 1:
+            s = tl.arange(0, SPLITP)
+            rows = ws_ptr + ((tb * SPLIT + s[:, None]) * BT + tt[None, :]) * W   # [SPLITP, BT]
+            s_ok = (s < SPLIT)[:, None, None]
+            ss = tl.sum(tl.load(rows + 2 * HCP + HCP * HCP, mask=(s < SPLIT)[:, None], other=0.0,
+                                cache_modifier=".cg"), axis=0)
+            p_pre = tl.sum(tl.load(rows[:, :, None] + jj[None, None, :], mask=s_ok, other=0.0, cache_modifier=".cg"),
+                           axis=0)
+            p_post = tl.sum(tl.load(rows[:, :, None] + HCP + jj[None, None, :], mask=s_ok, other=0.0,
+                                    cache_modifier=".cg"), axis=0)
+            p_comb = tl.sum(tl.load(rows[:, :, None] + 2 * HCP + cc[None, None, :], mask=s_ok, other=0.0,
+                                    cache_modifier=".cg"), axis=0)
+            _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post,
+                    p_comb, K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND)
+            tl.atomic_xchg(cnt_ptr + tb, 0, sem="relaxed")  # next use is a later launch: no fence
+
+
+@triton.jit
+def _hc_post_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, D, HC: tl.constexpr, HCP: tl.constexpr,
+                    BD: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    d_ok = d < D
+    k = tl.arange(0, HCP)
+    k_ok = k < HC
+    dt = y_ptr.dtype.element_ty
+    post = _rounded(tl.load(post_ptr + t * HC + k, mask=k_ok, other=0.0).to(tl.float32), dt, BF16_BY_HAND)
+    out = tl.load(o_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)
+    placed = _rounded(post[:, None] * out[None, :], dt, BF16_BY_HAND)    # post.to(dtype) * out, rounded
+    mixed = tl.zeros((HCP, BD), dtype=tl.float32)
+    for j in tl.static_range(HC):                                     # comb^T @ streams, stream order
+        cj = _rounded(tl.load(comb_ptr + t * (HC * HC) + j * HC + k, mask=k_ok, other=0.0).to(tl.float32), dt,
+                      BF16_BY_HAND)
+        sj = tl.load(x_ptr + (t * HC + j) * D + d, mask=d_ok, other=0.0).to(tl.float32)
+        mixed += cj[:, None] * sj[None, :]
+    y = _rounded(placed + _rounded(mixed, dt, BF16_BY_HAND), dt, BF16_BY_HAND).to(dt)
+    tl.store(y_ptr + (t * HC + k[:, None]) * D + d[None, :], y, mask=k_ok[:, None] & d_ok[None, :])
+
+
+def pre_split(T: int, K: int, split: int | None = None, block_k: int | None = None) -> tuple[int, int, int, int]:
+    """(BT, BK, CH, SPLIT) for T tokens and K = hc*D: a fixed rule of the shape. V4-Pro (K = 28672):
+    T = 1 -> 112 splits of 256; T = 4 -> 32 of 896; T >= 16 -> 8 of 3584 per 16-token block."""
+    bt = min(BT_MAX, triton.next_power_of_2(max(T, 1)))
+    bk = block_k or max(16, ACC_ELEMS // bt)
+    want = split or max(1, SPLIT_ROWS // bt)
+    ch = triton.cdiv(triton.cdiv(K, want), bk) * bk
+    return bt, bk, ch, triton.cdiv(K, ch)
+
+
+def _bf16_by_hand(x: torch.Tensor) -> bool:
+    return INTERPRET and x.dtype == torch.bfloat16
+
+
+def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, block_k):
+    B, S, hc, D = streams.shape
+    T, K = B * S, hc * D
+    x = streams.contiguous()
+    dev = x.device
+    pre = torch.empty(B, S, hc, dtype=torch.float32, device=dev)
+    post = pre if head else torch.empty(B, S, hc, dtype=torch.float32, device=dev)
+    comb = pre if head else torch.empty(B, S, hc, hc, dtype=torch.float32, device=dev)
+    out = torch.empty(B, S, D, dtype=x.dtype, device=dev)
+    if T == 0:
+        return pre, post, comb, out
+    bt, bk, ch, n_split = pre_split(T, K, split, block_k)
+    hcp = triton.next_power_of_2(hc)
+    n_tb = triton.cdiv(T, bt)
+    if n_split > 1:
+        ws = torch.empty(n_tb * n_split * bt * (2 * hcp + hcp * hcp + 1), dtype=torch.float32, device=dev)
+        cnt = counters(dev, n_tb)
+    else:
+        ws = cnt = pre  # unused
+    _hc_pre_kernel[(n_tb, n_split)](
+        x, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,
+        T, K, D, ch, int(iters), float(hc_eps), float(norm_eps), HC=hc, HCP=hcp, BT=bt, BK=bk,
+        BD=max(64, COLLAPSE_ELEMS // bt), SPLIT=n_split, SPLITP=triton.next_power_of_2(n_split), HEAD=head,
+        BF16_BY_HAND=_bf16_by_hand(x), num_warps=4)
+    return pre, post, comb, out
+
+
+@on_input_device
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+           hc_eps: float, norm_eps: float, *, split: int | None = None,
+           block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [B,S,hc,D] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc] fp32, collapsed [B,S,D] in
+    streams.dtype), as ``mix_weights`` + ``collapse``. ``split`` / ``block_k`` override the rule (tests)."""
+    return _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, split, block_k)
+
+
+@on_input_device
+def hc_head_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+                norm_eps: float, *, split: int | None = None,
+                block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """streams [B,S,hc,D] -> (pre [B,S,hc] fp32, collapsed [B,S,D]), as ``head_weights`` + ``collapse``."""
+    pre, _, _, out = _pre_launch(streams, fn, base, scale, 1, eps, norm_eps, True, split, block_k)
+    return pre, out
+
+
+@on_input_device
+def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams [B,S,hc,D] = post_k * block_out + sum_j comb[j,k] * stream_j, as ``HyperConnection.expand``
+    (block_out in streams.dtype)."""
+    B, S, hc, D = streams.shape
+    x = streams.contiguous()
+    y = torch.empty_like(x)
+    if B * S == 0:
+        return y
+    _hc_post_kernel[(B * S, triton.cdiv(D, POST_BD))](
+        x, block_out.contiguous(), post.contiguous(), comb.contiguous(), y, D, HC=hc,
+        HCP=triton.next_power_of_2(hc), BD=POST_BD, BF16_BY_HAND=_bf16_by_hand(x), num_warps=4)
+    return y

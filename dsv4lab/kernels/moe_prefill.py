@@ -1,0 +1,214 @@
+"""Routed-experts prefill as grouped GEMMs: tokens sorted by expert, two GEMM launches, one unpermute.
+
+For T tokens with top-k ``ids`` / ``weights`` over E experts (stacks ``StackedNVFP4`` or
+``StackedMXFP4``), without a host sync (the schedule is built on the device; the grid is an upper
+bound and surplus programs return at once, so it is CUDA-graph safe):
+
+1. ``expert_schedule``: the T*k (token, slot) rows sorted by expert (stable ``argsort``), per-expert
+   counts (``bincount``), and a list of BM-row tiles, each inside one expert's rows.
+2. up (``_grouped_kernel`` with ``DUAL``): per (tile, BN columns of I) the x rows of the tile's
+   tokens (gathered by index) times the expert's w1 and w3 tiles (dequantised in registers,
+   ``common.dequant_tile``), two fp32 accumulators; the epilogue rounds gate and up to x.dtype (what
+   the reference's linears return), applies ``clamped_swiglu`` (clamp BEFORE SiLU) with the
+   reference's roundings and, with ``weight_before_w2``, the routing weight: h [T*k, I] in x.dtype.
+3. down: the same kernel over h rows (no gather) and w2: y [T*k, H] in x.dtype.
+4. ``_unpermute_kernel``: out[t] = sum over slots j = 0..k-1, in that order, of y at (t, j)'s
+   sorted row (times the routing weight rounded like the reference unless ``weight_before_w2``),
+   fp32 sum, one rounding. Deterministic: no atomics anywhere.
+
+The GEMM tiles are the SWAP orientation of ``linear_gemm`` (expert rows on the MMA's M side, a
+tile's tokens on its N side): 4096 tokens with top-6 of 384 experts is 64 rows per expert on
+average, so BM = 64.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant.stacked import StackedMXFP4, StackedNVFP4
+from .common import FMT_NVFP4, INTERPRET, dequant_tile, dot_dtype, round_to
+from .device import on_input_device
+from .linear_gemm import block_k
+
+
+@triton.jit
+def _grouped_kernel(x_ptr, src_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, w_ptr, s_ptr, gs_ptr, w3_ptr, s3_ptr,
+                    gs3_ptr, rw_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_sn, stride_ym, limit,
+                    FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, GATHER: tl.constexpr, DUAL: tl.constexpr,
+                    CLAMP: tl.constexpr, WEIGHT: tl.constexpr):
+    """One (row tile, column tile): y[rows, cols] = x[src[rows]] @ W_e[cols]^T (DUAL: clamped
+    SwiGLU of the w1 and w3 products, times the routing weight with WEIGHT). Weights as 2-D
+    [E * N, ...] views; expert e's rows start at e * N."""
+    tile = tl.program_id(0)
+    e = tl.load(tile_e_ptr + tile)
+    if e >= 0:
+        r0 = tl.load(tile_r0_ptr + tile)
+        r1 = tl.load(tile_r1_ptr + tile)
+        offs_r = r0 + tl.arange(0, BM)
+        r_ok = offs_r < r1
+        rr = tl.minimum(offs_r, r1 - 1)  # rows past the tile's end re-read its last row (not stored)
+        if GATHER:
+            src = tl.load(src_ptr + rr)
+        else:
+            src = rr
+        x_rows = x_ptr + src.to(tl.int64)[:, None] * stride_xm
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_ok = offs_n < N
+        w_rows = e.to(tl.int64) * N + tl.minimum(offs_n, N - 1)
+        offs_k = tl.arange(0, BK)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        acc3 = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in tl.range(0, K, BK, num_stages=STAGES):
+            xt = tl.trans(tl.load(x_rows + (k0 + offs_k)[None, :]).to(DOT_DTYPE))
+            w = dequant_tile(w_ptr, s_ptr, w_rows, n_ok, k0, stride_wn, stride_sn, BN, BK, FMT, DOT_DTYPE)
+            acc = tl.dot(w, xt, acc)
+            if DUAL:
+                w3 = dequant_tile(w3_ptr, s3_ptr, w_rows, n_ok, k0, stride_wn, stride_sn, BN, BK, FMT, DOT_DTYPE)
+                acc3 = tl.dot(w3, xt, acc3)
+        out_ty = y_ptr.dtype.element_ty
+        if FMT == FMT_NVFP4:
+            acc = acc * tl.load(gs_ptr + e)
+        h = round_to(acc, out_ty)
+        if DUAL:
+            if FMT == FMT_NVFP4:
+                acc3 = acc3 * tl.load(gs3_ptr + e)
+            up = round_to(acc3, out_ty)
+            if CLAMP:
+                h = tl.minimum(h, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+            h = round_to(round_to(h / (1.0 + tl.exp(-h)), out_ty) * up, out_ty)
+            if WEIGHT:
+                h = round_to(h * round_to(tl.load(rw_ptr + rr), out_ty)[None, :], out_ty)
+        tl.store(y_ptr + offs_r[None, :].to(tl.int64) * stride_ym + offs_n[:, None], h.to(out_ty),
+                 mask=n_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _unpermute_kernel(y_ptr, pos_ptr, rw_ptr, out_ptr, H, KTOP: tl.constexpr, BH: tl.constexpr,
+                      WEIGHT: tl.constexpr):
+    """out[t, cols] = sum_j (y[pos[t, j], cols] (* rw[t, j] rounded to y's dtype)) in slot order."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BH + tl.arange(0, BH)
+    ok = offs < H
+    acc = tl.zeros((BH,), dtype=tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    for j in tl.static_range(KTOP):
+        r = tl.load(pos_ptr + t * KTOP + j).to(tl.int64)
+        v = tl.load(y_ptr + r * H + offs, mask=ok, other=0.0).to(tl.float32)
+        if WEIGHT:
+            v = round_to(v * round_to(tl.load(rw_ptr + t * KTOP + j), out_ty), out_ty)
+        acc += v
+    tl.store(out_ptr + t * H + offs, acc.to(out_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------- host side
+def expert_schedule(ids: torch.Tensor, n_experts: int, bm: int) -> dict:
+    """Device-side schedule for ``ids`` [T, k]: ``src`` (token of each sorted row, int32 [T*k]),
+    ``order`` (flat (t, j) index of each sorted row), ``pos`` ((t, j) -> its sorted row, int32 [T*k]) and per tile of at most ``bm`` rows of one
+    expert: ``tile_e`` (expert, -1 for surplus tiles), ``tile_r0`` / ``tile_r1`` (its first row,
+    its expert's end row). The tile count is the host-side bound cdiv(T*k, bm) + min(E, T*k)."""
+    T, k = ids.shape
+    R = T * k
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts)[:n_experts]
+    ends = torch.cumsum(counts, 0)
+    starts = ends - counts
+    ntiles = (counts + bm - 1) // bm
+    tcum = torch.cumsum(ntiles, 0)
+    mt = triton.cdiv(R, bm) + min(n_experts, R)
+    t = torch.arange(mt, device=ids.device)
+    e = torch.searchsorted(tcum, t, right=True)
+    valid = e < n_experts
+    ec = e.clamp(max=n_experts - 1)
+    r0 = starts[ec] + (t - (tcum[ec] - ntiles[ec])) * bm
+    pos = torch.empty(R, dtype=torch.int32, device=ids.device)
+    pos[order] = torch.arange(R, dtype=torch.int32, device=ids.device)
+    return {"src": (order // k).to(torch.int32), "order": order, "pos": pos, "tiles": mt,
+            "tile_e": torch.where(valid, ec, -1).to(torch.int32), "tile_r0": r0.to(torch.int32),
+            "tile_r1": ends[ec].to(torch.int32)}
+
+
+def prefill_tiles(N: int, K: int) -> dict:
+    """Fixed tiles of the grouped GEMMs (H200): 64 token rows x 128 weight rows, the largest BK of
+    128 / 64 / 32 dividing K, 3 stages, 8 warps (interpreter: 4 warps, 2 stages)."""
+    if INTERPRET:
+        return {"BM": 64, "BN": 32, "BK": min(block_k(K), 64), "STAGES": 2, "num_warps": 4}
+    return {"BM": 64, "BN": 128, "BK": block_k(K), "STAGES": 3, "num_warps": 8}
+
+
+def _stack_views(w) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(format, 2-D [E*N, K/2] codes, 2-D scales as bytes, per-expert global scales or None)."""
+    E, N, _ = w.shape
+    if isinstance(w, StackedNVFP4):
+        return ("nvfp4", w.packed.reshape(E * N, -1), w.block_scale.view(torch.uint8).reshape(E * N, -1),
+                w.global_scale.reshape(E).float().contiguous())
+    return "mxfp4", w.packed.reshape(E * N, -1), w.scale.view(torch.uint8).reshape(E * N, -1), None
+
+
+def grouped_gemm(x: torch.Tensor, sched: dict, gather: bool, w, w3=None, limit: float | None = None,
+                 rw: torch.Tensor | None = None, cfg: dict | None = None) -> torch.Tensor:
+    """One grouped launch: [R, N] rows in sorted order (see ``_grouped_kernel``)."""
+    E, N, K = w.shape
+    fmt, p, s, gs = _stack_views(w)
+    c = {**prefill_tiles(N, K), **(cfg or {})}
+    R = sched["src"].numel()
+    y = torch.empty((R, N), dtype=x.dtype, device=x.device)
+    if R == 0:
+        return y
+    if w3 is not None:
+        _, p3, s3, gs3 = _stack_views(w3)
+    else:
+        p3, s3, gs3 = p, s, gs
+    clamp = limit is not None and limit > 0
+    grid = (sched["tiles"], triton.cdiv(N, c["BN"]))
+    _grouped_kernel[grid](x, sched["src"], sched["tile_e"], sched["tile_r0"], sched["tile_r1"], p, s,
+                          gs if gs is not None else s, p3, s3, gs3 if gs3 is not None else s,
+                          rw if rw is not None else x, y, N, K, x.stride(0), p.stride(0), s.stride(0), y.stride(0),
+                          float(limit) if clamp else 0.0,
+                          FMT=0 if fmt == "nvfp4" else 1, BM=c["BM"], BN=c["BN"], BK=c["BK"], STAGES=c["STAGES"],
+                          DOT_DTYPE=dot_dtype(x), GATHER=gather, DUAL=w3 is not None, CLAMP=clamp,
+                          WEIGHT=rw is not None, num_warps=c["num_warps"])
+    return y
+
+
+def moe_prefill_supported(x: torch.Tensor, w1, w3, w2) -> bool:
+    """Same-format NVFP4 / MXFP4 stacks with H and I multiples of 32, contiguous, on sm_90+ (the
+    tiles were chosen for Hopper) or under the interpreter."""
+    if len({type(w) for w in (w1, w3, w2)}) != 1 or not isinstance(w1, (StackedNVFP4, StackedMXFP4)):
+        return False
+    E, I, H = w1.shape
+    if w3.shape != (E, I, H) or w2.shape != (E, H, I) or not (block_k(H) and block_k(I)):
+        return False
+    scales = [w.block_scale if isinstance(w, StackedNVFP4) else w.scale for w in (w1, w3, w2)]
+    if not all(t.is_contiguous() for t in [w.packed for w in (w1, w3, w2)] + scales):
+        return False
+    return INTERPRET or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+@on_input_device
+def moe_prefill_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3, w2,
+                       limit: float | None, weight_before_w2: bool = False, cfg: dict | None = None) -> torch.Tensor:
+    """Routed-expert output [T, H] in x.dtype for x [T, H], ``ids`` / ``weights`` [T, k]; stacks
+    of one format (``moe_prefill_supported``). ``weight_before_w2``: the routing weight multiplies
+    the SwiGLU output (DeepSeek's order), else each expert's output."""
+    if x.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"x must be [T, H] and ids / weights [T, k] with the same T; got x {tuple(x.shape)}, "
+                         f"ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
+    T, k = ids.shape
+    E, I, H = w1.shape
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    x = x.contiguous()
+    rw = weights.reshape(-1).float().contiguous()
+    sched = expert_schedule(ids, E, {**prefill_tiles(I, H), **(cfg or {})}["BM"])
+    rw_sorted = rw[sched["order"]] if weight_before_w2 else None
+    h = grouped_gemm(x, sched, True, w1, w3, limit, rw_sorted, cfg)
+    y = grouped_gemm(h, sched, False, w2, cfg=cfg)
+    bh = 256 if INTERPRET else 1024
+    _unpermute_kernel[(T, triton.cdiv(H, bh))](y, sched["pos"], rw, out, H, KTOP=k, BH=bh,
+                                               WEIGHT=not weight_before_w2, num_warps=1 if INTERPRET else 4)
+    return out

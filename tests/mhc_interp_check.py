@@ -1,0 +1,68 @@
+"""The fused mHC kernels (dsv4lab/kernels/mhc_fused.py) through Triton's interpreter on CPU tensors
+against the reference in dsv4lab/model/mhc.py: run by tests/test_mhc_kernel.py in a subprocess with
+TRITON_INTERPRET=1 (set before triton is imported). Prints one line ``RESULT{json}``: per case and
+output the max |kernel - reference|, the max over elements of |kernel - reference| / (|reference| +
+max|reference| * 2^-24) ("rel") and the reference's max |value|.
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("run with TRITON_INTERPRET=1 (set before triton is imported)")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from dsv4lab.kernels.mhc_fused import hc_head_pre, hc_post, hc_pre  # noqa: E402
+from dsv4lab.model.mhc import HyperConnection, collapse, head_weights, mix_weights  # noqa: E402
+
+g = torch.Generator().manual_seed(0)
+res = {}
+
+
+def diff(got, want):
+    got, want = got.double(), want.double()
+    d = (got - want).abs()
+    ref_max = want.abs().max().item()
+    return {"max_abs": d.max().item(), "rel": (d / (want.abs() + ref_max * 2.0 ** -24 + 1e-30)).max().item(),
+            "ref_max": ref_max}
+
+
+def params(hc, D, head, logit_scale):
+    mix = hc if head else (2 + hc) * hc
+    fn = torch.randn(mix, hc * D, generator=g) * 0.2
+    base = torch.randn(mix, generator=g)
+    scale = torch.rand(1 if head else 3, generator=g) * logit_scale + 0.5
+    return fn, base, scale
+
+
+# name: (hc, D, B, S, dtype, iters, hc_eps, split/block_k override, streams kind, logit scale)
+CASES = {
+    "b1_f32": (4, 64, 1, 1, torch.float32, 20, 1e-6, None, "randn", 1.0),
+    "b2_f32_split": (4, 64, 2, 1, torch.float32, 20, 1e-6, (4, 32), "randn", 1.0),
+    "b3_bf16": (4, 64, 3, 1, torch.bfloat16, 20, 1e-6, None, "randn", 1.0),
+    "b3_bf16_split": (4, 64, 3, 1, torch.bfloat16, 20, 1e-6, (3, 16), "randn", 1.0),
+    "b2s3_bf16_blocks": (4, 64, 2, 9, torch.bfloat16, 20, 1e-6, (2, 32), "randn", 1.0),  # 18 tokens: 2 blocks
+    "hc3_d40_f32": (3, 40, 2, 1, torch.float32, 7, 1e-6, (5, 16), "randn", 1.0),        # padded hc, ragged D
+    "eps_zero_streams": (4, 64, 2, 1, torch.float32, 20, 1e-6, (4, 32), "zeros", 1.0),  # rms eps path
+    "eps_saturated": (4, 64, 2, 1, torch.float32, 20, 1e-2, None, "randn", 400.0),      # softmax 0s: Sinkhorn eps
+    "iters1_bf16": (4, 64, 1, 1, torch.bfloat16, 1, 1e-3, (2, 64), "randn", 1.0),
+}
+for name, (hc, D, B, S, dtype, iters, hc_eps, over, kind, lscale) in CASES.items():
+    kw = dict(zip(("split", "block_k"), over)) if over else {}
+    streams = (torch.randn(B, S, hc, D, generator=g) if kind == "randn" else torch.zeros(B, S, hc, D)).to(dtype)
+    fn, base, scale = params(hc, D, False, lscale)
+    pre, post, comb = mix_weights(streams, fn, base, scale, iters, hc_eps, 1e-6)
+    k_pre, k_post, k_comb, k_col = hc_pre(streams, fn, base, scale, iters, hc_eps, 1e-6, **kw)
+    res[name] = {"pre": diff(k_pre, pre), "post": diff(k_post, post), "comb": diff(k_comb, comb),
+                 "collapsed": diff(k_col, collapse(pre, streams))}
+    out = torch.randn(B, S, D, generator=g).to(dtype)
+    res[name]["expand"] = diff(hc_post(streams, out, post, comb), HyperConnection.expand(streams, out, post, comb))
+    fn, base, scale = params(hc, D, True, lscale)
+    h_pre = head_weights(streams, fn, base, scale, hc_eps, 1e-6)
+    k_pre, k_col = hc_head_pre(streams, fn, base, scale, hc_eps, 1e-6, **kw)
+    res[name]["head_pre"] = diff(k_pre, h_pre)
+    res[name]["head_collapsed"] = diff(k_col, collapse(h_pre, streams))
+print("RESULT" + json.dumps(res))

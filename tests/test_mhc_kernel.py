@@ -1,0 +1,272 @@
+"""The fused mHC kernels (dsv4lab/kernels/mhc_fused.py) against the reference in dsv4lab/model/mhc.py,
+and the ``HyperConnection.kernel`` / ``.post_kernel`` / ``HyperHead.kernel`` slots.
+
+CPU: the kernels through Triton's interpreter in a subprocess (tests/mhc_interp_check.py: hc 4, D 64,
+B 1..3, one and several splits of hc*D, two token blocks, hc 3 with a ragged D, zero streams (the
+RMS eps), saturated logits (the Sinkhorn eps), one Sinkhorn iteration; fp32 and bf16); the slots'
+wiring at model level (use_kernels on/off, hooks and overriding implementations force the
+reference, the CUDA-graph signature sees the slots).
+GPU (@pytest.mark.gpu): V4-Pro shapes (hc 4, D 7168, mix 24, 20 Sinkhorn iterations), B 1 and 4 in
+bf16 (and T = 64), determinism and CUDA-graph replay, and the tiny model with the slots on.
+
+Stated tolerances (per element; the mixes differ from the reference by fp32 rounding only: the
+reference computes F.linear(x * r, fn) by cuBLAS, the kernel r * (x . fn) in its own order):
+* pre, post, comb (fp32, values in [0, 2]): |kernel - ref| <= 2e-5 (observed under the interpreter:
+  <= 5e-7 at these shapes, <= 3e-6 at V4-Pro shapes, where the hc*D = 28672 sums are longer);
+* collapsed and the new streams in fp32: |kernel - ref| <= 1e-6 * max|ref| (a sum of hc products);
+* collapsed in bf16: at most one bf16 rounding step apart, |kernel - ref| <= 2^-7 |ref| (+ 1e-5 *
+  max|ref| on the GPU for cancelling sums): the same fp32 sum is rounded once, a pre that differs
+  in its last fp32 bit can move it across a rounding boundary. Bitwise equal in every interpreter case
+  here; at V4-Pro shapes (interpreter) 0.03 % (B 1) to 0.09 % (head, B 4) of the elements moved one step;
+* new streams in bf16 (same post / comb given): the reference's rounding points are kept (post and
+  comb cast to bf16, post*out rounded, comb^T.streams rounded, the sum rounded); the only freedom is
+  the fp32 order of the hc exact products inside the matmul, so |kernel - ref| <= 2^-7 (|ref| +
+  |comb^T.streams|). Bitwise equal under the interpreter (CPU matmul sums in stream order).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4lab.analysis.components import components, use_kernels
+from dsv4lab.bugzoo.variants import MHCCombNotTransposed, MHCPreNoEps
+from dsv4lab.decode.graphs import model_signature
+from dsv4lab.kernels import install
+from dsv4lab.kernels.device import triton_importable
+from dsv4lab.kernels.dispatch import mhc_head_pre, mhc_post, mhc_pre
+from dsv4lab.model.mhc import HyperConnection, HyperHead, collapse, head_weights, mix_weights
+from dsv4lab.workbench import random_model
+from oracle_util import interp_check_result, random_ids, tiny_config
+
+BF16_STEP = 2.0 ** -7  # one bf16 rounding step, relative to the value
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_interp_mhc_kernels_match_reference():
+    assert triton_importable(), "triton is part of the test set-up (pip install -e '.[kernels]')"
+    res = interp_check_result("mhc_interp_check.py")
+    assert len(res) == 9
+    for case, outs in res.items():
+        assert set(outs) == {"pre", "post", "comb", "collapsed", "expand", "head_pre", "head_collapsed"}
+        for out, v in outs.items():
+            if out in ("pre", "post", "comb", "head_pre"):
+                ok = v["max_abs"] <= 2e-5
+            elif "bf16" in case:
+                ok = v["rel"] <= BF16_STEP * (1 + 1e-6)
+            else:
+                ok = v["max_abs"] <= 1e-6 * v["ref_max"]
+            assert ok, (case, out, v)
+    # the eps paths did something: zero streams collapse to exactly zero, saturated rows stay finite
+    assert res["eps_zero_streams"]["collapsed"]["ref_max"] == 0.0
+    assert res["eps_saturated"]["comb"]["max_abs"] <= 1e-5
+
+
+# ----------------------------------------------------------------------------- model-level wiring
+class Counting:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+        self.__name__ = fn.__name__
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        return self.fn(*a, **k)
+
+
+def _sites(m):
+    return [mod for mod in m.modules() if isinstance(mod, HyperConnection)], m.hc_head
+
+
+def test_mhc_slots_equal_reference_and_hooks_force_it():
+    """The dispatch entry points (the reference math on CPU) in the slots give bitwise the reference
+    logits; a hook on any of a site's hook points, or an implementation overriding mixes / expand,
+    puts that site on the reference; the head's hook_pre does the same for the head."""
+    cfg = tiny_config()
+    m = random_model(cfg, seed=3)
+    ids = random_ids(cfg, n=20, b=2)
+    sites, head = _sites(m)
+    assert install.install_kernels(m) == 0 and all(s.kernel is None and s.post_kernel is None for s in sites)
+    with torch.no_grad():
+        ref = m(ids)
+    pre_k, post_k, head_k = Counting(mhc_pre), Counting(mhc_post), Counting(mhc_head_pre)
+    for s in sites:
+        s.kernel, s.post_kernel = pre_k, post_k
+    head.kernel = head_k
+    with torch.no_grad():
+        assert torch.equal(m(ids), ref)
+    assert (pre_k.calls, post_k.calls, head_k.calls) == (len(sites), len(sites), 1)
+
+    for hp in ("hook_pre", "hook_post", "hook_comb", "hook_collapsed", "hook_streams"):
+        seen = []
+        h = getattr(m.layers[1].ffn_hc, hp).register_forward_hook(lambda mod, i, o: seen.append(o.shape))
+        pre_k.calls = post_k.calls = 0
+        with torch.no_grad():
+            assert torch.equal(m(ids), ref)
+        h.remove()
+        assert seen and (pre_k.calls, post_k.calls) == (len(sites) - 1, len(sites) - 1), hp
+    h = head.hook_pre.register_forward_hook(lambda mod, i, o: None)
+    head_k.calls = 0
+    with torch.no_grad():
+        assert torch.equal(m(ids), ref)
+    h.remove()
+    assert head_k.calls == 0
+
+    # overriding implementations keep their own math (the bug-zoo variants differ from ref)
+    for variant, slot in ((MHCPreNoEps, pre_k), (MHCCombNotTransposed, post_k)):
+        with m.replace("layers.2.attn_hc", variant):
+            slot.calls = 0
+            with torch.no_grad():
+                assert not torch.equal(m(ids), ref)
+            assert slot.calls == len(sites) - 1, variant.__name__
+
+
+def test_use_kernels_switches_mhc_slots(monkeypatch):
+    """use_kernels installs mhc_pre / mhc_post / mhc_head_pre where the parameters are on CUDA
+    (faked here), components() shows them, the graph signature changes, and enable=False removes them."""
+    cfg = tiny_config()
+    m = random_model(cfg, seed=3)
+    sites, head = _sites(m)
+    assert use_kernels(m, "layers.*.*_hc") == 0  # CPU: nothing installed
+    sig0 = model_signature(m)
+    monkeypatch.setattr(install, "have_triton_cuda", lambda: True)
+    monkeypatch.setattr(install, "_on_cuda", lambda t: t is not None)
+    assert use_kernels(m, "layers.*.*_hc") == len(sites)
+    assert use_kernels(m, "hc_head") == 1
+    assert all(s.kernel is mhc_pre and s.post_kernel is mhc_post for s in sites) and head.kernel is mhc_head_pre
+    df = components(m)
+    impl = dict(zip(df.name, df.impl))
+    assert impl["layers.0.attn_hc"] == "kernel:mhc_pre" and impl["hc_head"] == "kernel:mhc_head_pre"
+    assert model_signature(m) != sig0
+    ids = random_ids(cfg, n=12, b=1)
+    with torch.no_grad():
+        on = m(ids)
+    assert use_kernels(m, "layers.1", False) >= 2  # both sites of layer 1 (and whatever else it had)
+    assert m.layers[1].attn_hc.kernel is None and m.layers[1].ffn_hc.post_kernel is None
+    assert use_kernels(m, "**", False) > 0
+    assert model_signature(m) == sig0 and set(components(m).impl) == {"reference"}
+    with torch.no_grad():
+        assert torch.equal(m(ids), on)  # the CPU entry points are the reference math
+
+
+def test_mhc_dispatch_falls_back_on_cpu_and_odd_shapes():
+    g = torch.Generator().manual_seed(1)
+    hc, D = 4, 16
+    s = torch.randn(2, 3, hc, D, generator=g)
+    fn, base, scale = torch.randn(24, hc * D, generator=g), torch.randn(24, generator=g), torch.rand(3, generator=g)
+    pre, post, comb = mix_weights(s, fn, base, scale, 5, 1e-6, 1e-6)
+    got = mhc_pre(s, fn, base, scale, 5, 1e-6, 1e-6)
+    for a, b in zip(got, (pre, post, comb, collapse(pre, s))):
+        assert torch.equal(a, b)
+    out = torch.randn(2, 3, D, generator=g)
+    assert torch.equal(mhc_post(s, out, post, comb), HyperConnection.expand(s, out, post, comb))
+    hp = head_weights(s, fn[:hc], base[:hc], scale[:1], 1e-6, 1e-6)
+    got = mhc_head_pre(s, fn[:hc], base[:hc], scale[:1], 1e-6, 1e-6)
+    assert torch.equal(got[0], hp) and torch.equal(got[1], collapse(hp, s))
+
+
+# ----------------------------------------------------------------------------- GPU, V4-Pro shapes
+gpu = pytest.mark.skipif(not (torch.cuda.is_available() and triton_importable()), reason="needs CUDA + triton")
+
+
+def _v4_pro_site(B, S=1, seed=0):
+    from dsv4lab.checkpoint.synth import preset_config
+
+    cfg = preset_config("v4-pro")
+    hc, D = cfg.hc_mult, cfg.hidden_size
+    assert (hc, D, cfg.hc_sinkhorn_iters) == (4, 7168, 20)
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    streams = torch.randn(B, S, hc, D, device=dev, generator=g).bfloat16()
+    fn = torch.randn((2 + hc) * hc, hc * D, device=dev, generator=g) * 0.02  # fp32, as the checkpoints keep it
+    base = torch.randn((2 + hc) * hc, device=dev, generator=g)
+    scale = torch.rand(3, device=dev, generator=g) + 0.5
+    return cfg, streams, fn, base, scale
+
+
+def _check_bf16(got, want, atol_rel=1e-5, extra=None):
+    d = (got.float() - want.float()).abs()
+    bound = BF16_STEP * (want.float().abs() + (0 if extra is None else extra.float().abs())) + atol_rel * want.float().abs().max()
+    assert bool((d <= bound).all()), (d.max().item(), (d > bound).sum().item())
+    return (got != want).float().mean().item()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("B,S", [(1, 1), (4, 1), (64, 1)])
+def test_gpu_hc_pre_post_v4_pro_shapes(B, S):
+    from dsv4lab.kernels.mhc_fused import hc_head_pre, hc_post, hc_pre
+
+    cfg, streams, fn, base, scale = _v4_pro_site(B, S)
+    args = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+    pre, post, comb = mix_weights(streams, fn, base, scale, *args)
+    k_pre, k_post, k_comb, k_col = hc_pre(streams, fn, base, scale, *args)
+    for a, b in ((k_pre, pre), (k_post, post), (k_comb, comb)):
+        assert (a - b).abs().max().item() <= 2e-5
+    frac = {"collapsed": _check_bf16(k_col, collapse(pre, streams))}
+    again = hc_pre(streams, fn, base, scale, *args)
+    assert all(torch.equal(a, b) for a, b in zip(again, (k_pre, k_post, k_comb, k_col)))  # deterministic
+
+    out = torch.randn(B, S, cfg.hidden_size, device="cuda").bfloat16()
+    mixed = torch.matmul(comb.bfloat16().transpose(-1, -2), streams)
+    frac["new_streams"] = _check_bf16(hc_post(streams, out, post, comb), HyperConnection.expand(streams, out, post, comb),
+                                      0.0, mixed)
+
+    hc = cfg.hc_mult
+    h_pre = head_weights(streams, fn[:hc], base[:hc], scale[:1], cfg.hc_eps, cfg.rms_norm_eps)
+    k_hp, k_hcol = hc_head_pre(streams, fn[:hc], base[:hc], scale[:1], cfg.hc_eps, cfg.rms_norm_eps)
+    assert (k_hp - h_pre).abs().max().item() <= 2e-5
+    frac["head_collapsed"] = _check_bf16(k_hcol, collapse(h_pre, streams))
+    print(f"B={B}: fraction of bf16 elements not bitwise equal to the reference {frac}; max |pre/post/comb diff| "
+          f"{max((a - b).abs().max().item() for a, b in ((k_pre, pre), (k_post, post), (k_comb, comb))):.2e}")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_hc_pre_graph_replay_is_bitwise_eager():
+    from dsv4lab.kernels.mhc_fused import hc_post, hc_pre
+
+    cfg, streams, fn, base, scale = _v4_pro_site(4)
+    args = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+    out = torch.randn(4, 1, cfg.hidden_size, device="cuda").bfloat16()
+
+    def step():
+        _, post, comb, col = hc_pre(streams, fn, base, scale, *args)
+        return col, hc_post(streams, out, post, comb)
+
+    eager = step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up (compiles) off the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(static, eager))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_tiny_model_with_mhc_kernels():
+    """use_kernels on CUDA installs the mHC slots; logits stay within fp32 rounding of the reference,
+    and graph replay equals eager bitwise."""
+    from dsv4lab.decode.check import decode_check
+
+    cfg = tiny_config()
+    m = random_model(cfg, seed=5).to("cuda")
+    ids = random_ids(cfg, n=40, b=1).cuda()
+    with torch.no_grad():
+        ref = m(ids)
+    sites, head = _sites(m)
+    assert use_kernels(m, "layers.*.*_hc") == len(sites) and use_kernels(m, "hc_head") == 1
+    assert {"kernel:mhc_pre", "kernel:mhc_head_pre"} <= set(components(m).impl)
+    try:
+        with torch.no_grad():
+            got = m(ids)
+        assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+        s = decode_check(m, ids.cpu(), steps=24).summary()
+        assert s["token_agreement"] == 1.0 and s["max_abs_logit_diff"] == 0.0
+    finally:
+        use_kernels(m, "**", False)
