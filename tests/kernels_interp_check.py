@@ -136,6 +136,30 @@ for M in (2, 5, 16):  # the tl.dot loop on the same weight ring
         cfg = {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": split, "num_warps": 1}
         y = nvfp4_matmul(x, wt.packed, wt.block_scale, wt.global_scale, out_dtype=torch.float32, config=cfg)
         res[f"tmadot_M{M}_split{split}"] = err(y, nvfp4_matmul_ref(x.float(), wt))
+# grouped (block-diagonal, wo_a) use of the TMA GEMV: 3 row blocks of 32 rows (2 tiles each), each
+# times its own x row, in one prelude + one GEMV; and the per-block loop for 2 tokens
+from dsv4lab.kernels.linear_nvfp4 import nvfp4_grouped_matmul
+from dsv4lab.kernels.linear_nvfp4_tma import launch_gemv_tma
+wg = random_nvfp4(96, 512)
+xg = rnd(3, 512).to(torch.bfloat16)
+xg[1] *= 1e3  # groups of very different size: the prelude scales per 16-group
+ref_g = torch.stack([nvfp4_matmul_ref(xg[g:g + 1].float(), NVFP4Weight(wg.packed[32 * g:32 * g + 32],
+                     wg.block_scale[32 * g:32 * g + 32], wg.global_scale)) for g in range(3)]).reshape(-1)
+for split in (1, 2):
+    yg = torch.empty(96, dtype=torch.float32)
+    cfg = {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": split, "num_warps": 1, "XINV": split == 1}
+    launch_gemv_tma(xg, wg.packed, wg.block_scale.view(torch.uint8), wg.global_scale.reshape(1), yg, cfg, groups=3)
+    res[f"tmagrp_split{split}"] = err(yg, ref_g)
+try:
+    launch_gemv_tma(xg, wg.packed, wg.block_scale.view(torch.uint8), wg.global_scale.reshape(1), torch.empty(96),
+                    {"TMA": True, "BN": 64, "STAGES": 2, "SPLIT": 1, "num_warps": 1}, groups=3)
+    res["tmagrp_rejects_partial_tiles"] = False
+except ValueError:
+    res["tmagrp_rejects_partial_tiles"] = True
+x2g = rnd(2, 3, 512).to(torch.bfloat16)
+res["grouped_loop"] = err(nvfp4_grouped_matmul(x2g, wg.packed, wg.block_scale, wg.global_scale),
+                          torch.stack([nvfp4_matmul_ref(x2g[:, g], NVFP4Weight(wg.packed[32 * g:32 * g + 32],
+                                       wg.block_scale[32 * g:32 * g + 32], wg.global_scale)) for g in range(3)], dim=1))
 try:
     nvfp4_matmul(rnd(17, 512).to(torch.bfloat16), wt.packed, wt.block_scale, wt.global_scale,
                  config={"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": 1, "num_warps": 1})

@@ -30,6 +30,7 @@ from dsv4lab.model.attention import Attention
 from dsv4lab.model.compressor import Compressor
 from dsv4lab.model.decode_attention import decode_attention
 from dsv4lab.model.indexer import Indexer, index_scores_decode
+from dsv4lab.model.moe import Router
 from dsv4lab.quant.modes import RoundTrip
 from dsv4lab.workbench import random_model
 from oracle_util import interp_check_result, random_ids, tiny_config
@@ -152,8 +153,8 @@ def test_use_kernels_installs_and_removes_the_decode_slots(tiny, monkeypatch):
     monkeypatch.setattr(install_mod, "_on_cuda", lambda t: t is not None)
     monkeypatch.setattr(install_mod.pool_cute, "have_cute", lambda: False)
     try:
-        # attn (prefill + decode slots), its indexer, their two compressors, the two mHC sites
-        assert m.use_kernels("layers.1") == 6
+        # attn (prefill + decode + glue slots), its indexer, their two compressors, the router, the two mHC sites
+        assert m.use_kernels("layers.1") == 7
         attn, ix = m.layers[1].attn, m.layers[1].attn.indexer
         assert attn.decode_kernel is dispatch_decode and ix.decode_kernel is dispatch_scores
         assert m.layers[3].attn.decode_kernel is None
@@ -161,8 +162,8 @@ def test_use_kernels_installs_and_removes_the_decode_slots(tiny, monkeypatch):
         assert impl["layers.1.attn"] == "kernel:prefill_attention+decode_attention"
         assert impl["layers.1.attn.indexer"] == "kernel:index_scores_decode"
         assert torch.equal(_decode_logits(m, ids), ref)
-        # every attention, indexer and compressor; two mHC sites per layer and the head's
-        n = sum(isinstance(mod, (Attention, Indexer, Compressor)) for mod in m.modules()) + 2 * len(m.layers) + 1
+        # every attention, indexer, compressor and router; two mHC sites per layer and the head's
+        n = sum(isinstance(mod, (Attention, Indexer, Compressor, Router)) for mod in m.modules()) + 2 * len(m.layers) + 1
         assert install_kernels(m) == n
     finally:
         assert m.use_kernels(enable=False) == n

@@ -83,6 +83,17 @@ def test_interp_tma_gemv(interp_results):
     assert interp_results["tma_rejects_m17"] is True
 
 
+def test_interp_grouped_tma_gemv(interp_results):
+    """The block-diagonal use (wo_a) of the TMA GEMV: each row block against its own x row in one
+    prelude + one GEMV (split 1 with 1/xs in the pair rows, split 2 by pointer); tiles must not
+    straddle blocks; more tokens take one GEMV per block."""
+    for k in ("tmagrp_split1", "tmagrp_split2"):
+        v = interp_results[k]
+        assert v["bad"] == 0 and v["ref_max"] > 0 and v["max_abs"] <= 2e-3 * v["ref_max"], (k, v)
+    assert interp_results["tmagrp_rejects_partial_tiles"] is True
+    assert interp_results["grouped_loop"]["bad"] == 0
+
+
 def test_interp_nvfp4_matmul(interp_results):
     mm = {k: v for k, v in interp_results.items() if k.startswith("mm_")}
     assert len(mm) == 2 * (4 + 3 + 2 + 4 + 1)
@@ -223,6 +234,37 @@ def test_gpu_tma_gemv(bn, stages, split, extra, xkind):
     cfg = {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": 4, **extra}
     for _ in range(2):  # the second call checks that the split counters were reset
         _close(nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config=cfg), nvfp4_matmul_ref(x, w))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T", [1, 2])
+def test_gpu_grouped_wo_a_v4_pro(T):
+    """wo_a at V4-Pro shapes (16 groups of 1024 rows, K = 4096): one token takes the grouped TMA
+    GEMV (one prelude + one GEMV for all groups), two tokens one GEMV per group; both within the
+    matmul tolerance of each group's reference, the second call equal to the first (split
+    counters reset), a CUDA-graph replay bitwise equal to eager."""
+    from dsv4lab.kernels.linear_nvfp4 import nvfp4_grouped_matmul, nvfp4_matmul_ref
+    from dsv4lab.quant.weights import NVFP4Weight
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.fail("the TMA GEMV needs sm_90+; run the GPU tests on the H200")
+    G, K, R = 16, 4096, 1024
+    w = _rand_nvfp4_cuda(G * R, K, seed=3)
+    x = torch.randn(T, G, K, device="cuda", dtype=torch.bfloat16)
+    x[:, 3] *= 100  # groups of different magnitude: each must read its own x row
+    y = nvfp4_grouped_matmul(x, w.packed, w.block_scale, w.global_scale)
+    assert y.shape == (T, G, R)
+    for g in range(G):
+        wg = NVFP4Weight(w.packed[g * R:(g + 1) * R], w.block_scale[g * R:(g + 1) * R], w.global_scale)
+        _close(y[:, g], nvfp4_matmul_ref(x[:, g], wg))
+    assert torch.equal(nvfp4_grouped_matmul(x, w.packed, w.block_scale, w.global_scale), y)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = nvfp4_grouped_matmul(x, w.packed, w.block_scale, w.global_scale)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, y)
 
 
 @pytest.mark.gpu

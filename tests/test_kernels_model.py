@@ -184,6 +184,28 @@ def test_grouped_projection_uses_the_kernel_per_row_block():
     assert blocks[1].packed.data_ptr() == ql.qweight.packed[16].data_ptr()  # views, no copy
 
 
+def test_grouped_kernel_takes_all_row_blocks_in_one_call():
+    """``QLinear.grouped_kernel`` (where install puts ``grouped_quant_linear`` for NVFP4 on CUDA)
+    replaces the per-block loop with one call; on CPU the entry point is the dense reference, so
+    the result is the kernel-less one bit for bit. Without ``kernel`` (bf16 mode, not installed)
+    it is not used."""
+    from dsv4lab.kernels.dispatch import grouped_quant_linear
+
+    g = torch.Generator().manual_seed(1)
+    ql = QLinear(48, 64)
+    ql.set_weight(quantize_nvfp4(torch.randn(64, 48, generator=g)))
+    x = torch.randn(2, 3, 4, 48, generator=g)
+    ref = ql.grouped(x, 4)
+    per_block, grouped = Counting(ref_linear), Counting(grouped_quant_linear)
+    ql.grouped_kernel = grouped
+    assert torch.equal(ql.grouped(x, 4), ref) and grouped.calls == 0  # no kernel: the reference
+    ql.kernel = per_block
+    got = ql.grouped(x, 4)
+    assert grouped.calls == 1 and per_block.calls == 0 and torch.equal(got, ref)
+    ql.set_mode("bf16")
+    assert torch.equal(ql.grouped(x, 4), ref) and grouped.calls == 1
+
+
 def test_overridden_dequantisation_or_linears_keep_the_reference():
     """A replaced implementation (e.g. a bug-zoo variant) is not what the kernel computes."""
     from dsv4lab.bugzoo.variants import ActInputScaleMixin, WeightScale2DroppedMixin

@@ -76,8 +76,12 @@ def impl_label(mod: nn.Module) -> str:
     lab = getattr(mod, "_impl_label", None)
     if lab:
         return lab
+    # the main slots (Attention: "kernel:prefill_attention+decode_attention"), else another installed
+    # ``*_kernel`` slot (a Router on a plain gate: route_kernel)
     fns = [fn for fn in (getattr(mod, "kernel", None), getattr(mod, "decode_kernel", None)) if fn is not None]
-    if fns:  # Attention, Compressor: prefill and decode kernels
+    if not fns:
+        fns = [v for k, v in vars(mod).items() if k.endswith("_kernel") and v is not None][:1]
+    if fns:  # Attention, Compressor: prefill and decode kernels; glue-only slots: the first
         return "kernel:" + "+".join(getattr(fn, "__name__", type(fn).__name__) for fn in fns)
     return "reference"
 

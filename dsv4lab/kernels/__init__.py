@@ -11,6 +11,9 @@
 | routed Experts prefill (nvfp4, mxfp4) | `moe_prefill.moe_prefill_triton` | `moe_prefill_ref.moe_prefill_ref` | tests/test_gemm.py |
 | Compressor pool | `compressor_pool_cute.compressor_pool_cute` | `compressor_pool_cute.compressor_pool_ref` | tests/test_cute_kernels.py |
 | Compressor decode step | `compressor_decode.compressor_decode_triton` | `dsv4lab.model.compressor.Compressor.decode_window` | tests/test_compressor_decode_kernel.py |
+| QLinear grouped (wo_a), nvfp4 | `linear_nvfp4.nvfp4_grouped_matmul` (-> `linear_nvfp4_tma.launch_gemv_tma(groups=G)`) | `dsv4lab.model.linear.grouped_linear` | tests/test_kernels.py |
+| Attention q_norm / norm + RoPE / inverse RoPE (decode glue) | `norm_rope.launch_norm_rope` | `dsv4lab.model.norms.rms_norm`, `norm_rope_ref.norm_rope_ref` | tests/test_glue_kernels.py |
+| Router scores + top-k / hash + weights | `router_topk.route_triton` | `dsv4lab.model.moe.route` | tests/test_glue_kernels.py |
 | Attention prefill (bounded) | `attention_bounded.bounded_attention_triton` | `dsv4lab.model.bounded_attention.bounded_attention` | tests/test_attention_kernel.py |
 | HyperConnection mixes + collapse / expansion, HyperHead | `mhc_fused.hc_pre` / `hc_post` / `hc_head_pre` | `dsv4lab.model.mhc.mix_weights` + `collapse` / `HyperConnection.expand` / `head_weights` + `collapse` | tests/test_mhc_kernel.py |
 
@@ -19,8 +22,9 @@
 
 
 Entry points (``dispatch``: kernel where it runs, reference elsewhere): ``quant_linear``,
-``act_quant_nvfp4``, ``moe_decode``, ``moe_prefill``, ``compressor_pool``, ``compressor_decode``, ``prefill_attention``,
-``decode_attention``, ``index_scores_decode``, ``mhc_pre``, ``mhc_post``, ``mhc_head_pre``. Installing them on a model:
+``grouped_quant_linear``, ``act_quant_nvfp4``, ``moe_decode``, ``moe_prefill``, ``compressor_pool``,
+``compressor_decode``, ``prefill_attention``, ``decode_attention``, ``index_scores_decode``, ``mhc_pre``, ``mhc_post``, ``mhc_head_pre``,
+``rms_norm``, ``norm_rope``, ``route``. Installing them on a model:
 ``install.install_kernels(model, pattern, enable)``. Shared Triton helpers: ``common``; the
 launch-device guard and availability check: ``device``. Importing ``dsv4lab.kernels`` imports
 neither triton nor cutlass (the kernel modules do, and are imported inside the calls).
@@ -29,11 +33,12 @@ See docs/kernels.md for layouts, tolerances and measured numbers.
 from __future__ import annotations
 
 from .device import have_triton_cuda
-from .dispatch import (act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention, index_scores_decode,
-                       mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill, nvfp4_linear, prefill_attention,
-                       quant_linear)
+from .dispatch import (act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention, grouped_quant_linear, index_scores_decode,
+                       mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill, norm_rope, nvfp4_linear,
+                       prefill_attention, quant_linear, rms_norm, route)
 from .install import install_kernels, kernel_state, kernel_targets, restore_kernels
 
-__all__ = ["have_triton_cuda", "quant_linear", "nvfp4_linear", "moe_decode", "moe_prefill", "act_quant_nvfp4", "compressor_pool",
-           "compressor_decode", "prefill_attention", "decode_attention", "index_scores_decode", "mhc_pre", "mhc_post",
-           "mhc_head_pre", "install_kernels", "kernel_state", "kernel_targets", "restore_kernels"]
+__all__ = ["have_triton_cuda", "quant_linear", "nvfp4_linear", "grouped_quant_linear", "moe_decode", "moe_prefill",
+           "act_quant_nvfp4", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention", "index_scores_decode",
+           "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "route",
+           "install_kernels", "kernel_state", "kernel_targets", "restore_kernels"]

@@ -5,6 +5,8 @@ are imported inside the calls that use them (lazily, for that reason).
 * ``quant_linear(x, w)`` (alias ``nvfp4_linear``): ``QLinear.kernel``-compatible ``f(x, qweight) -> y``
   for NVFP4, MXFP4 and FP8-block weights; other formats, CPU tensors or unsupported dtypes take the
   reference (``w.dequantize`` + ``F.linear``).
+* ``grouped_quant_linear(x, w, groups)``: ``QLinear.grouped_kernel``, the block-diagonal use (wo_a)
+  in one GEMV for one NVFP4 token.
 * ``act_quant_nvfp4(x, global_scale)``: NVFP4 fake quant of activations (``QLinear.act_kernel``,
   drop-in for ``fake_quant_nvfp4``, bit-exact).
 * ``moe_decode(x, ids, weights, w1, w3, w2, limit)``: routed experts for decode tokens.
@@ -22,6 +24,10 @@ are imported inside the calls that use them (lazily, for that reason).
   ``Attention.decode_kernel``, one decode token over the ring and the valid entries (Triton).
 * ``index_scores_decode(q, w_raw, keys, n_valid, w_scale)``: ``Indexer.decode_kernel``, the
   indexer's decode scores (Triton; the top-k stays ``Indexer.select``).
+* ``rms_norm(x, weight, eps)`` / ``norm_rope(x, positions, inv_freq, ...)``: ``Attention.norm_kernel``
+  / ``rope_kernel``, the q_norm and the norm + RoPE (+ kv_fp8) / inverse RoPE launches (Triton).
+* ``route(logits, top_k, scoring, scale, bias, tid2eid, input_ids)``: ``Router.route_kernel``,
+  scores + choice + weights after the gate matmul (Triton).
 Which component gets which: ``dsv4lab.kernels.install``.
 """
 from __future__ import annotations
@@ -34,19 +40,24 @@ from ..quant.stacked import StackedMXFP4, StackedNVFP4, stack_experts
 from . import compressor_pool_cute as pool_cute
 from .device import KERNEL_DTYPES, have_triton_cuda, kernel_can_take
 from ..model.bounded_attention import bounded_attention
+from ..model.linear import grouped_linear
 from ..model.mhc import HyperConnection, collapse, head_weights, mix_weights
+from ..model.moe import route as route_ref
+from ..model.norms import rms_norm as rms_norm_ref
 from ..model.decode_attention import decode_attention as decode_attention_ref
 from ..model.indexer import index_scores_decode as index_scores_decode_ref
 from ..model.compressor import Compressor
 from ..model.state import CompressorState
 from .moe_decode_ref import moe_decode_ref
 from .moe_prefill_ref import moe_prefill_ref
+from .norm_rope_ref import norm_rope_ref
 
 KERNEL_FORMATS = ("nvfp4", "mxfp4", "fp8_block")
+ROUTE_MAX_EXPERTS = 4096  # the router kernel holds one token's scores in registers
 
-__all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear",
+__all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "grouped_quant_linear",
            "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention",
-           "index_scores_decode", "mhc_pre", "mhc_post", "mhc_head_pre"]
+           "index_scores_decode", "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "route"]
 
 
 def weight_on_cuda(w) -> bool:
@@ -73,6 +84,17 @@ def quant_linear(x: torch.Tensor, w) -> torch.Tensor:
 
 
 nvfp4_linear = quant_linear  # the name QLinear.kernel had when only NVFP4 had a kernel
+
+
+def grouped_quant_linear(x: torch.Tensor, w, groups: int) -> torch.Tensor:
+    """x [..., G, in] times the G row blocks of a ``QuantWeight`` -> [..., G, out/G]: NVFP4 on CUDA
+    through ``linear_nvfp4.nvfp4_grouped_matmul`` (one GEMV for one token), else the dense
+    reference (``grouped_linear`` of ``w.dequantize(x.dtype)``)."""
+    if getattr(w, "format", None) == "nvfp4" and kernel_can_take(x) and weight_on_cuda(w):
+        from .linear_nvfp4 import nvfp4_grouped_matmul  # lazy: imports triton
+
+        return nvfp4_grouped_matmul(x, w.packed, w.block_scale, w.global_scale)
+    return grouped_linear(x, w.dequantize(x.dtype), groups)
 
 
 def act_quant_nvfp4(x: torch.Tensor, global_scale) -> torch.Tensor:
@@ -222,3 +244,48 @@ def index_scores_decode(q: torch.Tensor, w_raw: torch.Tensor, keys: torch.Tensor
 
         return index_scores_decode_triton(q, w_raw, keys, n_valid, w_scale)
     return index_scores_decode_ref(q, w_raw, keys, n_valid, w_scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``dsv4lab.model.norms.rms_norm`` (RMSNorm's math): one Triton launch on CUDA."""
+    if kernel_can_take(x) and weight.dtype in KERNEL_DTYPES:
+        from .norm_rope import NORM_WEIGHTED, launch_norm_rope  # lazy: imports triton
+
+        out = launch_norm_rope(x.unsqueeze(-2), torch.promote_types(weight.dtype, x.dtype), norm=NORM_WEIGHTED,
+                               eps=eps, weight=weight)
+        return out.squeeze(-2)
+    return rms_norm_ref(x, weight, eps)
+
+
+def norm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float | None = None,
+              weight: torch.Tensor | None = None, inverse: bool = False, fp8_nope: bool = False) -> torch.Tensor:
+    """``norm_rope_ref`` (same signature; x [..., S, H, D], positions [S] on the device): one Triton
+    launch on CUDA, the angles computed from the positions there (no tables, no host sync)."""
+    if x.dim() < 3 or x.shape[-3] != positions.numel() or 2 * inv_freq.shape[-1] > x.shape[-1]:
+        raise ValueError(f"norm_rope: x must be [..., S, H, D] with S = len(positions) and D >= 2 * len(inv_freq); "
+                         f"got x {tuple(x.shape)}, {positions.numel()} positions, {inv_freq.shape[-1]} frequencies "
+                         "(one head: unsqueeze(-2))")
+    if kernel_can_take(x) and (weight is None or weight.dtype in KERNEL_DTYPES) and x.shape[-1] % 2 == 0:
+        from .norm_rope import NORM_NONE, NORM_PLAIN, NORM_WEIGHTED, launch_norm_rope  # lazy: imports triton
+
+        norm = NORM_NONE if eps is None else NORM_PLAIN if weight is None else NORM_WEIGHTED
+        out_dtype = x.dtype if norm != NORM_WEIGHTED else torch.promote_types(weight.dtype, x.dtype)
+        return launch_norm_rope(x, out_dtype, norm=norm, eps=eps or 0.0, weight=weight, positions=positions,
+                                inv_freq=inv_freq, inverse=inverse, fp8_nope=fp8_nope)
+    return norm_rope_ref(x, positions, inv_freq, eps, weight, inverse, fp8_nope)
+
+
+def route(logits: torch.Tensor, top_k: int, scoring: str, scale: float, bias: torch.Tensor | None = None,
+          tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dsv4lab.model.moe.route`` (same signature): one Triton launch on CUDA (up to
+    ``ROUTE_MAX_EXPERTS`` experts, one program's row), the reference elsewhere."""
+    if not 0 < top_k <= logits.shape[-1] or (tid2eid is not None and input_ids is None):
+        raise ValueError(f"route: top_k must be in 1..{logits.shape[-1]} (the experts) and hash routing needs "
+                         f"input_ids; got top_k={top_k}, input_ids {'missing' if input_ids is None else 'given'}")
+    if (kernel_can_take(logits) and logits.dim() == 2 and logits.shape[-1] <= ROUTE_MAX_EXPERTS
+            and scoring in ("sqrtsoftplus", "sigmoid", "softmax")):
+        from .router_topk import route_triton  # lazy: imports triton
+
+        return route_triton(logits, top_k, scoring, scale, bias, tid2eid, input_ids)
+    return route_ref(logits, top_k, scoring, scale, bias, tid2eid, input_ids)

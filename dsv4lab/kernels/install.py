@@ -1,10 +1,12 @@
 """Which component gets which kernel, and switching them on and off.
 
 Targets: every ``QLinear`` (``.kernel``: the matmul; ``.act_kernel``: the w4a4 activation
-quantiser), every routed ``Experts`` block (``.kernel``: the fused decode; ``.prefill_kernel``: the
+quantiser; ``.grouped_kernel``: the block-diagonal use, NVFP4; a ``Router`` also ``.route_kernel``:
+scores + choice + weights), every routed ``Experts`` block (``.kernel``: the fused decode; ``.prefill_kernel``: the
 grouped-GEMM prefill), every ``Compressor``
 (``.kernel``: the CuTeDSL softmax pool of prefill; ``.decode_kernel``: the Triton decode step), every ``Attention``
-(``.kernel``: the bounded prefill attention; ``.decode_kernel``: the decode attention), every
+(``.kernel``: the bounded prefill attention; ``.decode_kernel``: the decode attention;
+``.norm_kernel`` / ``.rope_kernel``: the q/kv norms and RoPE, the output's inverse RoPE), every
 ``Indexer`` (``.decode_kernel``: the decode scores), every mHC site ``HyperConnection`` (``.kernel``:
 mixes + collapse; ``.post_kernel``: the expansion) and the ``HyperHead`` (``.kernel``) whose own
 name, or an enclosing component's, matches the pattern.
@@ -22,13 +24,13 @@ from ..model.compressor import Compressor
 from ..model.indexer import Indexer
 from ..model.linear import QLinear
 from ..model.mhc import HyperConnection, HyperHead
-from ..model.moe import Experts
+from ..model.moe import Experts, Router
 from ..patterns import component_matcher, no_match_error, unmatched
 from . import compressor_pool_cute as pool_cute
 from .device import have_triton_cuda
-from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention,
-                       index_scores_decode, mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill, prefill_attention,
-                       quant_linear, weight_on_cuda)
+from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention, grouped_quant_linear,
+                       index_scores_decode, mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill, norm_rope,
+                       prefill_attention, quant_linear, rms_norm, route, weight_on_cuda)
 
 TARGETS = (QLinear, Experts, Compressor, Attention, Indexer, HyperConnection, HyperHead)
 
@@ -66,11 +68,12 @@ def experts_fp4_on_cuda(experts: Experts) -> bool:
 
 
 # the kernel attributes of each target class (every other target has one: ``kernel``)
-KERNEL_SLOTS: dict[type, tuple[str, ...]] = {
-    QLinear: ("kernel", "act_kernel"),
+KERNEL_SLOTS: dict[type, tuple[str, ...]] = {  # the first class that matches (Router before QLinear)
+    Router: ("kernel", "act_kernel", "grouped_kernel", "route_kernel"),
+    QLinear: ("kernel", "act_kernel", "grouped_kernel"),
     Experts: ("kernel", "prefill_kernel"),
     HyperConnection: ("kernel", "post_kernel"),
-    Attention: ("kernel", "decode_kernel"),
+    Attention: ("kernel", "decode_kernel", "norm_kernel", "rope_kernel"),
     Indexer: ("decode_kernel",),
     Compressor: ("kernel", "decode_kernel"),
 }
@@ -82,11 +85,18 @@ def _kernel_slots(mod: nn.Module) -> tuple[str, ...]:
 
 def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool:
     if isinstance(mod, QLinear):
+        routed = False
+        if isinstance(mod, Router) and have_triton and (weight_on_cuda(mod.qweight) if mod.qweight is not None
+                                                        else _on_cuda(mod.weight)):
+            mod.route_kernel = route
+            routed = True
         qw = mod.qweight
         if qw is None or not have_triton or qw.format not in KERNEL_FORMATS or not weight_on_cuda(qw):
-            return False
+            return routed
         mod.kernel = quant_linear
         mod.act_kernel = act_quant_nvfp4  # bit-exact with fake_quant_nvfp4; used in w4a4 only
+        if qw.format == "nvfp4":  # the block-diagonal use (wo_a) in one GEMV
+            mod.grouped_kernel = grouped_quant_linear
         return True
     if isinstance(mod, Experts):
         if not (have_triton and experts_fp4_on_cuda(mod)):
@@ -99,6 +109,8 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
             return False
         mod.kernel = prefill_attention
         mod.decode_kernel = decode_attention
+        mod.norm_kernel = rms_norm
+        mod.rope_kernel = norm_rope
         return True
     if isinstance(mod, Indexer):
         if not (have_triton and _on_cuda(mod.compressor.ape)):
@@ -131,10 +143,12 @@ def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, stri
     the reference (disable; only those that had a kernel). ``strict``: KeyError when nothing matches.
 
     Defaults: ``quant_linear`` as ``QLinear.kernel`` (NVFP4, MXFP4, FP8-block weights) with
-    ``act_quant_nvfp4`` as its ``act_kernel``, ``moe_decode`` as ``Experts.kernel`` and ``moe_prefill``
+    ``act_quant_nvfp4`` as its ``act_kernel`` and ``grouped_quant_linear`` as its ``grouped_kernel``
+    (NVFP4), ``route`` as ``Router.route_kernel``, ``moe_decode`` as ``Experts.kernel`` and ``moe_prefill``
     as ``Experts.prefill_kernel`` (NVFP4 or MXFP4 experts), ``compressor_pool`` as ``Compressor.kernel``
     and ``compressor_decode`` as its ``decode_kernel``,
-    ``prefill_attention`` as ``Attention.kernel`` with ``decode_attention`` as its ``decode_kernel``,
+    ``prefill_attention`` as ``Attention.kernel`` with ``decode_attention`` as its ``decode_kernel`` and
+    ``rms_norm`` / ``norm_rope`` as its ``norm_kernel`` / ``rope_kernel``,
     ``index_scores_decode`` as ``Indexer.decode_kernel``, ``mhc_pre`` / ``mhc_post`` as
     ``HyperConnection.kernel`` / ``.post_kernel``, ``mhc_head_pre`` as ``HyperHead.kernel``, each only
     where it runs (see the module

@@ -461,6 +461,34 @@ def nvfp4_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
     return y.reshape(*lead, N)
 
 
+@on_input_device
+def nvfp4_grouped_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
+                         global_scale: torch.Tensor) -> torch.Tensor:
+    """The block-diagonal (grouped) use: x [..., G, K] -> y [..., G, N/G], row block g of W times
+    x[..., g, :]. One token on the TMA path (sm_90+, K % 256 == 0, row blocks a multiple of the
+    tile) is one prelude + one GEMV for all G blocks (wo_a: 16 blocks, 2 launches instead of 32);
+    otherwise one ``nvfp4_matmul`` per row block (views, no copy)."""
+    G, K = x.shape[-2], x.shape[-1]
+    N = packed.shape[0]
+    if N % G:
+        raise ValueError(f"grouped matmul: {N} weight rows do not split into {G} groups")
+    rows = N // G
+    lead = x.shape[:-2]
+    x1 = x.reshape(-1, G, K)
+    packed = packed.view(torch.uint8)
+    scale = block_scale.view(torch.uint8)
+    if x1.shape[0] == 1 and _use_tma(x1[0, :1], packed, scale):
+        cfg = tma_default_config(N, K, x.device, 1)
+        if rows % cfg["BN"] == 0:
+            y = torch.empty(N, dtype=x.dtype, device=x.device)
+            gs = global_scale.reshape(1).to(device=x.device, dtype=torch.float32)
+            launch_gemv_tma(x1[0].contiguous(), packed.contiguous(), scale.contiguous(), gs, y, cfg, groups=G)
+            return y.view(*lead, G, rows)
+    ys = [nvfp4_matmul(x1[:, g], packed[g * rows:(g + 1) * rows], block_scale[g * rows:(g + 1) * rows], global_scale)
+          for g in range(G)]
+    return torch.stack(ys, dim=-2).view(*lead, G, rows)
+
+
 def nvfp4_matmul_ref(x: torch.Tensor, w) -> torch.Tensor:
     """Reference: ``NVFP4Weight.dequantize(x.dtype)`` then ``F.linear`` (what the kernel replaces)."""
     return torch.nn.functional.linear(x, w.dequantize(x.dtype))

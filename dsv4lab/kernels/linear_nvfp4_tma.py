@@ -74,15 +74,22 @@ def _tile_and_split(N, KG, gps, BN: tl.constexpr):
 @triton.jit
 def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, N, KG, gps, SPLIT,
                      USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr,
-                     USE_ASM: tl.constexpr, PDL: tl.constexpr, MX: tl.constexpr, XINV: tl.constexpr):
+                     USE_ASM: tl.constexpr, PDL: tl.constexpr, MX: tl.constexpr, XINV: tl.constexpr,
+                     ROWS_PER_X: tl.constexpr = 0):
+    """``ROWS_PER_X`` (grouped use, a multiple of BN): row block i of that many rows multiplies
+    activation row i (pair rows from i * KG); 0: one activation row for all."""
     if PDL:  # launched while the x-pair prelude runs; its pairs are visible after the wait
         gdc_wait()
     n0, rows, row_ok, g_lo, g_hi = _tile_and_split(N, KG, gps, BN)
+    if ROWS_PER_X:
+        row0 = (n0 // ROWS_PER_X) * KG
+    else:
+        row0 = 0
     acc = tl.zeros((BN, G), dtype=tl.float32)
     for g0 in tl.range(g_lo, g_hi, G, num_stages=STAGES):
         w64 = w_desc.load([n0, g0])                     # [BN, G] int64: 16 nibbles = one scale block
         sc = block_scales(s_desc, n0, g0, BN, G, MX)  # loads issued in the order w, s, 1/xs, x pairs
-        inv, x0, x1, x2, x3, x4, x5, x6, x7 = pairs_and_inv(x_desc, inv_ptr, 0, g0, G, XINV)
+        inv, x0, x1, x2, x3, x4, x5, x6, x7 = pairs_and_inv(x_desc, inv_ptr, row0, g0, G, XINV)
         part = group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM)
         acc += part * (sc * inv)
     if PDL:  # the next launch (e.g. the next call's prelude) may start while this grid finishes
@@ -163,12 +170,22 @@ def tma_default_config(N: int, K: int, device: torch.device, M: int = 1) -> dict
 
 
 def launch_gemv_tma(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor,
-                    y: torch.Tensor, cfg: dict, pairs: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                    y: torch.Tensor, cfg: dict, pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    groups: int = 1) -> None:
     """y[M, N] = x2[M, K] @ W^T for M <= 16 with ``cfg`` = {BN, STAGES, SPLIT, num_warps, optional G
     (groups per box, default 16) and PDL} (``tma_default_config``): M == 1 the f16x2 loop, M in 2..16
-    the ``tl.dot`` loop. ``pairs``: precomputed ``x_pairs(x2[0])`` (benchmarks time the GEMV alone)."""
+    the ``tl.dot`` loop. ``pairs``: precomputed ``x_pairs(x2[0])`` (benchmarks time the GEMV alone).
+
+    ``groups`` > 1: the block-diagonal (grouped) use of one token, x2 [groups, K] and y [N]: row
+    block i of N / groups rows (a multiple of BN) times x2[i], in the same two launches (one
+    prelude over all groups' pairs, one GEMV whose tiles pick their activation row)."""
     M, K = x2.shape
     N = packed.shape[0]
+    if groups > 1:
+        if M != groups or N % groups or (N // groups) % cfg["BN"]:
+            raise ValueError(f"grouped GEMV: x2 must be [groups={groups}, K] and the {N} rows split into "
+                             f"blocks that are multiples of BN={cfg['BN']}; got x2 {tuple(x2.shape)}")
+        x2, M = x2.reshape(1, groups * K), 1
     KG = K // 16
     w64 = packed.view(torch.int64)
     s8 = scale.view(torch.uint8)
@@ -191,6 +208,7 @@ def launch_gemv_tma(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         _gemv_tma_kernel[(n_tiles, split)](
             wd, sd, pairs_descriptor(xp, g, xinv), inv, gs, y, ws, cnt, N, KG, gps, split,
             USE_SPLIT=split > 1, BN=bn, G=g, STAGES=cfg["STAGES"], USE_ASM=not INTERPRET, PDL=pdl, MX=mx, XINV=xinv,
+            ROWS_PER_X=N // groups if groups > 1 else 0,
             num_warps=cfg["num_warps"], **({"launch_pdl": True} if pdl else {}))
     else:
         _gemv_tma_dot_kernel[(n_tiles, split)](

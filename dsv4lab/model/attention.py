@@ -12,6 +12,8 @@ exp(l - max) to bf16 before P.V and divides by their fp32 sum (sink included) af
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -63,6 +65,10 @@ class Attention(nn.Module):
         self.block_bytes = DEFAULT_BLOCK_BYTES  # working set per prefill block (attention, indexer)
         self.kernel = None  # optional bounded prefill attention with bounded_attention's signature (dsv4lab.kernels)
         self.decode_kernel = None  # optional decode attention with decode_attention's signature (dsv4lab.kernels)
+        # optional fused glue of _q_kv / _output (dsv4lab.kernels; see fused_rows): q_norm as
+        # rms_norm(x, weight, eps), and norm + RoPE as norm_rope_ref(x, positions, inv_freq, ...)
+        self.norm_kernel: Callable | None = None
+        self.rope_kernel: Callable | None = None
         self._prefill_ran: str | None = None  # private: a per-run result, not a switch graphs key on
         self.round_trips: frozenset = frozenset()  # of RoundTrip; set by dsv4lab.precision
         self.hook_q = HookPoint("queries [B,S,H,Dh] after norm and RoPE")
@@ -71,8 +77,23 @@ class Attention(nn.Module):
         self.hook_out = HookPoint("attention block output [B,S,D]")
 
     # -------------------------------------------------------------- pieces
+    def fused_rows(self) -> bool:
+        """Do ``_q_kv`` / ``_output`` run the fused slots? ``rope_kernel`` installed, the norms
+        and rotary stock (a replaced one is not what the kernels compute) and neither ``hook_q``
+        nor ``hook_kv`` listening (hooks see the reference's tensors), and not training (the
+        kernels have no backward). Host-side checks only."""
+        return (self.rope_kernel is not None and type(self.q_norm) is RMSNorm and type(self.kv_norm) is RMSNorm
+                and type(self.rotary).forward is Rotary.forward
+                and not (self.hook_q.active or self.hook_kv.active)
+                and not (self.training and torch.is_grad_enabled()))
+
     def _q_kv(self, x: torch.Tensor, positions: torch.Tensor):
+        """(q_res, q, kv, cos, sin): the latent query (for the indexer), the queries, the new K=V
+        and the rotation for ``_output``: the cos/sin tables [S, rd/2], or (positions, None) when
+        the fused slots ran (they compute the angles on the device; ``_output`` then does too)."""
         B, S, _ = x.shape
+        if self.fused_rows():
+            return self._q_kv_fused(x, positions)
         q_res = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
         q = unweighted_rms_norm(q, self.eps)
@@ -83,6 +104,19 @@ class Attention(nn.Module):
             kv = kv_fp8_round_trip(kv, cos.shape[-1] * 2)
         kv = self.hook_kv(kv)
         return q_res, q, kv, cos, sin
+
+    def _q_kv_fused(self, x: torch.Tensor, positions: torch.Tensor):
+        """``_q_kv`` in four launches besides the matmuls: q_norm (``norm_kernel``), per-head norm
+        + RoPE of q, kv_norm + RoPE (+ ``kv_fp8``) of kv (``rope_kernel``)."""
+        B, S, _ = x.shape
+        a = self.wq_a(x)
+        q_res = self.q_norm(a) if self.norm_kernel is None else self.norm_kernel(a, self.q_norm.weight, self.q_norm.eps)
+        inv = self.rotary.inv_freq
+        q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
+        q = self.hook_q(self.rope_kernel(q, positions, inv, eps=self.eps))
+        kv = self.rope_kernel(self.wkv(x).unsqueeze(-2), positions, inv, eps=self.kv_norm.eps, weight=self.kv_norm.weight,
+                              fp8_nope=RoundTrip.KV_FP8 in self.round_trips)
+        return q_res, q, self.hook_kv(kv.squeeze(-2)), positions, None
 
     def _logits(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Scaled, masked logits [B,H,S,L] of q [B,S,H,Dh] over keys [B,L,Dh], bias [B or 1,S,L]."""
@@ -120,8 +154,13 @@ class Attention(nn.Module):
         out = torch.matmul(probs[..., :-1].to(keys.dtype), keys.unsqueeze(1))  # [B,H,S,Dh]
         return out.transpose(1, 2)
 
-    def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        out = apply_rope(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))
+    def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor | None) -> torch.Tensor:
+        """Inverse RoPE (``rope_kernel`` when ``_q_kv`` handed over positions: ``sin`` is None),
+        the grouped wo_a, wo_b."""
+        if sin is None:
+            out = self.rope_kernel(out, cos, self.rotary.inv_freq, inverse=True)
+        else:
+            out = apply_rope(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))
         B, S = out.shape[:2]
         grouped = self.wo_a.grouped(out.reshape(B, S, self.groups, -1), self.groups).flatten(2)
         return self.hook_out(self.wo_b(grouped))

@@ -48,6 +48,8 @@ class QLinear(nn.Module):
         self._dense_cache: torch.Tensor | None = None
         self.kernel: Callable | None = None  # optional fast path f(x, qweight) -> y
         self.act_kernel: Callable | None = None  # optional NVFP4 activation fake quant f(x, gs), bit-exact
+        # optional grouped fast path f(x [..., G, in], qweight, G) -> [..., G, out/G] (``grouped``)
+        self.grouped_kernel: Callable | None = None
         # streamed precision (dsv4lab.precision.streaming): f(dtype) -> this call's dense weight, never kept
         self.weight_source: Callable[[torch.dtype], torch.Tensor] | None = None
 
@@ -160,14 +162,12 @@ class QLinear(nn.Module):
     def grouped(self, x: torch.Tensor, groups: int) -> torch.Tensor:
         """Block-diagonal use (grouped output projection): x [..., G, in] -> [..., G, out/G]."""
         x = self.quantize_input(x, grouped=True)
+        if self.uses_kernel() and self.grouped_kernel is not None:  # all row blocks in one call
+            return self.grouped_kernel(x, self.qweight, groups)
         if self.uses_kernel() and self.qweight.format == "nvfp4":  # one kernel call per row block
             xg = x.movedim(-2, 0).contiguous()  # [G, ..., in]
             return torch.stack([self.kernel(xg[g], wg) for g, wg in enumerate(self._group_weights(groups))], dim=-2)
-        w = self.dense_weight(x.dtype).view(groups, -1, x.shape[-1])  # [G, out/G, in]
-        lead = x.shape[:-2]
-        xg = x.reshape(-1, groups, x.shape[-1]).transpose(0, 1)  # [G, T, in]
-        y = torch.bmm(xg, w.transpose(1, 2)).transpose(0, 1)  # [T, G, out/G]
-        return y.reshape(*lead, groups, -1)
+        return grouped_linear(x, self.dense_weight(x.dtype), groups)
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)
@@ -180,3 +180,13 @@ class QLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}->{self.out_features}, format={self.format}, mode={self.mode}"
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: int) -> torch.Tensor:
+    """Block-diagonal linear: x [..., G, in] times row block g of the dense w [out, in] ->
+    [..., G, out/G] (one bmm; the reference of ``QLinear.grouped_kernel``)."""
+    w = w.view(groups, -1, x.shape[-1])  # [G, out/G, in]
+    lead = x.shape[:-2]
+    xg = x.reshape(-1, groups, x.shape[-1]).transpose(0, 1)  # [G, T, in]
+    y = torch.bmm(xg, w.transpose(1, 2)).transpose(0, 1)  # [T, G, out/G]
+    return y.reshape(*lead, groups, -1)

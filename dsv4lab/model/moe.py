@@ -7,6 +7,8 @@ clamp(w3 x, -L, L)) -- the clamp comes BEFORE SiLU.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,25 +45,62 @@ class Router(QLinear):
             self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
         else:
             self.register_buffer("bias", torch.zeros(config.n_routed_experts))
+        # optional fused scores + choice + weights after the gate matmul, with ``route``'s signature
+        # (dsv4lab.kernels); not used while a router hook listens
+        self.route_kernel: Callable | None = None
         self.hook_logits = HookPoint("router logits [T,E] (fp32)")
         self.hook_ids = HookPoint("chosen experts [T,k] (long)")
         self.hook_weights = HookPoint("routing weights [T,k] (fp32, scaled)")
 
+    def kernel_applies(self) -> bool:
+        """Does a call run ``route_kernel``? Installed, no router hook listening (the kernel never
+        shows the logits, ids and weights to hooks) and not training (it has no backward)."""
+        return (self.route_kernel is not None
+                and not (self.hook_logits.active or self.hook_ids.active or self.hook_weights.active)
+                and not (self.training and torch.is_grad_enabled()))
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         flat = x.reshape(-1, x.shape[-1])
-        logits = self.hook_logits(QLinear.forward(self, flat).float())
+        if self.is_hash and input_ids is None:
+            raise ValueError("hash-routed layer needs input_ids")
+        logits = QLinear.forward(self, flat)
+        if self.kernel_applies():
+            return self.route_kernel(logits, self.top_k, self.scoring, self.scale, *self._choice(input_ids))
+        logits = self.hook_logits(logits.float())
         scores = score_fn(self.scoring, logits)
-        if self.is_hash:
-            if input_ids is None:
-                raise ValueError("hash-routed layer needs input_ids")
-            ids = self.tid2eid[input_ids.reshape(-1)].long()
-        else:
-            ids = torch.topk(scores + self.bias.float(), self.top_k, dim=-1, sorted=False).indices
-        ids = self.hook_ids(ids)
-        w = scores.gather(1, ids)
-        if self.scoring != "softmax":
-            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, self.hook_weights(w * self.scale)
+        ids = self.hook_ids(choose_experts(scores, self.top_k, *self._choice(input_ids)))
+        return ids, self.hook_weights(routing_weights(scores, ids, self.scoring, self.scale))
+
+    def _choice(self, input_ids: torch.Tensor | None) -> tuple:
+        """(bias, tid2eid, input_ids): what chooses the experts (bias for top-k layers, the
+        table and the tokens for hash layers)."""
+        return (None, self.tid2eid, input_ids) if self.is_hash else (self.bias, None, None)
+
+
+def choose_experts(scores: torch.Tensor, top_k: int, bias: torch.Tensor | None = None,
+                   tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Expert ids [T, k] (long): tid2eid[token] (hash layers) or the top-k of scores + bias."""
+    if tid2eid is not None:
+        return tid2eid[input_ids.reshape(-1)].long()
+    return torch.topk(scores + bias.float(), top_k, dim=-1, sorted=False).indices
+
+
+def routing_weights(scores: torch.Tensor, ids: torch.Tensor, scoring: str, scale: float) -> torch.Tensor:
+    """The chosen scores [T, k], renormalised unless softmax, times the routed scaling factor."""
+    w = scores.gather(1, ids)
+    if scoring != "softmax":
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scale
+
+
+def route(logits: torch.Tensor, top_k: int, scoring: str, scale: float, bias: torch.Tensor | None = None,
+          tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router after its gate matmul (the reference of ``Router.route_kernel``): logits [T, E]
+    -> ids [T, k] (long), weights [T, k] (fp32)."""
+    scores = score_fn(scoring, logits.float())
+    ids = choose_experts(scores, top_k, bias, tid2eid, input_ids)
+    return ids, routing_weights(scores, ids, scoring, scale)
 
 
 class Expert(nn.Module):

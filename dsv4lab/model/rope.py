@@ -38,8 +38,13 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [..., S] (any int/float dtype) -> cos, sin [..., S, rope_dim/2] in fp32."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()
-        return freqs.cos(), freqs.sin()
+        return rope_angles(positions, self.inv_freq)
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., S, rope_dim/2] (fp32) of the angles positions * inv_freq, both in fp32."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq.float()
+    return freqs.cos(), freqs.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

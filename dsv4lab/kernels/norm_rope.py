@@ -1,0 +1,146 @@
+"""The glue around the attention's quantised matmuls as one launch each: the weighted RMSNorm of the
+q latent (``q_norm``), the per-head RMS norm + RoPE of the queries, ``kv_norm`` + RoPE (+ the
+``kv_fp8`` round trip) of the shared K=V head, and the inverse RoPE of the attention output.
+
+One kernel, switched by constexprs: a program takes ``HB`` heads of one row, loads each head's even
+and odd channels as two [HB, D/2] tiles (the RoPE pairs), normalises (fp32 statistics, the reference's
+roundings: ``RMSNorm`` rounds the normalised value to x's dtype before the weight, the head norm
+rounds the fp32 rsqrt to x's dtype), rotates the last ``RD`` channels with angles computed from the
+device position (pos * inv_freq in fp32, then cos/sin: no tables, no host sync), and for ``kv_fp8``
+rounds the non-RoPE channels through e4m3 per 64 with power-of-two scales (exact bit arithmetic).
+Launched with ``enable_fp_fusion=False`` so the RoPE products round as the reference's separate
+multiplies and adds. Reference: ``dsv4lab.kernels.norm_rope_ref``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .common import INTERPRET
+from .device import on_input_device
+
+NORM_NONE, NORM_PLAIN, NORM_WEIGHTED = 0, 1, 2  # NORM constexpr: none, unweighted (q heads), weighted
+E4M3_MAX = tl.constexpr(448.0)
+KV_FP8_BLOCK_PAIRS = tl.constexpr(32)  # 64 channels per kv_fp8 block = 32 RoPE pairs
+RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2^23: (r + M) - M rounds 0 <= r < 2^22 to the nearest even integer
+
+
+@triton.jit
+def _pow2(e):
+    """2^e (int32 e in [-126, 127]) as fp32, exactly."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _floor_log2(a):
+    """floor(log2(a)) of fp32 a >= 0 from its exponent bits (-127 for zero and subnormals)."""
+    return ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def _e4m3_round_trip(v):
+    """e4m3fn(v) as fp32 (round to nearest even, saturating at 448, subnormals at 2^-9 steps)."""
+    a = tl.minimum(tl.abs(v), E4M3_MAX)
+    e = tl.maximum(_floor_log2(a), -6)
+    r = a * _pow2(3 - e)                      # exact: a power-of-two scaling, r < 16
+    q = ((r + RNE_MAGIC) - RNE_MAGIC) * _pow2(e - 3)
+    return tl.where(v < 0, -q, q)
+
+
+@triton.jit
+def _fp8_nope(xe, xo, nope, HB: tl.constexpr, BP: tl.constexpr):
+    """kv_fp8 on the non-RoPE pairs (``nope`` mask) of the even and odd tiles [HB, BP]: per 64
+    channels s = 2^ceil(log2(max(amax, 1e-4) * (1/448))), values e4m3(x / s) * s."""
+    NB: tl.constexpr = BP // KV_FP8_BLOCK_PAIRS
+    a = tl.maximum(tl.where(nope, tl.abs(xe), 0.0), tl.where(nope, tl.abs(xo), 0.0))
+    amax = tl.max(tl.reshape(a, [HB, NB, KV_FP8_BLOCK_PAIRS]), axis=2)
+    t = tl.maximum(amax, 1e-4) * (1.0 / E4M3_MAX)
+    bits = t.to(tl.int32, bitcast=True)
+    c = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2 t), t normal
+    c = tl.reshape(tl.broadcast_to(tl.reshape(c, [HB, NB, 1]), [HB, NB, KV_FP8_BLOCK_PAIRS]), [HB, BP])
+    s, inv = _pow2(c), _pow2(-c)
+    ye = _e4m3_round_trip(xe * inv) * s
+    yo = _e4m3_round_trip(xo * inv) * s
+    return tl.where(nope, ye, xe), tl.where(nope, yo, xo)
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, S, H, eps,
+                      stride_xt, stride_xh, stride_yt, stride_yh,
+                      D: tl.constexpr, RD: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+                      FP8: tl.constexpr, HB: tl.constexpr, BP: tl.constexpr, PRECISE: tl.constexpr):
+    t = tl.program_id(0)                      # row of [T, H, D] (T = batch * S, positions per S)
+    h0 = tl.program_id(1) * HB
+    P: tl.constexpr = D // 2
+    heads = h0 + tl.arange(0, HB)
+    pairs = tl.arange(0, BP)
+    ok = (heads < H)[:, None] & (pairs < P)[None, :]
+    xe_ptrs = x_ptr + t * stride_xt + heads[:, None] * stride_xh + 2 * pairs[None, :]
+    xe = tl.load(xe_ptrs, mask=ok, other=0.0)
+    xo = tl.load(xe_ptrs + 1, mask=ok, other=0.0)
+    xdt = xe.dtype
+    ve, vo = xe.to(tl.float32), xo.to(tl.float32)
+    if NORM != 0:
+        ms = (tl.sum(ve * ve, axis=1) + tl.sum(vo * vo, axis=1)) / D
+        r = tl.rsqrt(ms + eps)[:, None]
+        if NORM == 1:   # unweighted_rms_norm: x * rsqrt(...).to(x.dtype), rounded to x.dtype
+            rq = r.to(xdt).to(tl.float32)
+            ve = (ve * rq).to(xdt).to(tl.float32)
+            vo = (vo * rq).to(xdt).to(tl.float32)
+        else:           # RMSNorm: weight * (x * rsqrt(...)).to(x.dtype), rounded to the output dtype
+            we = tl.load(w_ptr + 2 * pairs, mask=pairs < P, other=0.0).to(tl.float32)[None, :]
+            wo = tl.load(w_ptr + 2 * pairs + 1, mask=pairs < P, other=0.0).to(tl.float32)[None, :]
+            ve = (we * (ve * r).to(xdt).to(tl.float32)).to(y_ptr.dtype.element_ty).to(tl.float32)
+            vo = (wo * (vo * r).to(xdt).to(tl.float32)).to(y_ptr.dtype.element_ty).to(tl.float32)
+    if ROPE != 0:
+        j = pairs - (P - RD // 2)                    # frequency index of a RoPE pair (< 0: not rotated)
+        rot = (j >= 0) & (pairs < P)
+        inv = tl.load(inv_ptr + j, mask=rot, other=0.0).to(tl.float32)
+        ang = tl.load(pos_ptr + t % S).to(tl.float32) * inv
+        if PRECISE:     # libdevice cosf/sinf: what torch's CUDA cos/sin call
+            cos, sin = libdevice.cos(ang), libdevice.sin(ang)
+        else:           # the interpreter has no libdevice
+            cos, sin = tl.cos(ang), tl.sin(ang)
+        if ROPE < 0:
+            sin = -sin
+        cos, sin = cos[None, :], sin[None, :]
+        re = ve * cos - vo * sin
+        ro = vo * cos + ve * sin
+        re = re.to(y_ptr.dtype.element_ty).to(tl.float32)
+        ro = ro.to(y_ptr.dtype.element_ty).to(tl.float32)
+        ve = tl.where(rot[None, :], re, ve)
+        vo = tl.where(rot[None, :], ro, vo)
+    if FP8:
+        nope = (heads >= 0)[:, None] & (pairs < P - RD // 2)[None, :]
+        ve, vo = _fp8_nope(ve, vo, nope, HB, BP)
+    ye_ptrs = y_ptr + t * stride_yt + heads[:, None] * stride_yh + 2 * pairs[None, :]
+    tl.store(ye_ptrs, ve.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(ye_ptrs + 1, vo.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@on_input_device
+def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps: float = 0.0,
+                     weight: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                     inv_freq: torch.Tensor | None = None, inverse: bool = False, fp8_nope: bool = False,
+                     heads_per_program: int | None = None) -> torch.Tensor:
+    """x [..., S, H, D] -> y of x's shape in ``out_dtype``: the norm (``NORM_*``), then RoPE on the
+    last 2 * len(inv_freq) channels at ``positions`` [S] (``inverse``: at -pos; none without
+    positions), then ``fp8_nope`` (kv_fp8 on the other channels). Positions broadcast over the
+    leading dims, as the reference's cos/sin [S, rd/2] do."""
+    x3 = x.reshape(-1, x.shape[-2], x.shape[-1])
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    T, H, D = x3.shape
+    y = torch.empty(T, H, D, device=x.device, dtype=out_dtype)
+    rope = positions is not None
+    BP = max(triton.next_power_of_2(D // 2), KV_FP8_BLOCK_PAIRS.value if fp8_nope else 1)
+    HB = heads_per_program or min(triton.next_power_of_2(H), 2)  # H=128: 64 programs per row
+    _norm_rope_kernel[(T, triton.cdiv(H, HB))](
+        x3, y, x3 if weight is None else weight, positions if rope else x3, inv_freq if rope else x3,
+        positions.numel() if rope else 1, H, float(eps), x3.stride(0), x3.stride(1), y.stride(0), y.stride(1),
+        D=D, RD=2 * inv_freq.shape[-1] if rope else 0, NORM=norm, ROPE=(-1 if inverse else 1) if rope else 0,
+        FP8=fp8_nope, HB=HB, BP=BP, PRECISE=not INTERPRET,
+        num_warps=1 if INTERPRET else max(1, min(8, HB * BP // 128)), enable_fp_fusion=False)
+    return y.view(x.shape)

@@ -1,0 +1,93 @@
+"""The decode glue kernels (dsv4lab/kernels/norm_rope.py, router_topk.py) through Triton's
+interpreter on CPU tensors against their references (``norm_rope_ref``, ``rms_norm``, ``route``):
+run by tests/test_glue_kernels.py in a subprocess with TRITON_INTERPRET=1 (set before triton is
+imported). Prints one line ``RESULT{json}``: per case the violations of the stated tolerance and
+the max |kernel - reference|, or whether ids / values are equal.
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("run with TRITON_INTERPRET=1 (set before triton is imported)")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from dsv4lab.kernels.norm_rope import NORM_NONE, NORM_PLAIN, NORM_WEIGHTED, launch_norm_rope  # noqa: E402
+from dsv4lab.kernels.norm_rope_ref import norm_rope_ref  # noqa: E402
+from dsv4lab.kernels.router_topk import route_triton  # noqa: E402
+from dsv4lab.model.moe import route  # noqa: E402
+from dsv4lab.model.norms import rms_norm  # noqa: E402
+
+g = torch.Generator().manual_seed(0)
+res = {}
+EPS = 1e-6
+
+
+def err(y, r, dtype=None, fp8=False):
+    """Tolerance: |y - r| <= u * |r| + 2u * max|r| per element, u = 2^-7 where the math rounds to
+    bf16 (``dtype``, default r's), 1e-6 in fp32: one ulp of the value plus two of the largest (the
+    norm's fp32 sum runs in another order, so a normalised value may round one ulp apart, and RoPE
+    subtracts products of two such values). kv_fp8 channels (``fp8``): u = 2^-3, one e4m3 step,
+    since one ulp before the round trip can cross an e4m3 rounding boundary."""
+    u = 2.0 ** -3 if fp8 else 2.0 ** -7 if (dtype or r.dtype) == torch.bfloat16 else 1e-6
+    y, r = y.float(), r.float()
+    bad = (y - r).abs() > u * r.abs() + 2 * u * r.abs().max()
+    return {"bad": int(bad.sum()), "max_abs": (y - r).abs().max().item(), "exact": bool(torch.equal(y, r))}
+
+
+inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))  # rope dim 8 of head dim 24 / 80
+pos = torch.tensor([3, 1000, 77777])
+for dt in (torch.float32, torch.bfloat16):
+    # q heads: [B=2, S=3, H=5 (not a power of two), D=24]
+    q = (torch.randn(2, 3, 5, 24, generator=g) * 3).to(dt)
+    res[f"q_{str(dt)[6:]}"] = err(launch_norm_rope(q, dt, norm=NORM_PLAIN, eps=EPS, positions=pos, inv_freq=inv),
+                                  norm_rope_ref(q, pos, inv, EPS))
+    # kv: one head of 80 (72 non-RoPE channels: one full and one partial kv_fp8 block), weighted
+    kv = (torch.randn(2, 3, 1, 80, generator=g) * 2).to(dt)
+    kv[0, 0, 0, :64] *= 1e-4  # a block whose amax hits the 1e-4 floor
+    w = (torch.rand(80, generator=g) + 0.5).to(dt)
+    for fp8 in (False, True):
+        res[f"kv_{str(dt)[6:]}_fp8{fp8}"] = err(
+            launch_norm_rope(kv, dt, norm=NORM_WEIGHTED, eps=EPS, weight=w, positions=pos, inv_freq=inv, fp8_nope=fp8),
+            norm_rope_ref(kv, pos, inv, EPS, w, fp8_nope=fp8), fp8=fp8)
+    # the kv_fp8 round trip alone (position 0: cos 1, sin 0, RoPE exact): bit-exact
+    p0 = torch.zeros(3, dtype=torch.long)
+    res[f"fp8_{str(dt)[6:]}"] = err(launch_norm_rope(kv, dt, norm=NORM_NONE, positions=p0, inv_freq=inv, fp8_nope=True),
+                                    norm_rope_ref(kv, p0, inv, fp8_nope=True))
+    # inverse RoPE of the attention output (no norm)
+    res[f"unrope_{str(dt)[6:]}"] = err(launch_norm_rope(q, dt, norm=NORM_NONE, positions=pos, inv_freq=inv, inverse=True),
+                                       norm_rope_ref(q, pos, inv, inverse=True))
+    # q_norm: weighted RMSNorm over 40 channels, weight in fp32 with bf16 x (promoted output)
+    x = (torch.randn(2, 3, 40, generator=g) * 4).to(dt)
+    for wdt in (dt, torch.float32):
+        wq = (torch.rand(40, generator=g) + 0.5).to(wdt)
+        ref = rms_norm(x, wq, EPS)
+        got = launch_norm_rope(x.unsqueeze(-2), ref.dtype, norm=NORM_WEIGHTED, eps=EPS, weight=wq).squeeze(-2)
+        res[f"qnorm_{str(dt)[6:]}_w{str(wdt)[6:]}"] = {**err(got, ref, dt), "dtype_ok": got.dtype == ref.dtype}
+
+T, E = 7, 40  # E not a power of two
+for scoring in ("sqrtsoftplus", "sigmoid", "softmax"):
+    for dt in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(T, E, generator=g) * 2).to(dt)
+        bias = torch.randn(E, generator=g) * 0.1
+        ri, rw = route(logits, 6, scoring, 1.5, bias)
+        ki, kw = route_triton(logits, 6, scoring, 1.5, bias)
+        rs, order = ri.sort(1)
+        ks, korder = ki.sort(1)
+        res[f"topk_{scoring}_{str(dt)[6:]}"] = {"ids_equal": bool(torch.equal(rs, ks)),
+                                                "w_max_rel": ((kw.gather(1, korder) - rw.gather(1, order)).abs() / rw.abs().max()).max().item()}
+        tid = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(30)])
+        toks = torch.randint(0, 30, (1, T), generator=g)
+        ri, rw = route(logits, 6, scoring, 1.5, None, tid, toks)
+        ki, kw = route_triton(logits, 6, scoring, 1.5, None, tid, toks)
+        res[f"hash_{scoring}_{str(dt)[6:]}"] = {"ids_equal": bool(torch.equal(ri, ki)),
+                                                "w_max_rel": ((kw - rw).abs() / rw.abs().max()).max().item()}
+# ties: equal scores + bias; the lowest ids win, written as torch.topk's CUDA kernel writes them
+# (above the k-th value in ascending id, then the k-th values in ascending id)
+bias = torch.tensor([0.0, 1, 0, 0, 1, 0, 0, 0])
+ids, w = route_triton(torch.zeros(2, 8), 4, "sigmoid", 1.0, bias)
+res["ties"] = {"ids": ids.tolist(), "w": w.tolist()}
+print("RESULT" + json.dumps(res))

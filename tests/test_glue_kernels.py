@@ -1,0 +1,251 @@
+"""The decode glue kernels: ``Attention.norm_kernel`` / ``rope_kernel`` (q_norm; per-head norm +
+RoPE of q; kv_norm + RoPE + kv_fp8; inverse RoPE of the output: dsv4lab/kernels/norm_rope.py) and
+``Router.route_kernel`` (scores + top-k / hash + weights: dsv4lab/kernels/router_topk.py).
+
+CPU: the kernels through Triton's interpreter in a subprocess (tests/glue_interp_check.py), and the
+slots at model level with the dispatch entry points installed (on CPU they are the references, so
+the model must equal itself bit for bit), hooks forcing the reference, install/uninstall.
+GPU (@pytest.mark.gpu): V4-Pro shapes, CUDA-graph replay bitwise equal to eager.
+
+Tolerances: norm/RoPE |y - ref| <= u|ref| + 2u max|ref|, u = 2^-7 in bf16 (one ulp of the value,
+two of the largest: the norm's fp32 sum runs in another order), 1e-6 in fp32; kv_fp8 channels one
+e4m3 step (u = 2^-3); the kv_fp8 round trip alone and unnormalised RoPE at position 0 bit-exact.
+Router: ids exactly the reference's (sets on CPU, where torch.topk's order is arbitrary; sets and
+order on the GPU), weights within 1e-6 of max|w| (fp32 sums in another order).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4lab.analysis.components import components
+from dsv4lab.decode.graphs import model_signature
+from dsv4lab.kernels.device import triton_importable
+from dsv4lab.kernels.dispatch import norm_rope, rms_norm, route
+from dsv4lab.kernels.install import install_kernels
+from dsv4lab.model.attention import Attention
+from dsv4lab.model.moe import Router
+from dsv4lab.quant.modes import RoundTrip
+from dsv4lab.workbench import random_model
+from oracle_util import random_ids, tiny_config
+from test_kernels_model import Counting
+from test_kernels_model import _prefill_decode as _run
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_interp_glue_kernels_match_reference():
+    assert triton_importable(), "triton is part of the test set-up (pip install -e '.[kernels]')"
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "glue_interp_check.py")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT"):])
+    norm_cases = [k for k in res if "bad" in res[k]]
+    assert len(norm_cases) == 13  # 2 dtypes x (q, kv, kv+fp8, fp8, unrope) + 3 q_norm
+    for case in norm_cases:
+        assert res[case]["bad"] == 0, (case, res[case])
+        assert res[case].get("dtype_ok", True), case
+    assert res["fp8_float32"]["exact"] and res["fp8_bfloat16"]["exact"]  # the e4m3 bit arithmetic
+    route_cases = [k for k in res if k.startswith(("topk_", "hash_"))]
+    assert len(route_cases) == 12
+    for case in route_cases:
+        assert res[case]["ids_equal"] and res[case]["w_max_rel"] <= 1e-6, (case, res[case])
+    assert res["ties"]["ids"] == [[1, 4, 0, 2]] * 2 and res["ties"]["w"] == [[0.25] * 4] * 2
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = tiny_config()
+    return random_model(cfg, seed=4), random_ids(cfg, n=28, b=2)
+
+
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_attention_glue_slots(tiny, kv_fp8):
+    """``norm_kernel`` / ``rope_kernel`` replace the glue of ``_q_kv`` and ``_output`` in prefill
+    and decode (the dispatch entry points are the references on CPU: bitwise the same model); a
+    listening ``hook_q`` or ``hook_kv`` puts that layer back on the reference; CPU install puts
+    nothing there and uninstall clears the slots."""
+    m, ids = tiny
+    attns = [a for a in m.modules() if isinstance(a, Attention)]
+    for a in attns:
+        a.round_trips = frozenset({RoundTrip.KV_FP8}) if kv_fp8 else frozenset()
+    try:
+        assert install_kernels(m) == 0 and all(a.norm_kernel is None and a.rope_kernel is None for a in attns)
+        ref = _run(m, ids, 20)
+        s0 = model_signature(m)
+        norm, rope = Counting(rms_norm), Counting(norm_rope)
+        for a in attns:
+            a.norm_kernel, a.rope_kernel = norm, rope
+        assert model_signature(m) != s0  # CUDA graphs recapture after a switch
+        assert torch.equal(_run(m, ids, 20), ref)
+        steps = 1 + ids.shape[1] - 20  # one prefill call, then decode steps
+        assert norm.calls == len(attns) * steps and rope.calls == 3 * len(attns) * steps
+        norm.calls = rope.calls = 0
+        with m.hooks([("layers.1.attn.hook_kv", lambda t, n: None)]):
+            assert torch.equal(_run(m, ids, 20), ref)
+        assert rope.calls == 3 * (len(attns) - 1) * steps  # layer 1 ran the reference
+        rope.calls = 0
+        m.train()
+        try:
+            m(ids[:, :8])  # training with grad: the kernels have no backward
+        finally:
+            m.eval()
+        assert rope.calls == 0
+        assert set(components(m, "layers.*.attn").impl) == {"kernel:counting_rms_norm"}
+    finally:
+        for a in attns:
+            a.round_trips = frozenset()
+        assert install_kernels(m, "layers.*.attn", enable=False) == len(attns)
+    assert all(a.norm_kernel is None and a.rope_kernel is None for a in attns)
+
+
+def test_router_route_kernel_slot(tiny):
+    """``route_kernel`` replaces the router after its gate matmul (hash and top-k layers; the
+    entry point is the reference on CPU: bitwise the same model); any router hook listening puts
+    that router back on the reference; uninstall clears the slot."""
+    m, ids = tiny
+    routers = [r for r in m.modules() if isinstance(r, Router)]
+    assert any(r.is_hash for r in routers) and not all(r.is_hash for r in routers)
+    ref = _run(m, ids, 20)
+    kern = Counting(route)
+    try:
+        for r in routers:
+            r.route_kernel = kern
+        assert torch.equal(_run(m, ids, 20), ref)
+        steps = 1 + ids.shape[1] - 20
+        assert kern.calls == len(routers) * steps
+        assert components(m, "layers.0.mlp.router").impl.iloc[0] == "kernel:counting_route"  # plain gate: the route slot
+        for hook in ("hook_logits", "hook_ids", "hook_weights"):
+            kern.calls = 0
+            with m.hooks([(f"layers.2.mlp.router.{hook}", lambda t, n: None)]):
+                assert torch.equal(_run(m, ids, 20), ref)
+            assert kern.calls == (len(routers) - 1) * steps, hook
+        with pytest.raises(ValueError, match="input_ids"):
+            m.layers[0].mlp.router(torch.zeros(1, 1, m.config.hidden_size), None)
+    finally:
+        assert install_kernels(m, "layers.*.mlp.router", enable=False) == len(routers)
+    assert all(r.route_kernel is None for r in routers)
+
+
+def test_glue_entry_points_name_bad_arguments():
+    x = torch.zeros(1, 3, 2, 16)
+    with pytest.raises(ValueError, match="len\\(positions\\)"):
+        norm_rope(x, torch.arange(2), torch.ones(4))
+    with pytest.raises(ValueError, match="unsqueeze"):
+        norm_rope(torch.zeros(3, 16), torch.arange(3), torch.ones(4))
+    with pytest.raises(ValueError, match="top_k"):
+        route(torch.zeros(2, 4), 5, "sigmoid", 1.0, torch.zeros(4))
+    with pytest.raises(ValueError, match="input_ids"):
+        route(torch.zeros(2, 4), 2, "sigmoid", 1.0, None, torch.zeros(9, 2, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- GPU, V4-Pro shapes
+gpu = pytest.mark.skipif(not (torch.cuda.is_available() and triton_importable()), reason="needs CUDA + triton")
+
+
+def _graph_equals_eager(fn, *args):
+    """fn(*args) eagerly and replayed from a CUDA graph: bitwise the same (no atomics)."""
+    eager = fn(*args)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(*args)  # warm-up (compiles) off the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    outs = out if isinstance(out, tuple) else (out,)
+    eagers = eager if isinstance(eager, tuple) else (eager,)
+    return all(torch.equal(a, b) for a, b in zip(outs, eagers))
+
+
+def _within(y, r, u):
+    y, r = y.float(), r.float()
+    return bool(((y - r).abs() <= u * r.abs() + 2 * u * r.abs().max()).all())
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("pos", [0, 5, 70000])
+def test_gpu_norm_rope_v4_pro_shapes(pos):
+    from dsv4lab.kernels.norm_rope_ref import norm_rope_ref
+    from dsv4lab.model.norms import rms_norm as rms_ref
+
+    # V4-Pro (dsv4lab/configs/v4_pro.json): 128 heads x 512, rope 512 * 0.125 = 64, q_lora 1536
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(pos)
+    H, D, RD, QL, B = 128, 512, 64, 1536, 1
+    inv = (1.0 / (160000.0 ** (torch.arange(0, RD, 2, dtype=torch.float) / RD))).to(dev)
+    positions = torch.tensor([pos], device=dev)
+    bf = torch.bfloat16
+    a = torch.randn(B, 1, QL, device=dev, generator=g).to(bf) * 3
+    wq = (torch.rand(QL, device=dev, generator=g) + 0.5).to(bf)
+    q = torch.randn(B, 1, H, D, device=dev, generator=g).to(bf) * 2
+    kv = torch.randn(B, 1, 1, D, device=dev, generator=g).to(bf)
+    wkv = (torch.rand(D, device=dev, generator=g) + 0.5).to(bf)
+    u = 2.0 ** -7
+    assert _within(rms_norm(a, wq, 1e-6), rms_ref(a, wq, 1e-6), u)
+    assert _within(norm_rope(q, positions, inv, 1e-6), norm_rope_ref(q, positions, inv, 1e-6), u)
+    assert _within(norm_rope(kv, positions, inv, 1e-6, wkv), norm_rope_ref(kv, positions, inv, 1e-6, wkv), u)
+    assert _within(norm_rope(kv, positions, inv, 1e-6, wkv, fp8_nope=True),
+                   norm_rope_ref(kv, positions, inv, 1e-6, wkv, fp8_nope=True), 2.0 ** -3)
+    # no norm: the same libdevice cos/sin and unfused products as torch -> expected bit-exact
+    # (asserted within 1 ulp; the message says whether it was exact)
+    got, ref = norm_rope(q, positions, inv, inverse=True), norm_rope_ref(q, positions, inv, inverse=True)
+    assert _within(got, ref, u), (got.float() - ref.float()).abs().max().item()
+    assert torch.equal(norm_rope(kv, positions[:1] * 0, inv, fp8_nope=True),
+                       norm_rope_ref(kv, positions[:1] * 0, inv, fp8_nope=True))
+    assert _graph_equals_eager(lambda: norm_rope(q, positions, inv, 1e-6))
+    assert _graph_equals_eager(lambda: norm_rope(kv, positions, inv, 1e-6, wkv, fp8_nope=True))
+    assert _graph_equals_eager(lambda: rms_norm(a, wq, 1e-6))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T", [1, 4, 64])
+def test_gpu_route_v4_pro_shapes(T):
+    from dsv4lab.model.moe import route as route_ref
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(T)
+    E, k, D, V = 384, 6, 7168, 129280
+    x = torch.randn(T, D, device=dev, generator=g).bfloat16()
+    gate = (torch.randn(E, D, device=dev, generator=g) / D ** 0.5).bfloat16()
+    logits = torch.nn.functional.linear(x, gate)  # bf16, as a plain gate gives them
+    bias = torch.randn(E, device=dev, generator=g) * 0.01
+    for scoring in ("sqrtsoftplus", "sigmoid", "softmax"):
+        ri, rw = route_ref(logits, k, scoring, 1.5, bias)
+        ki, kw = route(logits, k, scoring, 1.5, bias)
+        assert torch.equal(ri.sort(1).values, ki.sort(1).values), scoring
+        assert torch.equal(ri, ki), (scoring, "ids as torch.topk(sorted=False) writes them on CUDA")
+        assert (kw - rw).abs().max().item() <= 1e-6 * rw.abs().max().item(), scoring
+    tid = torch.randint(0, E, (V, k), device=dev, generator=g)
+    toks = torch.randint(0, V, (1, T), device=dev, generator=g)
+    ri, rw = route_ref(logits, k, "sqrtsoftplus", 1.5, None, tid, toks)
+    ki, kw = route(logits, k, "sqrtsoftplus", 1.5, None, tid, toks)
+    assert torch.equal(ri, ki) and (kw - rw).abs().max().item() <= 1e-6 * rw.abs().max().item()
+    assert _graph_equals_eager(lambda: route(logits, k, "sqrtsoftplus", 1.5, bias))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_install_puts_glue_kernels_on_cuda_components():
+    import dsv4lab
+
+    m = dsv4lab.load("tiny-nvfp4", device="cuda", dtype=torch.bfloat16, progress=False)
+    attns = [a for a in m.modules() if isinstance(a, Attention)]
+    routers = [r for r in m.modules() if isinstance(r, Router)]
+    assert all(a.norm_kernel is rms_norm and a.rope_kernel is norm_rope for a in attns)
+    assert all(r.route_kernel is route for r in routers)
+    m.use_kernels(enable=False)
+    assert all(a.rope_kernel is None for a in attns) and all(r.route_kernel is None for r in routers)
