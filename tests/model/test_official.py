@@ -123,7 +123,13 @@ def test_each_round_trip_alone_matches(pair0, trip, word):
         with official_oracle(hf, trips=(trip,)):
             ref = hf(ids, use_cache=False).logits
         got = ours(ids)
-    assert (got - ref).abs().max().item() <= 1e-3 * ref.std().item()
+    # per position: a probability exp(l - max) whose fp32 value sits on a bf16 rounding boundary can
+    # round the other way here than in the oracle (the two compute l in another fp32 order); that one
+    # flip moves the positions after it, measured 2.7e-3·std (transformers 5.24, csa_heavy, seed 5),
+    # while leaving a round trip out moves them > 1e-2·std (the next test)
+    rel = (got - ref).abs().amax(-1) / ref.std()
+    assert rel.max().item() <= 5e-3, rel.max().item()
+    assert (rel <= 1e-3).float().mean().item() >= 0.5, rel
 
 
 @pytest.mark.parametrize("word", ["act_fp8_pow2", "weight_before_w2", "kv_fp8", "indexer_fp4", "probs_bf16"])
