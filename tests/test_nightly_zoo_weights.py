@@ -17,7 +17,7 @@ import pytest
 
 from dsv4lab.checkpoint import CheckpointReader, save_checkpoint
 from dsv4lab.checkpoint.fake import OFFICIAL_QUANTIZATION_CONFIG, random_state, tiny_config
-from dsv4lab.checkpoint.locate import QUANTIZED_FROM, TINY_DIR, originals_of
+from dsv4lab.checkpoint.locate import QUANTIZED_FROM, TINY_DIR, originals_of, quantized_from
 from dsv4lab.checkpoint.synth import SynthError, quantize_checkpoint
 from dsv4lab.triage import regression as RG
 from dsv4lab.triage.bugs import inject, injected_components
@@ -73,8 +73,9 @@ def test_originals_of_refuses_a_changed_source(tmp_path):
     save_checkpoint(tmp_path / "src", cfg, random_state(cfg, seed=3), layout="official")   # retrained in place
     with pytest.warns(UserWarning, match="has changed since"):
         assert originals_of(tmp_path / "q") is None
+    assert quantized_from(tmp_path / "q") == (tmp_path / "src").resolve()   # still where its weights came from
     (tmp_path / "q" / QUANTIZED_FROM).unlink()
-    assert originals_of(tmp_path / "q") is None
+    assert originals_of(tmp_path / "q") is None and quantized_from(tmp_path / "q") is None
 
 
 # ------------------------------------------------------------------------------ the nightly

@@ -39,24 +39,28 @@ def record_quantized_from(out: str | os.PathLike, src: str | os.PathLike, fmt: s
     return f
 
 
-def originals_of(path: str | os.PathLike | None) -> Path | None:
-    """The checkpoint holding the original (pre-quantisation) weights of the checkpoint at
-    ``path``: the embedded model for its NVFP4 export; for a checkpoint written by
-    ``dsv4lab.checkpoint.synth.quantize_checkpoint`` the one it recorded, when it is still there
-    unchanged (same identity; changed: a warning and None); else None (a release does not know
-    where its originals are: pass them, e.g. ``--reference``)."""
+def quantized_from(path: str | os.PathLike | None) -> Path | None:
+    """The checkpoint whose weights the checkpoint at ``path`` quantises, as far as it is known:
+    the embedded model for its NVFP4 export, else what ``dsv4lab.checkpoint.synth.quantize_checkpoint``
+    recorded (whether or not it is still there, unchanged: :func:`originals_of` checks), else None."""
     p = resolve_path(path).resolve()
     if p == EMBEDDED["tiny-nvfp4"].resolve():
         return TINY_DIR
     f = p / QUANTIZED_FROM
-    if not f.is_file():
+    return Path(json.loads(f.read_text())["source"]) if f.is_file() else None
+
+
+def originals_of(path: str | os.PathLike | None) -> Path | None:
+    """The checkpoint holding the original (pre-quantisation) weights of the checkpoint at
+    ``path`` (:func:`quantized_from`), when it is there and, for a recorded one, unchanged (same
+    identity; changed: a warning and None); else None (a release does not know where its
+    originals are: pass them, e.g. ``--reference``)."""
+    src = quantized_from(path)
+    if src is None or not (src / "config.json").is_file():
         return None
-    rec = json.loads(f.read_text())
-    src = Path(rec["source"])
-    if not (src / "config.json").is_file():
-        return None
-    if checkpoint_identity(src).digest != rec.get("identity"):
-        warnings.warn(f"{p} was quantised from {src}, which has changed since (its identity differs): not used as "
-                      f"its originals; pass the reference checkpoint explicitly", stacklevel=2)
+    f = resolve_path(path).resolve() / QUANTIZED_FROM
+    if f.is_file() and checkpoint_identity(src).digest != json.loads(f.read_text()).get("identity"):
+        warnings.warn(f"{f.parent} was quantised from {src}, which has changed since (its identity differs): not "
+                      f"used as its originals; pass the reference checkpoint explicitly", stacklevel=2)
         return None
     return src

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.locate import TINY_DIR, originals_of, resolve_path
+from ..checkpoint.locate import TINY_DIR, originals_of, quantized_from, resolve_path
 from ..loading import load, materialize
 from ..plan import plan
 from ..precision import Originals, quantize_linears
@@ -180,7 +180,8 @@ def _open(model, device, dtype, progress: bool) -> Session:
     m = load(name, dtype=dtype, progress=progress, **placed)
     tok_dir = path if (path / "tokenizer.json").is_file() else (path.parent if (path.parent / "tokenizer.json").is_file() else None)
     tok = load_tokenizer(tok_dir)
-    trained = embedded_dir().resolve() in (path.resolve(), (originals_of(path) or path).resolve())
+    # the embedded weights, as shipped or quantised (its NVFP4 export, a quantize_checkpoint export of it)
+    trained = embedded_dir().resolve() in (path.resolve(), (quantized_from(path) or path).resolve())
     return Session(m, tok, str(path), trained, path=path)
 
 
