@@ -7,6 +7,8 @@ the BF16 master weights do not depend on the format: ``fmt="nvfp4"`` and ``fmt="
 (FP8 block + MXFP4 experts, like the DeepSeek release) of one seed are quantisations of the same
 weights -- a test pair for the ``orig`` precision mode. Shards are generated one at a time
 (never the whole model in memory) into ``DIR.tmp``, renamed to ``DIR`` on success.
+:func:`quantize_checkpoint` writes the weights of an existing plain checkpoint (the embedded
+model) the same way: a real release-format model whose format-specific bugs can be tested.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import os
 import shutil
 import zlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -30,7 +33,9 @@ from .errors import CheckpointError
 from .expected import expected_tensors
 from .fake import FP32_PARAMS, OFFICIAL_PLAIN_KINDS, OFFICIAL_QUANTIZATION_CONFIG
 from .formats import stored_shapes
+from .locate import record_quantized_from, resolve_path
 from .names import is_linear, natural_key, to_raw_key
+from .reader import CheckpointReader
 from .safetensors_index import INDEX_NAME, nbytes_of
 from .writer import write_configs
 
@@ -38,6 +43,8 @@ SYNTH_FORMATS = ("nvfp4", "official")
 PRESETS = ("v4-pro", "v4-flash")
 NVFP4_EXCLUDE = ("head", "layers.*.mlp.router")       # kept BF16 in the NVFP4 export (as ModelOpt does)
 DEFAULT_SHARD_BYTES = 4 * 2**30
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+PLAIN_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "I32": torch.int32}
 # ModelOpt input_scale = amax(x) / (6 * 448); no calibration here: a fixed activation amax
 INPUT_AMAX = 16.0
 
@@ -208,6 +215,42 @@ def synth_checkpoint(out: str | os.PathLike, config: Any, fmt: str = "nvfp4", se
     hours). Returns ``{"path", "format", "files", "n_tensors", "total_bytes"}``.
     """
     cfg = load_config(config)
+    return _write_new(out, cfg, fmt, lambda p: master_tensor(cfg, p, seed, device), shard_bytes, progress)
+
+
+def quantize_checkpoint(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "official",
+                        shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool | None = None) -> dict[str, Any]:
+    """Write the weights of checkpoint ``src`` as a release in ``fmt`` to ``out`` (which must not
+    exist): ``official`` = FP8-block linears (fp32 128x128 tile scales) + MXFP4 experts, the
+    helper projections, head and routers BF16, as DeepSeek ships V4; ``nvfp4`` = the ModelOpt
+    export. Quantised linears of ``src`` are dequantised first; its tokenizer files are copied and
+    ``src`` is recorded as the originals (``checkpoint.locate.originals_of``: the reference a
+    triage of ``out`` compares with). E.g. the embedded model in the official format, for the
+    bugs only that format has."""
+    src = resolve_path(src)
+    reader = CheckpointReader(src)
+
+    def master(p: Planned) -> torch.Tensor:
+        if p.store in PLAIN_DTYPES:
+            return reader.tensor(p.name).to(PLAIN_DTYPES[p.store])
+        return reader.weight(p.base).dequantize(torch.float32)
+
+    def finish(tmp: str) -> None:
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy(src / name, Path(tmp) / name)
+        record_quantized_from(tmp, src, fmt)
+
+    try:
+        return _write_new(out, reader.config, fmt, master, shard_bytes, progress, finish)
+    finally:
+        reader.close()
+
+
+def _write_new(out: str | os.PathLike, cfg: DSV4Config, fmt: str, master: Callable[[Planned], torch.Tensor],
+               shard_bytes: int, progress: bool | None, finish: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """:func:`write_shards` (then ``finish(tmp)``: extra files) into ``out.tmp``, renamed to ``out``
+    when complete (removed on any error)."""
     if fmt not in SYNTH_FORMATS:
         raise SynthError(f"--format {fmt!r} is not one of {', '.join(SYNTH_FORMATS)}")
     if shard_bytes <= 0:
@@ -220,7 +263,9 @@ def synth_checkpoint(out: str | os.PathLike, config: Any, fmt: str = "nvfp4", se
         shutil.rmtree(tmp)
     os.makedirs(tmp)
     try:
-        summary = write_shards(tmp, cfg, fmt, seed, shard_bytes, device, progress)
+        summary = write_shards(tmp, cfg, fmt, master, shard_bytes, progress)
+        if finish is not None:
+            finish(tmp)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -228,9 +273,10 @@ def synth_checkpoint(out: str | os.PathLike, config: Any, fmt: str = "nvfp4", se
     return {**summary, "path": out}
 
 
-def write_shards(path: str, cfg: DSV4Config, fmt: str, seed: int, shard_bytes: int,
-                 device: str | torch.device, progress: bool | None) -> dict[str, Any]:
-    """Shards, index and configs of :func:`synth_checkpoint` into an existing directory."""
+def write_shards(path: str, cfg: DSV4Config, fmt: str, master: Callable[[Planned], torch.Tensor], shard_bytes: int,
+                 progress: bool | None) -> dict[str, Any]:
+    """Shards, index and configs into an existing directory, each tensor's master value from
+    ``master`` (quantised here when ``fmt`` stores it quantised)."""
     planned = plan_tensors(cfg, fmt)
     shards = plan_shards(planned, shard_bytes)
     n_sh = len(shards)
@@ -245,7 +291,7 @@ def write_shards(path: str, cfg: DSV4Config, fmt: str, seed: int, shard_bytes: i
     for fname, shard in zip(files, shards):
         tensors: dict[str, torch.Tensor] = {}
         for p in shard:
-            for name, t in stored_tensors(p, master_tensor(cfg, p, seed, device)).items():
+            for name, t in stored_tensors(p, master(p)).items():
                 tensors[to_raw_key(name, "official")] = t.detach().to("cpu").contiguous()
             if len(p.shape) == 2 and is_linear(p.base):
                 module = to_raw_key(p.base + ".weight", "official")[: -len(".weight")]

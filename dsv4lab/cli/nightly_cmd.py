@@ -25,7 +25,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--history", required=True, help="directory the runs are stored in (created when absent)")
     p.add_argument("--model", default=None, help="checkpoint path (default: the embedded model data/tiny-dsv4)")
     p.add_argument("--reference", default=None,
-                   help="checkpoint of the original weights (official FP8+MXFP4 or BF16) the per-layer metrics compare with")
+                   help="checkpoint of the original weights (official FP8+MXFP4 or BF16) the per-layer metrics compare with "
+                        "(default: the weights the model was quantised from when known: the embedded model for "
+                        "tiny-nvfp4 or an export of quantize_checkpoint; else the model's own weights dequantised)")
     p.add_argument("--policy", default=POLICY, help=f"the model under test's precision policy: a mode word or a JSON "
                                                      f"mapping (default: {POLICY})")
     p.add_argument("--inject", default=None, metavar="BUG", help="inject a zoo bug (python -m dsv4lab bugzoo --list)")

@@ -18,12 +18,12 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
+from ..checkpoint.synth import TOKENIZER_FILES
 from ..checkpoint.writer import save_checkpoint
 from .tiny_config import tiny_dsv4_config
 
 FP32_KEEP = ("_hc.fn", "_hc.base", "_hc.scale", "hc_head.fn", "hc_head.base", "hc_head.scale", "attn.sink",
              ".ape", "router.bias")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def load_run_state(run_dir: str) -> dict[str, torch.Tensor]:

@@ -44,7 +44,7 @@ from .regression import (
     nightly_prompts,
 )
 from .report import PLOTLYJS, ReportError, check_model, run_report, write_plotlyjs
-from .session import open_session
+from .session import default_reference, open_session
 from .trends import BASELINE_FILE, write_index
 
 PROMPT, CHAT_PROMPT, ANSWER = "The capital of France is", "What is the capital of France?", " Paris"
@@ -153,6 +153,9 @@ def run_nightly(history: str | Path, model: str | None = None, reference: str | 
     """Run, store, compare, keep failing tensors, prune, redraw (module doc). ``fallback``: the baselines
     of the embedded model before its history has a good run (None: none). ``now``: the run's date (UTC)."""
     check_args(history, model, reference, device, inject, inject_layers, keep_daily, keep_weekly, failing_budget)
+    if reference is None:   # the weights a quantised export was made from, when known (one choice for every step)
+        found = default_reference(model)
+        reference = None if found is None else str(found)
     policy_spec, policy_desc, policy_word = parse_policy(policy)
     history = Path(history).resolve()
     (history / H.RUNS).mkdir(parents=True, exist_ok=True)
@@ -184,7 +187,8 @@ def run_nightly(history: str | Path, model: str | None = None, reference: str | 
             baseline = None
         params = {"BASELINES": str(tmp), "BUG": inject, "BUG_LAYERS": layers, "POLICY": policy_spec, "REFERENCE": reference,
                   "PROMPT": PROMPT, "CHAT_PROMPT": CHAT_PROMPT, "ANSWER": ANSWER}
-        log(f"nightly: {model_key} / {policy_desc} against {baseline or 'nothing (first run)'} -> {run_dir}")
+        vs = f" (reference {reference})" if reference else ""
+        log(f"nightly: {model_key} / {policy_desc}{vs} against {baseline or 'nothing (first run)'} -> {run_dir}")
         rep = run_report(run_dir, model=model, device=device, only=list(notebooks), parameters=params, timeout=timeout,
                          heartbeat=heartbeat, log=log)
         base_metrics, tols = load_baselines(tmp)

@@ -5,7 +5,10 @@
 the trained checkpoint is not there); ``"random"`` = that fallback on purpose; anything else a
 checkpoint path for :func:`dsv4lab.load`. ``reference=PATH``: a second checkpoint holding the
 original weights (official FP8 + MXFP4, or BF16): ``orig`` reads them from it one linear at a
-time (:meth:`Originals.from_checkpoint`), so no second model is held in memory.
+time (:meth:`Originals.from_checkpoint`), so no second model is held in memory. Without one, a
+checkpoint whose originals are known (``checkpoint.locate.originals_of``: the embedded NVFP4
+export, an export written by ``checkpoint.synth.quantize_checkpoint``) gets them: otherwise a
+quantised checkpoint could only be compared with its own weights dequantised (KL 0 by construction).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.locate import TINY_DIR, resolve_path
+from ..checkpoint.locate import TINY_DIR, originals_of, quantized_from, resolve_path
 from ..loading import load, materialize
 from ..plan import plan
 from ..precision import Originals, quantize_linears
@@ -140,14 +143,23 @@ def session_device(model, device, gpus: int | None = None, gpu_memory=None, cont
 def open_session(model=None, device: str = "cpu", dtype="auto", progress: bool = False,
                  threads: int | None = None, reference: str | Path | None = None) -> Session:
     """The model a notebook works on: ``device`` a device, a device map, or ``"auto"``
-    (:func:`session_device`); ``dtype="auto"``: :func:`session_dtype`."""
+    (:func:`session_device`); ``dtype="auto"``: :func:`session_dtype`; ``reference``: the
+    checkpoint of the original weights (None: :func:`default_reference`)."""
     device = session_device(model, device)
     first = device if not isinstance(device, (dict, list)) else next(iter(device.values() if isinstance(device, dict) else device))
     set_threads(str(first), threads)
-    ref = None if reference is None else resolve_path(str(reference))
+    ref = default_reference(model) if reference is None else resolve_path(str(reference))
     session = _open(model, device, session_dtype(model, str(first), dtype), progress)
     session.reference = ref
     return session
+
+
+def default_reference(model) -> Path | None:
+    """The reference checkpoint of ``model`` when none is given: its originals when they are known
+    (``checkpoint.locate.originals_of``), else None (an in-memory model, random weights, a release)."""
+    if model is not None and not isinstance(model, (str, Path)) or str(model) == "random":
+        return None
+    return originals_of(model)
 
 
 def _open(model, device, dtype, progress: bool) -> Session:
@@ -168,7 +180,8 @@ def _open(model, device, dtype, progress: bool) -> Session:
     m = load(name, dtype=dtype, progress=progress, **placed)
     tok_dir = path if (path / "tokenizer.json").is_file() else (path.parent if (path.parent / "tokenizer.json").is_file() else None)
     tok = load_tokenizer(tok_dir)
-    trained = path.resolve() in (embedded_dir().resolve(), (embedded_dir() / "nvfp4").resolve())
+    # the embedded weights, as shipped or quantised (its NVFP4 export, a quantize_checkpoint export of it)
+    trained = embedded_dir().resolve() in (path.resolve(), (quantized_from(path) or path).resolve())
     return Session(m, tok, str(path), trained, path=path)
 
 
