@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 # scripts have a main guard; the shared helpers (measure.py) are only imported
@@ -47,6 +48,60 @@ def test_full_model_benchmark_cpu_smoke(fmt: str):
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout)
     assert res["prefill_finite"] and res["decode_finite"] and res["active_weight_bytes_per_token"] > 0, res
+
+
+def _full_model():
+    """benchmarks/full_model.py as a module (benchmarks/ is not a package on the test path)."""
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT))
+    spec = importlib.util.spec_from_file_location("full_model", ROOT / "benchmarks" / "full_model.py")
+    fm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fm)
+    return fm
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "official"])
+def test_full_model_eight_gpu_placement_on_meta(fmt: str):
+    """The 8-GPU placement of issue #23, checked on the meta device: all 61 V4-Pro layers (8 routed
+    experts instead of 384 to keep it short; ``--cpu-smoke --preset v4-pro --fake-gpus 8`` runs all
+    384) built by the plan's device map over 8 fake GPUs: every tensor where the plan says, every
+    GPU used, and per GPU the bytes of the model's tensors + decode state within 5 % of the plan.
+    A moved tensor and a plan of the other format are both caught."""
+    fm = _full_model()
+    from dsv4lab.checkpoint.synth import preset_config
+
+    cfg = preset_config("v4-pro", experts=8)
+    res = fm.placement_check(cfg, fmt, 8, 4096 + 2 * 64 + 16)
+    assert res["placement_ok"] and res["misplaced_count"] == 0 and not res["not_asked"], res
+    assert res["placement"] == sorted(res["placement"]) and set(res["placement"]) == set(range(8))
+    rows = res["per_gpu"]
+    assert rows[0]["with_embed"] and rows[-1]["with_head"] and res["max_abs_held_deviation"] <= 0.05
+    assert sum(r["planned_bytes"] for r in rows) > 30e9  # the V4-Pro shape: 61 layers of 7168 hidden
+    # the check can fail: one tensor moved, or the bytes of the other format
+    p, devices = fm.plan_placement(cfg, fmt, 8, 4096, gpu_devices=[torch.device("meta", g) for g in range(8)])
+    asked: dict = {}
+    model = fm.build(cfg, fmt, devices, asked=asked)
+    held = fm.held_bytes(model, asked.get)
+    moved = [(n, b, torch.device("meta", 7) if n == "embed.weight" else d) for n, b, d in held]
+    assert fm.misplaced(moved, p, [torch.device("meta", g) for g in range(8)]) == [
+        "embed.weight: on meta:7, planned meta:0"]
+    other, _ = fm.plan_placement(cfg, "official" if fmt == "nvfp4" else "nvfp4", 8, 4096)
+    assert not fm.within(fm.per_gpu_memory(other, [torch.device("meta", g) for g in range(8)], held, {}),
+                         "held_over_planned")
+
+
+def test_full_model_fake_gpus_cli(tmp_path):
+    """``--cpu-smoke --fake-gpus N`` prints the placement JSON, writes it under --out with ``<N>gpu``
+    in the name and exits 0 when the placement holds."""
+    r = subprocess.run([sys.executable, "benchmarks/full_model.py", "--cpu-smoke", "--preset", "v4-flash", "--layers",
+                        "6", "--experts", "4", "--fake-gpus", "3", "--context", "256", "1024", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout)
+    assert res["placement_ok"] and res["gpus"] == 3 and res["context"] == 1024 + 2 * 64 + 16
+    assert json.loads((tmp_path / "placement_full_model_v4-flash_nvfp4_3gpu.json").read_text()) == res
+    assert _full_model().result_name("v4-pro", "nvfp4", 8) == "full_model_v4-pro_nvfp4_8gpu.json"
 
 
 def test_prefill_benchmark_cpu_smoke():
