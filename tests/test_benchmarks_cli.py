@@ -104,6 +104,21 @@ def test_full_model_fake_gpus_cli(tmp_path):
     assert _full_model().result_name("v4-pro", "nvfp4", 8) == "full_model_v4-pro_nvfp4_8gpu.json"
 
 
+def test_full_scale_load_over_devices_cpu_smoke(tmp_path):
+    """benchmarks/full_scale.py ``load --gpus N`` on the CPU: the embedded NVFP4 checkpoint loaded by
+    the streaming loader over 3 CPU devices by the plan's device map (a run of layers each), GB/s
+    and peak host memory recorded, written as ``cpu_full_scale_load_3gpu.json``."""
+    r = subprocess.run([sys.executable, "benchmarks/full_scale.py", "load", "--cpu-smoke", "--gpus", "3", "--steps", "0",
+                        "--context", "256", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "cpu_full_scale_load_3gpu.json").read_text())
+    assert res["gpus"] == res["gpus_used"] == 3 and list(res["device_map"]) == ["cpu:0", "cpu:1", "cpu:2"]
+    assert [r["layers"] for r in res["per_gpu"]] == list(res["device_map"].values())
+    assert res["load_GBps"] > 0 and res["checkpoint_bytes"] > 10**6
+    host = res["host_memory"]
+    assert host["peak_rss"] >= host["rss_before"] > 0 and host["peak_rss_over_before"] >= 0
+
+
 def test_prefill_benchmark_cpu_smoke():
     """benchmarks/prefill.py on a shrunken V4-Pro layer (CPU, 256 tokens in 64-token chunks): the
     dense and the bounded attention paths both run what they say, finite, and agree on the last
