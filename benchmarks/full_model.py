@@ -22,7 +22,8 @@ each ``--context``; each against its floor measured in the same run:
     python3 benchmarks/full_model.py --preset v4-pro --gpus 8 --context 4096 32768 --out $OUT
     python3 benchmarks/full_model.py --cpu-smoke --preset v4-pro --fake-gpus 8   # the placement, on meta
 
-``--out DIR`` writes ``DIR/full_model_<preset>_<format>_<N>gpu.json`` (``8gpu`` on eight GPUs).
+``--out DIR`` writes ``DIR/full_model_<preset>_<format>_<N>gpu_<contexts>.json`` (``8gpu`` on eight
+GPUs, e.g. ``full_model_v4-pro_nvfp4_8gpu_4k-32k.json``).
 """
 from __future__ import annotations
 
@@ -269,9 +270,11 @@ def stack_experts(model) -> None:
         layer.mlp.experts.stack()
 
 
-def result_name(preset: str, fmt: str, gpus: int) -> str:
-    """``full_model_<preset>_<format>_<N>gpu.json``: ``8gpu`` in the name of an eight-GPU run."""
-    return f"full_model_{preset}_{fmt}_{gpus}gpu.json"
+def result_name(preset: str, fmt: str, gpus: int, contexts: Iterable[int] = ()) -> str:
+    """``full_model_<preset>_<format>_<N>gpu[_<contexts>].json``: ``8gpu`` in the name of an
+    eight-GPU run, the prefill lengths (``4k-32k``) when given."""
+    ctx = "-".join(f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in contexts)
+    return f"full_model_{preset}_{fmt}_{gpus}gpu" + (f"_{ctx}" if ctx else "") + ".json"
 
 
 # ------------------------------------------------------------------------------ the CUDA run
@@ -446,7 +449,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-kernels", dest="kernels", action="store_false", help="reference linears, no Triton kernels")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
-    ap.add_argument("--out", type=Path, default=None, help="also write DIR/full_model_<preset>_<format>_<N>gpu.json")
+    ap.add_argument("--out", type=Path, default=None, help="also write DIR/full_model_<preset>_<format>_<N>gpu_<contexts>.json")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="build a tiny model on the CPU and run prefill + one step; with --fake-gpus: the placement on meta")
     ap.add_argument("--fake-gpus", type=int, default=None,
@@ -465,7 +468,7 @@ def main(argv=None) -> int:
         res, name = cpu_smoke(args.format), None
     else:
         res = run(args)
-        name = result_name(args.preset, args.format, res["gpus"])
+        name = result_name(args.preset, args.format, res["gpus"], args.context)
     text = json.dumps(res, indent=1)
     print(text)
     for path in (args.json, None if args.out is None or name is None else args.out / name):

@@ -101,7 +101,8 @@ def test_full_model_fake_gpus_cli(tmp_path):
     res = json.loads(r.stdout)
     assert res["placement_ok"] and res["gpus"] == 3 and res["context"] == 1024 + 2 * 64 + 16
     assert json.loads((tmp_path / "placement_full_model_v4-flash_nvfp4_3gpu.json").read_text()) == res
-    assert _full_model().result_name("v4-pro", "nvfp4", 8) == "full_model_v4-pro_nvfp4_8gpu.json"
+    name = _full_model().result_name("v4-pro", "nvfp4", 8, [4096, 32768])
+    assert name == "full_model_v4-pro_nvfp4_8gpu_4k-32k.json"
 
 
 def test_full_scale_load_over_devices_cpu_smoke(tmp_path):
