@@ -149,3 +149,24 @@ def test_gemm_benchmark_cpu_smoke():
     assert all(x["max_err_over_max_ref"] <= 1e-2 for x in res["gemm"]), res["gemm"]
     assert [x["moe_prefill"] for x in res["moe_prefill"]] == ["nvfp4", "mxfp4"]
     assert all(x["max_err_over_max_ref"] <= 2e-2 for x in res["moe_prefill"]), res["moe_prefill"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA GPUs (device kind nvidia-h200-x2 or larger)")
+def test_gpu_full_model_placed_by_plan(tmp_path):
+    """benchmarks/full_model.py on every visible GPU (V4-Pro, 8 layers, 8 experts): the layers sit
+    where the plan says, memory_allocated per GPU within 5 % of the plan, one graph per GPU, finite
+    logits, graph faster than eager, floors positive; the 8-GPU run's checks on a small model."""
+    n = min(torch.cuda.device_count(), 8)
+    out = tmp_path / "fm.json"
+    argv = ["--preset", "v4-pro", "--layers", "8", "--experts", "8", "--gpus", str(n), "--context", "256", "512",
+            "--steps", "8", "--prefill-iters", "1", "--json", str(out)]
+    assert _full_model().main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["gpus"] == res["gpus_used"] == n and res["misplaced_count"] == 0, res["misplaced"]
+    assert res["memory_within_5pct"], [(r["gpu"], r["allocated_over_planned"]) for r in res["per_gpu"]]
+    assert res["decode"]["graphs"] == n and res["decode"]["logits_finite"] and res["graph_ms"] < res["eager_ms"]
+    assert res["floor_ms"] >= res["floor_ms_pipelined"] > 0
+    assert [x["tokens"] for x in res["prefill_by_context"]] == [256, 512]
+    assert all(x["logits_finite"] for x in res["prefill_by_context"])
