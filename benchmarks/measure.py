@@ -44,27 +44,32 @@ def timed(fn: Callable[[], object], iters: int, devices: Iterable = (None,), war
     devices = list(devices)
     for _ in range(warmup):
         fn()
-    for d in devices:
-        torch.cuda.synchronize(d)
+    synchronize(devices)
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    for d in devices:
-        torch.cuda.synchronize(d)
+    synchronize(devices)
     return (time.perf_counter() - t0) / iters
 
 
-def kernels_per_call(fn: Callable[[], object], reps: int = 3, top: int = 12) -> dict:
-    """What one call of ``fn`` launches, from the CUDA profiler (kernels inside graph replays
-    included): kernel count, memcpy/memset count, device time, and the names taking most time."""
+def synchronize(devices: Iterable = (None,)) -> None:
+    """Wait for every device in ``devices`` (None: the current one)."""
+    for d in devices:
+        torch.cuda.synchronize(d)
+
+
+def kernels_per_call(fn: Callable[[], object], reps: int = 3, top: int = 12, devices: Iterable = (None,)) -> dict:
+    """What one call of ``fn`` launches on ``devices``, from the CUDA profiler (kernels inside graph
+    replays included): kernel count, memcpy/memset count, device time, and the names taking most time."""
     from torch.profiler import ProfilerActivity, profile  # only the benchmarks profile
 
+    devices = list(devices)
     fn()
-    torch.cuda.synchronize()
+    synchronize(devices)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
-        torch.cuda.synchronize()
+        synchronize(devices)
     n_kernels = n_copies = 0
     device_us = 0.0
     by_name: Counter = Counter()
@@ -84,9 +89,17 @@ def kernels_per_call(fn: Callable[[], object], reps: int = 3, top: int = 12) -> 
 
 def peak_extra_bytes(fn: Callable[[], object], dev) -> tuple[object, int]:
     """(result of ``fn``, the most memory allocated on ``dev`` during it beyond what was allocated before)."""
-    torch.cuda.synchronize(dev)
-    base = torch.cuda.memory_allocated(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
+    out, extra = peak_extra_bytes_by_device(fn, [dev])
+    return out, extra[0]
+
+
+def peak_extra_bytes_by_device(fn: Callable[[], object], devices: list) -> tuple[object, list[int]]:
+    """(result of ``fn``, per device of ``devices`` the most memory allocated during it beyond
+    what was allocated before)."""
+    synchronize(devices)
+    base = [torch.cuda.memory_allocated(d) for d in devices]
+    for d in devices:
+        torch.cuda.reset_peak_memory_stats(d)
     out = fn()
-    torch.cuda.synchronize(dev)
-    return out, torch.cuda.max_memory_allocated(dev) - base
+    synchronize(devices)
+    return out, [torch.cuda.max_memory_allocated(d) - b for d, b in zip(devices, base)]

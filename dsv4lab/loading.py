@@ -25,14 +25,16 @@ from .precision import apply_precision
 from .quant.weights import QuantWeight
 from .workbench import WorkbenchModel
 
-__all__ = ["load", "materialize", "resolve_path", "TINY_DIR", "FP32_SUFFIXES"]
+__all__ = ["load", "materialize", "device_for", "resolve_path", "TINY_DIR", "FP32_SUFFIXES"]
 
 # parameters DSV4 keeps in fp32 whatever the compute dtype (their math runs in fp32)
 FP32_SUFFIXES = ("_hc.fn", "_hc.base", "_hc.scale", "hc_head.fn", "hc_head.base", "hc_head.scale",
                  "attn.sink", ".ape", "router.bias")
 
 
-def _device_for(name: str, layer_devices: list[torch.device], first: torch.device, last: torch.device) -> torch.device:
+def device_for(name: str, layer_devices: list[torch.device], first: torch.device, last: torch.device) -> torch.device:
+    """Where the tensor ``name`` goes: its layer's device, the embedding with ``first`` (layer 0),
+    everything else (``head``, ``norm``, ``hc_head``) with ``last``."""
     if name.startswith("layers."):
         return layer_devices[int(name.split(".")[1])]
     if name.startswith("embed"):
@@ -66,7 +68,7 @@ def materialize(config: DSV4Config, get_weight: Callable, get_tensor: Callable, 
     t0 = time.perf_counter()
     bar = tqdm(total=total, desc="loading", unit="tensor", disable=not progress, leave=False)
     for qname, ql in model.qlinears():
-        dev = _device_for(qname, layer_devices, first, last)
+        dev = device_for(qname, layer_devices, first, last)
         w = get_weight(qname, dev)
         if isinstance(w, QuantWeight) and w.format == "plain":
             w = w.data
@@ -81,7 +83,7 @@ def materialize(config: DSV4Config, get_weight: Callable, get_tensor: Callable, 
         bar.update(1)
         bar.set_postfix(GBps=f"{nbytes / max(time.perf_counter() - t0, 1e-9) / 1e9:.2f}", refresh=False)
     for name in names:
-        dev = _device_for(name, layer_devices, first, last)
+        dev = device_for(name, layer_devices, first, last)
         t = get_tensor(name, dev)
         if t.is_floating_point():
             t = t.to(dev, torch.float32 if name.endswith(FP32_SUFFIXES) else dtype)
@@ -93,7 +95,7 @@ def materialize(config: DSV4Config, get_weight: Callable, get_tensor: Callable, 
     bar.close()
     for mname, mod in model.named_modules():
         if isinstance(mod, Rotary):
-            dev = _device_for(mname, layer_devices, first, last)
+            dev = device_for(mname, layer_devices, first, last)
             mod._buffers["inv_freq"] = inverse_frequencies(config, mod.kind).to(dev)
     model.load_stats = {"bytes": nbytes, "seconds": time.perf_counter() - t0}
     return model.eval()

@@ -8,6 +8,7 @@ The host-memory test measures a streaming load in a fresh process.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -317,3 +318,178 @@ def test_gpu_two_devices_match_one(tmp_path, model):
             r = rep[name][mode]
             assert r["tokens_identical"] and r["bitwise_equal_steps"] == r["steps"] == 64, (name, mode, r)
     assert rep["split"]["graph"]["graphs"] == 2  # one graph per device
+
+
+# ------------------------------------------ CUDA-graph decode over 8 devices (torch.cuda stand-ins)
+class _FakeCuda:
+    """Stand-ins for ``torch.cuda``'s streams, events, graphs and device/stream contexts that log,
+    in order, what ``GraphDecoder`` asks of them. A graph "captures" the model's decode_segment
+    calls made while its capture context is open and replays them over the same static buffers
+    (what a CUDA graph does), so the numbers can be checked against eager decode as well."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self.device = None                    # current device
+        self.current: dict = {}               # device -> current stream
+        self.defaults: dict = {}              # device -> its default stream
+        self.capturing = None                 # (graph, stream) while a capture context is open
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None, default=False):
+                self.device, self.default = torch.device(device), default
+                fake.log.append(("stream", self))
+
+            def wait_stream(self, other):
+                fake.log.append(("wait_stream", self, other))
+
+            def wait_event(self, event):
+                fake.log.append(("wait_event", self, event))
+
+            def synchronize(self):
+                fake.log.append(("stream_sync", self))
+
+        class Event:
+            def record(self, stream=None):
+                fake.log.append(("record", self, stream))
+
+        class CUDAGraph:
+            def __init__(self):
+                self.ops = []
+
+            def replay(self):
+                fake.log.append(("replay", self, fake.current_stream(fake.device), fake.device))
+                for op in self.ops:
+                    op()
+
+        self.Stream, self.Event, self.CUDAGraph = Stream, Event, CUDAGraph
+
+    def current_stream(self, device=None):
+        d = torch.device(device) if device is not None else self.device
+        if d not in self.current:
+            self.current[d] = self.defaults[d] = self.Stream(d, default=True)
+        return self.current[d]
+
+    def synchronize(self, device=None):
+        self.log.append(("device_sync", None if device is None else torch.device(device)))
+
+    @contextlib.contextmanager
+    def device_ctx(self, device):
+        old, self.device = self.device, torch.device(device)
+        try:
+            yield
+        finally:
+            self.device = old
+
+    @contextlib.contextmanager
+    def stream_ctx(self, stream):
+        # like torch.cuda.StreamContext: the stream's device becomes current too
+        old_dev, self.device = self.device, stream.device
+        old = self.current_stream(stream.device)
+        self.current[stream.device] = stream
+        try:
+            yield
+        finally:
+            self.current[stream.device], self.device = old, old_dev
+
+    @contextlib.contextmanager
+    def graph_ctx(self, graph, stream=None):
+        self.log.append(("capture", graph, stream, self.device))
+        with self.stream_ctx(stream):
+            self.capturing = (graph, stream)
+            try:
+                yield
+            finally:
+                self.capturing = None
+
+    def install(self, monkeypatch, model):
+        for name, value in (("Stream", self.Stream), ("Event", self.Event), ("CUDAGraph", self.CUDAGraph),
+                            ("current_stream", self.current_stream), ("synchronize", self.synchronize),
+                            ("device", self.device_ctx), ("stream", self.stream_ctx), ("graph", self.graph_ctx)):
+            monkeypatch.setattr(torch.cuda, name, value)
+        real = model.decode_segment
+
+        def decode_segment(k, h, ids, state):
+            self.log.append(("run", k, self.current_stream(self.device), self.device,
+                             None if self.capturing is None else self.capturing[0]))
+            out = real(k, h, ids, state)
+            if self.capturing is not None:  # replay: the same segment over the same static buffers
+                self.capturing[0].ops.append(lambda: out.copy_(real(k, h, ids, state)))
+            return out
+
+        monkeypatch.setattr(model, "decode_segment", decode_segment)
+
+
+def test_graph_decoder_eight_segments_streams_capture_order_and_handoffs(monkeypatch):
+    """GraphDecoder over an 8-device map (the 8-GPU placement: one segment per GPU), with
+    torch.cuda replaced by loggers: each segment is warmed up and captured on its own non-default
+    stream with its device current, segments in layer order; every replay waits for the previous
+    segment's event before its graph runs, records its own after, and the caller's stream waits
+    for the last one. The replayed steps equal eager decode of the unsplit model bit for bit."""
+    from dsv4lab.decode.graphs import GraphDecoder
+
+    n = 8
+    cfg = tiny_config(num_hidden_layers=n, layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                        "heavily_compressed_attention", "compressed_sparse_attention"] * 2,
+                      mlp_layer_types=["hash_moe"] + ["moe"] * (n - 1))
+    devs = [torch.device("cpu", k) for k in range(n)]  # eight distinct device objects, all the CPU
+    ref = random_model(cfg, seed=6)
+    split = _fake_split(random_model(cfg, seed=6), devs)
+    assert [d for d, _ in split.decode_segments()] == devs
+    ids = _ids(cfg, 9)[:1]
+    s_ref, s_split = ref.new_state(1, 40), split.new_state(1, 40)
+    ref.prefill(ids, s_ref)
+    split.prefill(ids, s_split)
+
+    fake = _FakeCuda()
+    fake.install(monkeypatch, split)
+    gd = object.__new__(GraphDecoder)  # __init__ insists on CUDA devices; the rest runs on the stand-ins
+    gd.model, gd.state, gd.warmup, gd.segments, gd.signature, gd.captures = split, s_split, 2, [], None, 0
+    gd.capture()
+    cap = list(fake.log)
+    fake.log.clear()
+
+    # capture: its own stream per segment, on its device, ordered after the device's current stream
+    streams = [s.stream for s in gd.segments]
+    assert [s.device for s in gd.segments] == devs and len({id(s) for s in streams}) == n
+    assert all(s.device == d and not s.default for s, d in zip(streams, devs))
+    captures = [i for i, e in enumerate(cap) if e[0] == "capture"]
+    assert [cap[i][1] for i in captures] == [s.graph for s in gd.segments]
+    assert all(cap[i][2] is s.stream and cap[i][3] == s.device for i, s in zip(captures, gd.segments))
+    runs = [e for e in cap if e[0] == "run"]
+    assert [e[1] for e in runs] == [k for k in range(n) for _ in range(gd.warmup + 1)]  # warm-ups, then capture
+    for e in runs:
+        seg = gd.segments[e[1]]
+        assert e[2] is seg.stream and e[3] == seg.device, e  # never on a default stream, never another device
+    for k, seg in enumerate(gd.segments):
+        first_run = next(i for i, e in enumerate(cap) if e[0] == "run" and e[1] == k)
+        waited = next(i for i, e in enumerate(cap) if e[0] == "wait_stream" and e[1] is seg.stream)
+        assert cap[waited][2].default and cap[waited][2].device == seg.device and waited < first_run
+        assert [e[4] for e in cap if e[0] == "run" and e[1] == k] == [None] * gd.warmup + [seg.graph]
+    assert {e[1] for e in cap if e[0] == "device_sync"} >= set(devs)  # all captures done before use
+
+    # replay: event-ordered hand-offs in layer order, the caller's stream waits for the last graph
+    tok = ids[:, -1:]
+    for step in range(6):
+        fake.log.clear()
+        got = gd.step(tok, s_split)
+        want = ref.decode_step(tok, s_ref)
+        assert torch.equal(got, want), step
+        log = fake.log
+        replays = [i for i, e in enumerate(log) if e[0] == "replay"]
+        assert [log[i][1] for i in replays] == [s.graph for s in gd.segments]
+        for k, (i, seg) in enumerate(zip(replays, gd.segments)):
+            assert log[i][2] is seg.stream and log[i][3] == seg.device
+            rec = [j for j, e in enumerate(log) if e[0] == "record" and e[1] is seg.done]
+            assert len(rec) == 1 and log[rec[0]][2] is seg.stream and rec[0] > i
+            if k:
+                prev = gd.segments[k - 1]
+                waits = [j for j, e in enumerate(log) if e[0] == "wait_event" and e[1] is seg.stream]
+                prev_rec = next(j for j, e in enumerate(log) if e[0] == "record" and e[1] is prev.done)
+                assert len(waits) == 1 and log[waits[0]][2] is prev.done and prev_rec < waits[0] < i
+        last = gd.segments[-1]
+        assert log[-1][0] == "wait_event" and log[-1][1] is fake.defaults[last.device] and log[-1][2] is last.done
+        s_ref.pos += 1
+        s_split.pos += 1
+        tok = want[:, -1].argmax(-1, keepdim=True)
+    assert gd.captures == 1

@@ -392,6 +392,8 @@ class CheckpointReader:
 
     def _load(self, e: Entry, device="cpu"):
         dev = f"cuda:{device}" if isinstance(device, int) else str(device)
+        if torch.device(dev).type == "cpu":
+            dev = "cpu"  # safetensors takes no index on the CPU; "cpu:1" marks a device-map entry (tests)
         if torch.device(dev).type == "cuda" and not torch.cuda.is_available():
             # safetensors pins host memory for a CUDA read, which fails without CUDA: say so, not "cannot read"
             raise DeviceUnavailableError(f"device={dev!r}: CUDA is not available on this machine, so no tensor "

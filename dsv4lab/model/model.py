@@ -102,12 +102,15 @@ class DSV4Model(nn.Module):
                                        dense_attention, dense_indexer, cap=cap))
         return min(chunks)
 
-    def prefill(self, input_ids: torch.Tensor, state: DecodeState, chunk: int | None = None) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, state: DecodeState, chunk: int | None = None,
+                last_only: bool = False) -> torch.Tensor:
         """Run tokens against ``state`` (host-known positions) in calls of ``chunk`` tokens
-        (None: :meth:`prefill_chunk` from free memory; hooks fire once per call); returns logits."""
+        (None: :meth:`prefill_chunk` from free memory; hooks fire once per call); returns logits
+        [B,S,V], or [B,1,V] of the last token with ``last_only`` (what generation needs: a 32k-token
+        V4-Pro prompt's fp32 logits are 17 GB)."""
         self.check_ids(input_ids)
         check_chunk(chunk)
-        return self._prefill_chunks(input_ids, state, chunk)
+        return self._prefill_chunks(input_ids, state, chunk, last_only=last_only)
 
     def _prefill_chunks(self, input_ids: torch.Tensor | None, state: DecodeState, chunk: int | None,
                         last_only: bool = False, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
