@@ -5,7 +5,7 @@ For T tokens with top-k ``ids`` / ``weights`` over E experts (stacks ``StackedNV
 bound and surplus programs return at once, so it is CUDA-graph safe):
 
 1. ``expert_schedule``: the T*k (token, slot) rows sorted by expert (stable ``argsort``), per-expert
-   counts (``bincount``), and a list of BM-row tiles, each inside one expert's rows.
+   counts (a scatter-add), and a list of BM-row tiles, each inside one expert's rows.
 2. up (``_grouped_kernel`` with ``DUAL``): per (tile, BN columns of I) the x rows of the tile's
    tokens (gathered by index) times the expert's w1 and w3 tiles (dequantised in registers,
    ``common.dequant_tile``), two fp32 accumulators; the epilogue rounds gate and up to x.dtype (what
@@ -113,7 +113,8 @@ def expert_schedule(ids: torch.Tensor, n_experts: int, bm: int) -> dict:
     R = T * k
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)[:n_experts]
+    # not bincount: on CUDA it reads the maximum id back to the host, which a CUDA graph capture forbids
+    counts = torch.zeros(n_experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     ends = torch.cumsum(counts, 0)
     starts = ends - counts
     ntiles = (counts + bm - 1) // bm
