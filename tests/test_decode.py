@@ -149,24 +149,43 @@ def test_signature_tracks_every_switch():
 
 
 def test_graph_decoder_recaptures_after_a_toggle(monkeypatch):
-    """ensure_current (called by every replay) recaptures once the signature moved; CPU: capture stubbed."""
+    """ensure_current (called by every replay) recaptures once the signature moved, and compares the
+    whole signature only after a component counted a change; CPU: capture stubbed."""
+    import copy
+
+    from dsv4lab.decode import graphs
     from dsv4lab.decode.graphs import GraphDecoder
 
     m = _model()
     dec = object.__new__(GraphDecoder)  # __init__ insists on CUDA; only the bookkeeping is tested here
     dec.model, dec.segments, dec.captures = m, [], 0
+    full = []
+    monkeypatch.setattr(graphs, "model_signature", lambda model: full.append(1) or model_signature(model))
 
     def capture():
         dec.segments, dec.signature = ["graph"], model_signature(m)
+        dec._note_current()
         dec.captures += 1
 
     monkeypatch.setattr(dec, "capture", capture)
     dec.ensure_current()
-    dec.ensure_current()
-    assert dec.captures == 1
-    m.layers[1].attn.use_compressed = False
+    for _ in range(3):
+        dec.ensure_current()
+    assert dec.captures == 1 and full == []          # no change: no whole-model walk per step
+    m.layers[1].attn.use_compressed = False           # a flag set on a component
     dec.ensure_current()
     assert dec.captures == 2
+    m.layers[1].attn.use_compressed = False           # set again, same value: compared, not recaptured
+    dec.ensure_current()
+    assert dec.captures == 2 and len(full) == 2   # one walk per counted change
+    with m.layers[0].attn.hook_q.register_forward_hook(lambda *a: None):
+        dec.ensure_current()
+        assert dec.captures == 3                      # a hook registered
+    dec.ensure_current()
+    assert dec.captures == 4                          # and removed
+    m.layers[2] = copy.deepcopy(m.layers[2])          # into the (untracked) ModuleList
+    dec.ensure_current()
+    assert dec.captures == 5
 
 
 def test_decode_check_reports_first_token_and_a_speedup_of_at_least_one():
@@ -180,3 +199,21 @@ def test_decode_check_reports_first_token_and_a_speedup_of_at_least_one():
     assert s["faster_path"] == "decode_buffers" and s["speedup"] == 4.0
     s = DecodeCheck("eager", "graph", 1, [1], [1], [0.0], [3.0], [1.5], 2).summary()
     assert s["faster_path"] == "graph" and s["speedup"] == 2.0
+
+
+def test_prefill_and_decode_steps_count_no_change():
+    """A forward writes no public attribute of a component: otherwise every graph replay would walk
+    the whole model again (dsv4lab.model.component)."""
+    from dsv4lab.model.component import changes
+
+    m = _model()
+    st = m.new_state(1, 24)
+    ids = torch.randint(0, m.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        m.prefill(ids[:, :8], st)
+        st.pos += 8
+        c0 = changes()
+        for _ in range(3):
+            m.decode_step(ids[:, 8:], st)
+            st.pos += 1
+    assert changes() == c0

@@ -15,10 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.component import PER_RUN_ATTRIBUTES, Component, changes
 from ..model.state import DecodeState
-
-# attributes a forward writes (results, statistics), not switches a captured graph baked in
-PER_RUN_ATTRIBUTES = frozenset({"aux_loss", "load_stats"})
 PLAIN = (bool, int, float, str, type(None))
 
 
@@ -36,16 +34,30 @@ def module_switches(mod: torch.nn.Module) -> tuple:
     return tuple(out)
 
 
+def _module_entry(name: str, mod: torch.nn.Module) -> tuple:
+    entry = (name, type(mod).__qualname__, id(mod), module_switches(mod))
+    if mod._forward_hooks or mod._forward_pre_hooks:  # torch's hook dicts: no public accessor
+        entry += (tuple(id(h) for h in mod._forward_hooks.values()),
+                  tuple(id(h) for h in mod._forward_pre_hooks.values()))
+    return entry
+
+
 def model_signature(model) -> tuple:
     """What a captured graph depends on besides the state: modules, their switches and hooks."""
-    sig = []
-    for name, mod in model.named_modules():
-        entry = (name, type(mod).__qualname__, id(mod), module_switches(mod))
-        if mod._forward_hooks or mod._forward_pre_hooks:  # torch's hook dicts: no public accessor
-            entry += (tuple(id(h) for h in mod._forward_hooks.values()),
-                      tuple(id(h) for h in mod._forward_pre_hooks.values()))
-        sig.append(entry)
-    return tuple(sig)
+    return tuple(_module_entry(name, mod) for name, mod in model.named_modules())
+
+
+def untracked_modules(model) -> list[tuple[str, torch.nn.Module]]:
+    """The modules that do not count their own changes (not a :class:`Component`: the embedding,
+    layer lists, a user's implementations). A new one can only appear through a counted change of a
+    component parent or a changed child of an untracked one, so the list is taken at capture."""
+    return [(name, mod) for name, mod in model.named_modules() if not isinstance(mod, Component)]
+
+
+def untracked_signature(mods: list[tuple[str, torch.nn.Module]]) -> tuple:
+    """Signature entries of ``mods`` with their children's identities (an item assigned into an
+    ``nn.ModuleList`` changes its parent's entry)."""
+    return tuple(_module_entry(name, mod) + (tuple(id(c) for c in mod.children()),) for name, mod in mods)
 
 
 @dataclass
@@ -70,6 +82,9 @@ class GraphDecoder:
         self.warmup = warmup
         self.segments: list[_Segment] = []
         self.signature = None
+        self.untracked = None
+        self.untracked_mods: list = []
+        self.changes_seen = -1
         self.captures = 0
 
     # ------------------------------------------------------------- capture
@@ -108,11 +123,25 @@ class GraphDecoder:
         for dev in {s.device for s in self.segments}:
             torch.cuda.synchronize(dev)
         self.signature = model_signature(model)
+        self._note_current()
         self.captures += 1
 
     def ensure_current(self) -> None:
-        if not self.segments or model_signature(self.model) != self.signature:
+        """Recapture when anything the graphs baked in changed: the full signature is compared only
+        when a component counted a change (``model.component``) or an untracked module changed."""
+        if not self.segments:
             self.capture()
+            return
+        if changes() == self.changes_seen and untracked_signature(self.untracked_mods) == self.untracked:
+            return
+        if model_signature(self.model) != self.signature:
+            self.capture()
+            return
+        self._note_current()
+
+    def _note_current(self) -> None:
+        self.changes_seen, self.untracked_mods = changes(), untracked_modules(self.model)
+        self.untracked = untracked_signature(self.untracked_mods)
 
     # -------------------------------------------------------------- replay
     @torch.no_grad()

@@ -20,6 +20,7 @@ from torch import nn
 from ..config import CSA, SLIDING, DSV4Config
 from ..quant.modes import RoundTrip
 from .bounded_attention import DEFAULT_BLOCK_BYTES, block_rows, bounded_attention
+from .component import Component
 from .compressor import Compressor
 from .decode_attention import decode_keys_bias, masked_logits, sink_softmax
 from .hooks import HookPoint
@@ -33,7 +34,7 @@ from .state import LayerState
 PREFILL_PATHS = ("auto", "dense")  # Attention.prefill_path: "auto" picks bounded/blocked/dense
 
 
-class Attention(nn.Module):
+class Attention(Component):
     ROUND_TRIPS = (RoundTrip.KV_FP8, RoundTrip.PROBS_BF16)
 
     def __init__(self, config: DSV4Config, layer: int) -> None:

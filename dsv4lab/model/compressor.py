@@ -17,6 +17,7 @@ from torch import nn
 
 from ..config import DSV4Config
 from ..quant.modes import RoundTrip
+from .component import Component
 from .hooks import HookPoint
 from .linear import QLinear
 from .norms import RMSNorm
@@ -25,7 +26,7 @@ from .roundtrips import indexer_fp4_round_trip, kv_fp8_round_trip
 from .state import CompressorState
 
 
-class Compressor(nn.Module):
+class Compressor(Component):
     def __init__(self, config: DSV4Config, dim: int, ratio: int, overlap: bool, rotate: bool = False) -> None:
         super().__init__()
         self.rotate = rotate  # the indexer's keys: its round trip is indexer_fp4, not kv_fp8

@@ -6,6 +6,7 @@ from torch import nn
 
 from ..config import DSV4Config
 from .attention import Attention
+from .component import Component
 from .hooks import HookPoint
 from .mhc import HyperConnection
 from .moe import MoE
@@ -13,7 +14,7 @@ from .norms import RMSNorm
 from .state import LayerState
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Component):
     def __init__(self, config: DSV4Config, layer: int) -> None:
         super().__init__()
         self.index = layer

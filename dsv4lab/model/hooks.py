@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from .component import Component
 
 
-class HookPoint(nn.Module):
+class HookPoint(Component):
     """Identity tap; forward hooks registered on it see (and may replace) the tensor."""
 
     def __init__(self, meaning: str = "") -> None:

@@ -18,6 +18,7 @@ from torch import nn
 from ..config import DSV4Config
 from ..quant.modes import RoundTrip
 from .bounded_attention import block_rows
+from .component import Component
 from .compressor import Compressor
 from .hooks import HookPoint
 from .linear import QLinear
@@ -25,7 +26,7 @@ from .rope import Rotary, apply_rope
 from .roundtrips import indexer_fp4_round_trip
 
 
-class Indexer(nn.Module):
+class Indexer(Component):
     ROUND_TRIPS = (RoundTrip.INDEXER_FP4,)  # q here, k in its compressor (set together)
 
     def __init__(self, config: DSV4Config, ratio: int) -> None:

@@ -26,12 +26,13 @@ from torch import nn
 from ..quant import activations as A
 from ..quant.modes import LINEAR_MODES, ActScale, Mode, RoundTrip, as_act_scale, as_mode
 from ..quant.weights import NVFP4Weight, PlainWeight, QuantWeight
+from .component import Component
 
 MODES = LINEAR_MODES
 ACT_FOR_MODE = {Mode.BF16: "none", Mode.W4A16: "none", Mode.W4A4: "nvfp4", Mode.W4A8: "fp8", Mode.OFFICIAL: "fp8_pow2"}
 
 
-class QLinear(nn.Module):
+class QLinear(Component):
     """Linear y = x W^T with a plain Parameter or a QuantWeight, under a precision mode."""
 
     ROUND_TRIPS = (RoundTrip.ACT_FP8_POW2,)  # the round trips a policy can switch on here

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DSV4Config
+from .component import Component
 from .hooks import HookPoint
 from .norms import unweighted_rms_norm
 
@@ -59,7 +60,7 @@ def head_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
     return torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + eps
 
 
-class HyperConnection(nn.Module):
+class HyperConnection(Component):
     """One mHC site (attention or FFN): computes pre/post/comb and collapses the streams."""
 
     def __init__(self, config: DSV4Config) -> None:
@@ -115,7 +116,7 @@ class HyperConnection(nn.Module):
         return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
-class HyperHead(nn.Module):
+class HyperHead(Component):
     """Final collapse of the hc streams before the output norm and head."""
 
     def __init__(self, config: DSV4Config) -> None:

@@ -19,10 +19,11 @@ from .mhc import HyperHead
 from .norms import RMSNorm
 from .state import DecodeState
 from .chunking import CPU_MAX_CHUNK, choose_chunk, free_bytes
+from .component import Component
 from .validate import InputError, check_chunk, check_embeds, check_ids, check_new_tokens
 
 
-class DSV4Model(nn.Module):
+class DSV4Model(Component):
     def __init__(self, config: DSV4Config) -> None:
         super().__init__()
         self.config = config

@@ -16,6 +16,7 @@ from torch import nn
 from ..config import HASH_MOE, DSV4Config
 from ..quant.modes import Mode, RoundTrip
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
+from .component import Component
 from .expert_stack import ExpertStack
 from .hooks import HookPoint
 from .linear import QLinear
@@ -103,7 +104,7 @@ def route(logits: torch.Tensor, top_k: int, scoring: str, scale: float, bias: to
     return ids, routing_weights(scores, ids, scoring, scale)
 
 
-class Expert(nn.Module):
+class Expert(Component):
     """One SwiGLU FFN with the DSV4 clamp (also the shared expert)."""
 
     def __init__(self, config: DSV4Config) -> None:
@@ -131,7 +132,7 @@ class SharedExpert(Expert):
         return self.hook_out(super().forward(x))
 
 
-class Experts(nn.Module):
+class Experts(Component):
     """Routed experts. ``sparse`` (prefill) visits only hit experts (host sync); ``masked``
     (decode, graph-safe) runs every expert and zero-weights the unchosen; ``gathered`` (decode,
     graph-safe, ``gather_in_decode``) reads only the chosen experts from the stacked weights.
@@ -285,7 +286,7 @@ class Experts(nn.Module):
         return self.hook_out(out)
 
 
-class MoE(nn.Module):
+class MoE(Component):
     def __init__(self, config: DSV4Config, layer: int) -> None:
         super().__init__()
         self.router = Router(config, config.mlp_layer_types[layer] == HASH_MOE)

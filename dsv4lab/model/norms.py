@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from .component import Component
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Component):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..config import DSV4Config
+from .component import Component
 
 
 def inverse_frequencies(config: DSV4Config, kind: str) -> torch.Tensor:
@@ -28,7 +29,7 @@ def inverse_frequencies(config: DSV4Config, kind: str) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
 
 
-class Rotary(nn.Module):
+class Rotary(Component):
     """cos/sin tables per position (computed on the fly: positions may be device tensors)."""
 
     def __init__(self, config: DSV4Config, kind: str) -> None:
