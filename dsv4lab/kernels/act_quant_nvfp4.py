@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..quant.activations import nvfp4_global_scale
-from .common import INTERPRET  # importing common also patches the interpreter for numpy >= 2.4
+from .common import cdiv, INTERPRET  # importing common also patches the interpreter for numpy >= 2.4
 from .device import on_input_device
 
 
@@ -79,7 +79,7 @@ def nvfp4_act_quant(x: torch.Tensor, global_scale: torch.Tensor | float | None =
     scale = torch.empty((*lead, K // 16), dtype=torch.uint8, device=x.device)
     if NB:
         BB = 16 if INTERPRET else 128
-        _act_quant_kernel[(triton.cdiv(NB, BB),)](xc, gs, y, packed, scale, NB, BB=BB, num_warps=4)
+        _act_quant_kernel[(cdiv(NB, BB),)](xc, gs, y, packed, scale, NB, BB=BB, num_warps=4)
     return y, packed, scale.view(torch.float8_e4m3fn), gs.reshape(())
 
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_dtype, head_block_query, online_softmax_tile
+from .common import cdiv, next_pow2, dot_dtype, head_block_query, online_softmax_tile
 from .device import on_input_device
 
 
@@ -82,7 +82,7 @@ def bounded_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, 
     sel = selected.to(torch.int32).contiguous() if (entries is not None and selected is not None) else None
     out = torch.empty(B, S, H, D, dtype=wk.dtype, device=q.device)
     sel_arg = sel if sel is not None else torch.empty(1, 1, 1, dtype=torch.int32, device=q.device)
-    grid = (S, triton.cdiv(H, block_h), B)
+    grid = (S, cdiv(H, block_h), B)
     dot = tl.float32 if wk.dtype == torch.float32 else dot_dtype(wk)  # fp32 under the interpreter
     _bounded_attention_kernel[grid](
         q, wk, ent, sel_arg, sink.float().contiguous(), out,
@@ -91,5 +91,5 @@ def bounded_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, 
         q.stride(0), q.stride(1), q.stride(2), wk.stride(0), wk.stride(1), ent.stride(0), ent.stride(1),
         sel_arg.stride(0), sel_arg.stride(1), out.stride(0), out.stride(1), out.stride(2),
         HAS_ENT=entries is not None, HAS_SEL=sel is not None, DOT=dot, IEEE=dot == tl.float32,
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(max(D, 16)), num_warps=num_warps)
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=next_pow2(max(D, 16)), num_warps=num_warps)
     return out

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_dtype, head_block_query, num_sms, online_softmax_tile
+from .common import cdiv, next_pow2, dot_dtype, head_block_query, num_sms, online_softmax_tile
 from .device import on_input_device
 
 BLOCK_H = 32   # heads per program: the bounded prefill kernel's tile (offline sm_90a: no spills)
@@ -108,10 +108,10 @@ def decode_splits(batch: int, heads: int, key_capacity: int, device: torch.devic
     """Splits per (head block, batch row): enough programs for one wave of the SMs, then as few as
     keep the longest split's tile count (partials cost fp32 [splits, H, Dh] of writes and reads).
     A host rule of the shapes, so a step's grid and summation order never depend on ``pos``."""
-    cap_tiles = max(1, triton.cdiv(key_capacity, BLOCK_N))
-    want = max(1, triton.cdiv(num_sms(device), batch * triton.cdiv(heads, BLOCK_H)))
-    per_split = triton.cdiv(cap_tiles, min(want, cap_tiles))
-    return triton.cdiv(cap_tiles, per_split)
+    cap_tiles = max(1, cdiv(key_capacity, BLOCK_N))
+    want = max(1, cdiv(num_sms(device), batch * cdiv(heads, BLOCK_H)))
+    per_split = cdiv(cap_tiles, min(want, cap_tiles))
+    return cdiv(cap_tiles, per_split)
 
 
 @on_input_device
@@ -151,8 +151,8 @@ def decode_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, w
     n_ent_arg = n_entries if (has_ent and n_entries is not None) else pos
     sink32 = sink.float().contiguous()
     dot = tl.float32 if ring.dtype == torch.float32 else dot_dtype(ring)  # fp32 under the interpreter
-    block_d = triton.next_power_of_2(max(D, 16))
-    _decode_split_kernel[(triton.cdiv(H, BLOCK_H), n_split, B)](
+    block_d = next_pow2(max(D, 16))
+    _decode_split_kernel[(cdiv(H, BLOCK_H), n_split, B)](
         q, ring, ent, sel_arg, n_ent_arg, pos, sink32, out, part, m_part, l_part,
         H, D, W, T, K, n_split, scale,
         q.stride(0), q.stride(2), ring.stride(0), ring.stride(1), ent.stride(0), ent.stride(1),

@@ -15,6 +15,8 @@ triton-free). Under ``TRITON_INTERPRET=1`` it patches the interpreter for numpy 
 from __future__ import annotations
 
 import os
+import weakref
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -354,6 +356,60 @@ def group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, G: tl.const
 # ----------------------------------------------------------------------------- host side
 _COUNTERS: dict = {}  # (device type, index) -> split-K tile counters
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+T = TypeVar("T")
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host ints. ``triton.cdiv`` is a ``constexpr_function`` in triton 3.6: ~2 us
+    of argument unwrapping per host call, paid several times per launch."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (0 for 0), as ``triton.next_power_of_2`` without its host cost."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+_PER_WEIGHT: dict[int, tuple[weakref.ref, dict]] = {}  # id(tensor) -> (weakref to it, {key: value})
+PER_WEIGHT_ENTRIES = 8  # per tensor; a miss beyond this clears its entries (a swapped .data, dtypes)
+
+
+def _drop_weight(i: int, ref: weakref.ref) -> None:
+    if _PER_WEIGHT.get(i, (None,))[0] is ref:
+        del _PER_WEIGHT[i]
+
+
+def weight_cached(t: torch.Tensor, key: tuple, build: Callable[[], T]) -> T:
+    """``build()`` once per (tensor object ``t``, its data_ptr / shape / strides, ``key``): what the
+    launch of a weight derives from it alone (configs, split arithmetic, TMA descriptors over it).
+
+    Safe against stale entries: keyed on ``t``'s identity through a weak reference (a new weight
+    object, e.g. after ``QLinear.set_weight``, misses; an entry goes when its tensor dies, so no
+    dead weight is kept alive by the cache) and on its data_ptr / shape / strides (``t.data = ...``
+    misses). ``key`` must name everything else the value depends on (other tensors by id AND
+    data_ptr, dtypes, devices, env switches)."""
+    i = id(t)
+    slot = _PER_WEIGHT.get(i)
+    if slot is None or slot[0]() is not t:
+        slot = _PER_WEIGHT[i] = (weakref.ref(t, lambda r, i=i: _drop_weight(i, r)), {})
+    full = (t.data_ptr(), t.shape, t.stride(), key)
+    entries = slot[1]
+    v = entries.get(full)
+    if v is None:
+        if len(entries) >= PER_WEIGHT_ENTRIES:
+            entries.clear()
+        v = entries[full] = build()
+    return v
+
+
+def rebased(template: TensorDescriptor, base: torch.Tensor) -> TensorDescriptor:
+    """``template`` over another tensor of the same shape, strides and dtype (16-byte aligned, as
+    every allocation is): a copy with ``base`` swapped, skipping ``TensorDescriptor``'s validation
+    (~4 us a call) that ``template`` already passed for this geometry."""
+    d = object.__new__(TensorDescriptor)
+    d.__dict__.update(template.__dict__)
+    d.base = base
+    return d
 
 
 def counters(device: torch.device, n: int) -> torch.Tensor:
@@ -371,10 +427,11 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
-def dot_dtype(x: torch.Tensor):
+def dot_dtype(x: torch.Tensor | torch.dtype):
+    """The tl.dot operand dtype for activations x (a tensor or its dtype)."""
     if INTERPRET:  # triton 3.6's interpreter mis-computes bf16 tl.dot under numpy 2.x; fp32 is
         return tl.float32  # the same math here (operands are exact bf16 values)
-    return tl.float16 if x.dtype == torch.float16 else tl.bfloat16
+    return tl.float16 if getattr(x, "dtype", x) == torch.float16 else tl.bfloat16
 
 
 BOX_GROUPS = 16  # 16-groups per TMA box along K: 128 bytes of weight words, 16 bytes of scales per row
@@ -476,19 +533,28 @@ def x_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Ten
     K = x.shape[-1]
     KG = K // 16
     xp = torch.empty((KG, 16), dtype=torch.int32, device=x.device)
-    kgp = triton.cdiv(KG, INV_PAD) * INV_PAD
+    kgp = cdiv(KG, INV_PAD) * INV_PAD
     inv = torch.empty(kgp, dtype=torch.float32, device=x.device)
     bg = 16 if INTERPRET else 32
-    _x_pairs_kernel[(triton.cdiv(kgp, bg),)](x, xp, inv, KG, kgp, BG=bg, PDL=pdl, num_warps=1 if INTERPRET else 4,
-                                             **({"launch_pdl": True} if pdl else {}))
+    _x_pairs_kernel[(cdiv(kgp, bg),)](x, xp, inv, KG, kgp, BG=bg, PDL=pdl, num_warps=1 if INTERPRET else 4,
+                                      **({"launch_pdl": True} if pdl else {}))
     return xp, inv[:KG]
+
+
+_PAIRS_DESC: dict = {}  # (KG, g, xinv) -> a descriptor over some x_pairs rows, the geometry to rebase
 
 
 def pairs_descriptor(xp: torch.Tensor, g: int, xinv: bool) -> TensorDescriptor:
     """TMA descriptor over ``x_pairs`` rows [KG, 16] with boxes of ``g`` groups: whole rows (pairs
     and 1/xs, ``xinv``) or only their 8 pair words (row stride 64 bytes)."""
-    if xinv:
-        return TensorDescriptor.from_tensor(xp, [g, 16])
-    return TensorDescriptor(xp, [xp.shape[0], 8], [xp.stride(0), 1], [g, 8])
-
-
+    key = (xp.shape[0], g, xinv)
+    tpl = _PAIRS_DESC.get(key)
+    if tpl is None or xp.stride() != (16, 1) or xp.dtype != torch.int32:
+        if xinv:
+            d = TensorDescriptor.from_tensor(xp, [g, 16])
+        else:
+            d = TensorDescriptor(xp, [xp.shape[0], 8], [xp.stride(0), 1], [g, 8])
+        if xp.stride() == (16, 1) and xp.dtype == torch.int32:
+            _PAIRS_DESC[key] = rebased(d, None)  # the geometry only: keeps no activation alive
+        return d
+    return rebased(tpl, xp)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import INTERPRET  # importing common also patches the interpreter for numpy >= 2.4
+from .common import next_pow2, INTERPRET  # importing common also patches the interpreter for numpy >= 2.4
 from .device import on_input_device
 
 
@@ -193,9 +193,9 @@ def compressor_decode_triton(kv: torch.Tensor, z: torch.Tensor, pos: torch.Tenso
     ape_c, nw, inv = ape.contiguous(), norm_weight.contiguous(), inv_freq.contiguous()
     n = torch.empty(1, dtype=torch.long, device=kv.device)
     norm_dt = torch.promote_types(norm_weight.dtype, kv.dtype)
-    BLOCK_D = triton.next_power_of_2(d)
+    BLOCK_D = next_pow2(d)
     L = c * m
-    BLOCK_L = min(triton.next_power_of_2(L), block_l)
+    BLOCK_L = min(next_pow2(L), block_l)
     if num_warps is None:
         num_warps = 8 if BLOCK_D >= 512 else 4
     _compressor_decode_kernel[(B,)](
@@ -204,6 +204,6 @@ def compressor_decode_triton(kv: torch.Tensor, z: torch.Tensor, pos: torch.Tenso
         ring_kv.stride(0), ring_kv.stride(1), ring_gate.stride(0), ring_gate.stride(1),
         entries.stride(0), entries.stride(1),
         M=m, R=c * m, D=d, C=C, RD=rd, OVERLAP=overlap, CUR_COL=d if overlap else 0, KV_DT=_TL[kv.dtype], NORM_DT=_TL[norm_dt],
-        ACCURATE=not INTERPRET, BLOCK_C=triton.next_power_of_2(C), BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L,
+        ACCURATE=not INTERPRET, BLOCK_C=next_pow2(C), BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L,
         num_warps=num_warps, enable_fp_fusion=False)
     return n.reshape(pos.shape)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_dtype, num_sms
+from .common import cdiv, next_pow2, dot_dtype, num_sms
 from .device import on_input_device
 
 BLOCK_T = 64    # keys per tile: s [Hi=64, 64] fp32 and q [64, 128] bf16 per program at V4-Pro shapes
@@ -82,12 +82,12 @@ def index_scores_decode_triton(q: torch.Tensor, w_raw: torch.Tensor, keys: torch
     keys = keys.contiguous()
     T = keys.shape[1]
     out = torch.empty(B, 1, T, dtype=torch.float32, device=q.device)
-    n_tiles = triton.cdiv(T, BLOCK_T)
-    progs = programs or max(1, min(n_tiles, triton.cdiv(2 * num_sms(q.device), B)))
+    n_tiles = cdiv(T, BLOCK_T)
+    progs = programs or max(1, min(n_tiles, cdiv(2 * num_sms(q.device), B)))
     dot = _dot_for(q, keys)
     _index_scores_kernel[(progs, B)](
         q, w_raw, keys, n_valid, out, T, HI, DI, progs, w_scale, DI ** -0.5,
         q.stride(0), q.stride(2), w_raw.stride(0), keys.stride(0), keys.stride(1), out.stride(0),
-        DOT=dot, IEEE=dot == tl.float32, BLOCK_T=BLOCK_T, BLOCK_HI=triton.next_power_of_2(max(HI, 16)),
-        BLOCK_DI=triton.next_power_of_2(max(DI, 16)), num_warps=NUM_WARPS)
+        DOT=dot, IEEE=dot == tl.float32, BLOCK_T=BLOCK_T, BLOCK_HI=next_pow2(max(HI, 16)),
+        BLOCK_DI=next_pow2(max(DI, 16)), num_warps=NUM_WARPS)
     return out

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FMT_FP8, FMT_MXFP4, FMT_NVFP4, INTERPRET, counters, dequant_tile, dot_dtype, num_sms, \
+from .common import cdiv, FMT_FP8, FMT_MXFP4, FMT_NVFP4, INTERPRET, counters, dequant_tile, dot_dtype, num_sms, \
     store_or_fix_up
 
 GEMM_MIN_M = 64  # from this batch on, the prefill GEMM (below: the GEMV / older tiled kernels)
@@ -113,13 +113,13 @@ def gemm_tiles(fmt: str, M: int, N: int, K: int, device: torch.device) -> dict:
         bm, bn, bk2, warps, stages, swap = (64 if M <= 64 else 128), 128, min(bk, 128), 8, 3, True
     else:
         bm, bn, bk2, warps, stages, swap = 128, 256, min(bk, 64), 8, 3, False
-        if triton.cdiv(M, bm) * triton.cdiv(N, bn) < 2 * sms:
+        if cdiv(M, bm) * cdiv(N, bn) < 2 * sms:
             bn = 128
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    tiles = cdiv(M, bm) * cdiv(N, bn)
     steps = K // bk2
     split = 1
     if tiles < sms:
-        split = max(1, min(triton.cdiv(sms, tiles), steps // 4, 32))
+        split = max(1, min(cdiv(sms, tiles), steps // 4, 32))
     return {"BM": bm, "BN": bn, "BK": bk2, "SWAP": swap, "GROUP_M": 8, "STAGES": stages, "SPLIT": split,
             "num_warps": warps}
 
@@ -143,9 +143,9 @@ def launch_gemm(x2: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Ten
     bm, bn, bk = c["BM"], c["BN"], c["BK"]
     if K % bk or bk % 32 or (fmt == "fp8_block" and 128 % bk):
         raise ValueError(f"BK {bk} must be a multiple of 32 dividing K = {K} (FP8-block: and 128)")
-    kps = triton.cdiv(triton.cdiv(K, c["SPLIT"]), bk) * bk
-    split = triton.cdiv(K, kps)
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split)
+    kps = cdiv(cdiv(K, c["SPLIT"]), bk) * bk
+    split = cdiv(K, kps)
+    grid = (cdiv(M, bm) * cdiv(N, bn), split)
     if split > 1:
         ws = torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
         cnt = counters(x2.device, grid[0])

@@ -48,6 +48,8 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from .common import (
+    cdiv,
+    next_pow2,
     INTERPRET,
     counters,
     dot_dtype,
@@ -57,10 +59,11 @@ from .common import (
     nibble_plane_dots,
     num_sms,
     store_or_fix_up,
+    weight_cached,
 )
 from .device import on_input_device
 from .linear_gemm import gemm_supported, launch_gemm
-from .linear_nvfp4_tma import launch_gemv_tma, tma_default_config, tma_supported
+from .linear_nvfp4_tma import GemvTmaPlan, launch_gemv_tma, run_gemv_tma, tma_default_config, tma_supported
 
 
 @triton.jit
@@ -270,9 +273,9 @@ def default_config(M: int, N: int, K: int, device: torch.device) -> dict:
         bn, g, warps = (32, 16, 4) if not INTERPRET else (16, 2, 1)
     else:
         bn, g, warps = (64, 16, 4) if not INTERPRET else (16, 16, 1)
-    n_tiles = triton.cdiv(N, bn)
+    n_tiles = cdiv(N, bn)
     target = 4 * num_sms(device)
-    split = max(1, min(triton.cdiv(target, n_tiles), KG // (4 * g) if KG >= 4 * g else 1, 64))
+    split = max(1, min(cdiv(target, n_tiles), KG // (4 * g) if KG >= 4 * g else 1, 64))
     return {"BN": bn, "G": g, "SPLIT": split, "num_warps": warps, "H2": M == 1, "XP": M == 1}
 
 
@@ -283,9 +286,9 @@ def _candidates(M: int, N: int, K: int, device: torch.device) -> list[dict]:
              [(64, 16, 4), (128, 16, 4), (64, 32, 4)]
     out = []
     for bn, g, w in shapes:
-        n_tiles = triton.cdiv(N, bn)
+        n_tiles = cdiv(N, bn)
         for mult in (2, 4, 8):
-            split = max(1, min(triton.cdiv(mult * sms, n_tiles), max(1, KG // g), 64))
+            split = max(1, min(cdiv(mult * sms, n_tiles), max(1, KG // g), 64))
             for h2, xp, pf in (((True, True, 1), (True, True, 2), (True, False, 1), (False, False, 1)) if M == 1
                                else ((False, False, 1),)):
                 c = {"BN": bn, "G": g, "SPLIT": split, "num_warps": w, "H2": h2, "XP": xp, "PF": pf}
@@ -306,9 +309,9 @@ def _launch_gemv(x2, packed, scale, gs, y, cfg):
     KG = K // 16
     w64 = packed.view(torch.int64)
     split = cfg["SPLIT"]
-    gps = triton.cdiv(triton.cdiv(KG, split), cfg["G"]) * cfg["G"]
-    split = triton.cdiv(KG, gps)
-    n_tiles = triton.cdiv(N, cfg["BN"])
+    gps = cdiv(cdiv(KG, split), cfg["G"]) * cfg["G"]
+    split = cdiv(KG, gps)
+    n_tiles = cdiv(N, cfg["BN"])
     bmp = _bmp(M)
     if split > 1:
         ws = torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
@@ -321,7 +324,7 @@ def _launch_gemv(x2, packed, scale, gs, y, cfg):
     if xpairs:
         xp = torch.empty(K // 2, dtype=torch.int32, device=x2.device)
         inv = torch.empty(1, dtype=torch.float32, device=x2.device)
-        xb = 64 if INTERPRET else min(4096, triton.next_power_of_2(max(K // 2, 64)))  # few, wide steps: it runs before every CTA
+        xb = 64 if INTERPRET else min(4096, next_pow2(max(K // 2, 64)))  # few, wide steps: it runs before every CTA
         _x_pairs_kernel[(1,)](x2, xp, inv, K, XB=xb, num_warps=1 if INTERPRET else 16)
     else:
         xp, inv = x2, gs
@@ -339,11 +342,11 @@ def gemm_config(M: int, N: int, K: int, device: torch.device) -> dict:
     if INTERPRET:
         return {"BM": 32, "BN": 16, "BK": 32, "SPLIT": 1, "num_warps": 1}
     bm, bn, bk, warps = (64 if M <= 64 else 128), 128, 64, 8
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    tiles = cdiv(M, bm) * cdiv(N, bn)
     sms = num_sms(device)
     split = 1
     if tiles < sms:
-        split = max(1, min(triton.cdiv(2 * sms, tiles), K // (4 * bk), 32))
+        split = max(1, min(cdiv(2 * sms, tiles), K // (4 * bk), 32))
     return {"BM": bm, "BN": bn, "BK": bk, "SPLIT": split, "num_warps": warps}
 
 
@@ -351,9 +354,9 @@ def _launch_gemm(x2, packed, scale, gs, y, cfg):
     M, K = x2.shape
     N = packed.shape[0]
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    kps = triton.cdiv(triton.cdiv(K, cfg["SPLIT"]), bk) * bk  # whole BK steps (and 16-groups) per split
-    split = triton.cdiv(K, kps)
-    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+    kps = cdiv(cdiv(K, cfg["SPLIT"]), bk) * bk  # whole BK steps (and 16-groups) per split
+    split = cdiv(K, kps)
+    grid = (cdiv(M, bm), cdiv(N, bn), split)
     if split > 1:
         ws = torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
         cnt = counters(x2.device, grid[0] * grid[1])
@@ -418,6 +421,44 @@ def _tuned_config(x2, packed, scale, gs, y) -> dict:
     return cfg
 
 
+class _DecodePlan:
+    """A weight's decode (M <= 16) launch, cached by ``_decode_plan``: its uint8 views, the config
+    and, on the TMA path, the ``GemvTmaPlan``; ``gs`` the fp32 [1] view of the global scale (None
+    when that needs a copy, which is then made per call so in-place updates are seen)."""
+
+    __slots__ = ("packed", "scale", "cfg", "tma", "gs")
+
+    def __init__(self, packed, scale, cfg, tma, gs):
+        self.packed, self.scale, self.cfg, self.tma, self.gs = packed, scale, cfg, tma, gs
+
+
+def _decode_plan(x2: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                 M: int) -> _DecodePlan | None:
+    """The cached ``_DecodePlan`` of this weight for x2's dtype, device and batch bucket (None when the
+    weight's tensors need a per-call copy: a byte-offset or strided view). Keyed on the weight
+    tensors' identities and data pointers (``common.weight_cached``) and on DSV4LAB_KERNEL_TMA."""
+    key = (id(block_scale), block_scale.data_ptr(), id(global_scale), global_scale.data_ptr(), M == 1, x2.dtype,
+           x2.device, os.environ.get("DSV4LAB_KERNEL_TMA", "1"))
+    return weight_cached(packed, key, lambda: _build_decode_plan(x2, packed, block_scale, global_scale))
+
+
+def _build_decode_plan(x2, packed_in, block_scale, global_scale) -> _DecodePlan | None:
+    packed = packed_in.view(torch.uint8).contiguous()
+    scale = block_scale.view(torch.uint8).contiguous()
+    if packed.data_ptr() != packed_in.data_ptr() or packed.data_ptr() % 8 or scale.data_ptr() != block_scale.data_ptr():
+        return None  # copies: nvfp4_matmul's uncached path makes them per call
+    gs = global_scale.reshape(1).to(device=x2.device, dtype=torch.float32)
+    y = torch.empty((x2.shape[0], packed.shape[0]), dtype=x2.dtype, device=x2.device)  # for a tuning run only
+    cfg = _tuned_config(x2, packed, scale, gs, y)
+    tma = None
+    if cfg.get("TMA"):
+        if not tma_supported(x2, packed, scale):
+            raise ValueError("a TMA config needs M <= 16, K % 256 == 0, 16-byte aligned weights and CUDA "
+                             "capability >= 9.0 (or TRITON_INTERPRET=1)")
+        tma = GemvTmaPlan(packed, scale, cfg, x2.shape[0] == 1, x2.dtype)
+    return _DecodePlan(packed, scale, cfg, tma, gs if gs.data_ptr() == global_scale.data_ptr() else None)
+
+
 @on_input_device
 def nvfp4_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
                  global_scale: torch.Tensor, out_dtype: torch.dtype | None = None,
@@ -441,6 +482,16 @@ def nvfp4_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
+    if 0 < M <= 16 and config is None:
+        plan = _decode_plan(x2, packed, block_scale, global_scale, M)
+        if plan is not None:
+            gs = plan.gs if plan.gs is not None else global_scale.reshape(1).to(device=x.device, dtype=torch.float32)
+            y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+            if plan.tma is not None:
+                run_gemv_tma(plan.tma, x2, gs, y)
+            else:
+                _launch_gemv(x2, plan.packed, plan.scale, gs, y, plan.cfg)
+            return y.reshape(*lead, N)
     packed = packed.view(torch.uint8).contiguous()
     if packed.data_ptr() % 8:  # the kernels read packed rows as int64 words (a byte-offset view: copy once)
         packed = packed.clone()

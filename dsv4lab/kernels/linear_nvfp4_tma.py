@@ -46,6 +46,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import (
+    cdiv,
     BOX_GROUPS,
     INTERPRET,
     block_scales,
@@ -132,8 +133,8 @@ def tma_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) ->
 
 
 def _split_for(N: int, K: int, bn: int, mult: int, sms: int) -> int:
-    tiles = triton.cdiv(N, bn)
-    return max(1, min(triton.cdiv(mult * sms, tiles), max(1, (K // 16) // BOX_GROUPS), 64))
+    tiles = cdiv(N, bn)
+    return max(1, min(cdiv(mult * sms, tiles), max(1, (K // 16) // BOX_GROUPS), 64))
 
 
 def tma_default_config(N: int, K: int, device: torch.device, M: int = 1) -> dict:
@@ -148,13 +149,13 @@ def tma_default_config(N: int, K: int, device: torch.device, M: int = 1) -> dict
         return {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": 1, "num_warps": 1}
     sms = num_sms(device)
     if M > 1:  # the tl.dot loop: 128-row tiles when they cover the SMs, else split K over ~4 waves
-        if triton.cdiv(N, 128) >= sms:
+        if cdiv(N, 128) >= sms:
             bn, mult = 128, 1
         else:
             bn, mult = (128 if N >= 4096 else 64), 4
         return {"TMA": True, "BN": bn, "STAGES": 3, "SPLIT": _split_for(N, K, bn, mult, sms), "num_warps": 4}
     xinv = True  # 1/xs in the pair rows (``pairs_and_inv``)
-    if triton.cdiv(N, 256) >= sms:  # 4 stages (1 CTA/SM) for long rows: lm_head 145 us vs 208 us with 3
+    if cdiv(N, 256) >= sms:  # 4 stages (1 CTA/SM) for long rows: lm_head 145 us vs 208 us with 3
         bn, mult, stages = 256, 1, (4 if K >= 4096 else 3)
     elif K >= 8192:  # o_b: 128-row tiles, 3 stages (3 CTAs/SM), split ~10: 24.0-24.4 us vs 25.5-25.9
         bn, mult, stages = 128, 4, 3   # for 256 rows / 4 stages in three runs (h200_run8_sweeps.txt);
@@ -165,8 +166,60 @@ def tma_default_config(N: int, K: int, device: torch.device, M: int = 1) -> dict
     # programmatic dependent launch of prelude -> GEMV pays off for grids of short CTAs (about one
     # wave or split K: q_b 21.6 -> 20.6 us, o_b 27.1 -> 25.9, experts 9.9 -> 9.4); lm_head's
     # multi-wave grid of long CTAs lost 145 -> 163 us with it, so it stays off there
-    pdl = triton.cdiv(N, bn) * split <= 3 * sms or split > 1  # (the TMA path already implies sm_90+)
+    pdl = cdiv(N, bn) * split <= 3 * sms or split > 1  # (the TMA path already implies sm_90+)
     return {"TMA": True, "BN": bn, "STAGES": stages, "SPLIT": split, "num_warps": 4, "PDL": pdl, "XINV": xinv}
+
+
+class GemvTmaPlan:
+    """What a TMA GEMV launch derives from the weight, the config and the activation dtype alone:
+    descriptors over the weight words and scales, the split arithmetic, the grid and the kernel's
+    constexpr arguments. ``nvfp4_matmul`` keeps one per weight (``common.weight_cached``), so a decode
+    call only allocates and launches."""
+
+    __slots__ = ("N", "KG", "gps", "split", "n_tiles", "grid", "wd", "sd", "g", "m1", "pdl", "xinv", "kw")
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, cfg: dict, m1: bool, x_dtype: torch.dtype,
+                 groups: int = 1):
+        self.N = N = packed.shape[0]
+        self.KG = KG = packed.shape[1] // 8              # packed [N, K/2] bytes: K/16 groups
+        bn, g = cfg["BN"], cfg.get("G", BOX_GROUPS)      # g: 16-groups per TMA box along K
+        self.gps = gps = cdiv(cdiv(KG, cfg["SPLIT"]), g) * g   # whole boxes per split: no box straddles two
+        self.split = split = cdiv(KG, gps)
+        self.n_tiles = cdiv(N, bn)
+        self.grid = (self.n_tiles, split)
+        self.g, self.m1 = g, m1
+        mx = bool(cfg.get("MX", False))   # MXFP4: the scales hold one E8M0 per two groups, gs is 1
+        self.wd = TensorDescriptor.from_tensor(packed.view(torch.int64), [bn, g])
+        self.sd = TensorDescriptor.from_tensor(scale.view(torch.uint8), [bn, g // 2 if mx else g])
+        self.pdl = bool(cfg.get("PDL", False)) and not INTERPRET
+        self.xinv = bool(cfg.get("XINV", True))
+        if m1:
+            self.kw = dict(USE_SPLIT=split > 1, BN=bn, G=g, STAGES=cfg["STAGES"], USE_ASM=not INTERPRET, PDL=self.pdl,
+                           MX=mx, XINV=self.xinv, ROWS_PER_X=N // groups if groups > 1 else 0,
+                           num_warps=cfg["num_warps"], **({"launch_pdl": True} if self.pdl else {}))
+        else:
+            self.kw = dict(USE_SPLIT=split > 1, BN=bn, G=g, BMP=16, STAGES=cfg["STAGES"],
+                           DOT_DTYPE=dot_dtype(x_dtype),
+                           MX=mx, num_warps=cfg["num_warps"])
+
+
+def run_gemv_tma(plan: GemvTmaPlan, x2: torch.Tensor, gs: torch.Tensor, y: torch.Tensor,
+                 pairs: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """The launches of ``launch_gemv_tma`` for a ``plan`` made for this weight and x2's dtype (x2
+    [M, K] contiguous rows, M == 1 iff ``plan.m1``; grouped: x2 already [1, groups * K])."""
+    M = x2.shape[0]
+    if plan.split > 1:
+        ws = torch.empty((plan.split, M, plan.N), dtype=torch.float32, device=x2.device)
+        cnt = counters(x2.device, plan.n_tiles)
+    else:
+        ws, cnt = y, y
+    if plan.m1:
+        xp, inv = x_pairs(x2[0], plan.pdl) if pairs is None else pairs
+        _gemv_tma_kernel[plan.grid](plan.wd, plan.sd, pairs_descriptor(xp, plan.g, plan.xinv), inv, gs, y, ws, cnt,
+                                    plan.N, plan.KG, plan.gps, plan.split, **plan.kw)
+    else:
+        _gemv_tma_dot_kernel[plan.grid](plan.wd, plan.sd, x2, gs, y, ws, cnt, M, plan.N, plan.KG, x2.stride(0),
+                                        y.stride(0), plan.gps, plan.split, **plan.kw)
 
 
 def launch_gemv_tma(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor,
@@ -178,7 +231,9 @@ def launch_gemv_tma(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 
     ``groups`` > 1: the block-diagonal (grouped) use of one token, x2 [groups, K] and y [N]: row
     block i of N / groups rows (a multiple of BN) times x2[i], in the same two launches (one
-    prelude over all groups' pairs, one GEMV whose tiles pick their activation row)."""
+    prelude over all groups' pairs, one GEMV whose tiles pick their activation row).
+
+    Builds a ``GemvTmaPlan`` per call; ``nvfp4_matmul`` caches it per weight instead."""
     M, K = x2.shape
     N = packed.shape[0]
     if groups > 1:
@@ -186,32 +241,4 @@ def launch_gemv_tma(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
             raise ValueError(f"grouped GEMV: x2 must be [groups={groups}, K] and the {N} rows split into "
                              f"blocks that are multiples of BN={cfg['BN']}; got x2 {tuple(x2.shape)}")
         x2, M = x2.reshape(1, groups * K), 1
-    KG = K // 16
-    w64 = packed.view(torch.int64)
-    s8 = scale.view(torch.uint8)
-    bn, g = cfg["BN"], cfg.get("G", BOX_GROUPS)   # g: 16-groups per TMA box along K
-    gps = triton.cdiv(triton.cdiv(KG, cfg["SPLIT"]), g) * g   # whole boxes per split: no box straddles two
-    split = triton.cdiv(KG, gps)
-    n_tiles = triton.cdiv(N, bn)
-    if split > 1:
-        ws = torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
-        cnt = counters(x2.device, n_tiles)
-    else:
-        ws, cnt = y, y
-    mx = bool(cfg.get("MX", False))   # MXFP4: s8 holds one E8M0 per two groups, gs is 1
-    wd = TensorDescriptor.from_tensor(w64, [bn, g])
-    sd = TensorDescriptor.from_tensor(s8, [bn, g // 2 if mx else g])
-    if M == 1:
-        pdl = bool(cfg.get("PDL", False)) and not INTERPRET
-        xinv = bool(cfg.get("XINV", True))
-        xp, inv = x_pairs(x2[0], pdl) if pairs is None else pairs
-        _gemv_tma_kernel[(n_tiles, split)](
-            wd, sd, pairs_descriptor(xp, g, xinv), inv, gs, y, ws, cnt, N, KG, gps, split,
-            USE_SPLIT=split > 1, BN=bn, G=g, STAGES=cfg["STAGES"], USE_ASM=not INTERPRET, PDL=pdl, MX=mx, XINV=xinv,
-            ROWS_PER_X=N // groups if groups > 1 else 0,
-            num_warps=cfg["num_warps"], **({"launch_pdl": True} if pdl else {}))
-    else:
-        _gemv_tma_dot_kernel[(n_tiles, split)](
-            wd, sd, x2, gs, y, ws, cnt, M, N, KG, x2.stride(0), y.stride(0), gps, split,
-            USE_SPLIT=split > 1, BN=bn, G=g, BMP=16, STAGES=cfg["STAGES"], DOT_DTYPE=dot_dtype(x2), MX=mx,
-            num_warps=cfg["num_warps"])
+    run_gemv_tma(GemvTmaPlan(packed, scale, cfg, M == 1, x2.dtype, groups), x2, gs, y, pairs)

@@ -36,10 +36,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, counters, dot_dtype, e8m0_to_f32, nibble_plane_dots, num_sms, store_or_fix_up
+from .common import cdiv, INTERPRET, counters, dot_dtype, e8m0_to_f32, nibble_plane_dots, num_sms, store_or_fix_up, weight_cached
 from .device import on_input_device
 from .linear_gemm import GEMM_MIN_M, gemm_supported, launch_gemm
-from .linear_nvfp4_tma import launch_gemv_tma, tma_default_config, tma_supported
+from .linear_nvfp4_tma import GemvTmaPlan, run_gemv_tma, tma_default_config, tma_supported
 
 
 @triton.jit
@@ -113,8 +113,8 @@ def _tiles(M: int, N: int, K: int, device: torch.device, bn: int) -> tuple[int, 
     """(BM, K splits for the number of K steps ``K``): decode BM = 16, prefill 64; split K until
     the grid covers the SMs ~2x (at most 32 splits, at least 4 steps each)."""
     bm = 16 if M <= 16 else 64
-    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-    split = max(1, min(triton.cdiv(2 * num_sms(device), tiles), K // 4 if K >= 4 else 1, 32))
+    tiles = cdiv(N, bn) * cdiv(M, bm)
+    split = max(1, min(cdiv(2 * num_sms(device), tiles), K // 4 if K >= 4 else 1, 32))
     return bm, split
 
 
@@ -143,12 +143,22 @@ def mx_tma_supported(x2: torch.Tensor, w) -> bool:
 def _mx_decode_tma(x2: torch.Tensor, w, y: torch.Tensor, cfg: dict) -> None:
     """M <= 16 MXFP4: the NVFP4 TMA GEMV's tiles with 32-group boxes (one E8M0 per two groups),
     rows capped at 128 (a 256-row box of 32 groups would be 64 KB per stage), global scale 1."""
+    if not any(k != "TMA" for k in cfg):  # the default tiles: plan cached per weight (common.weight_cached)
+        key = (id(w.scale), w.scale.data_ptr(), x2.shape[0] == 1, x2.dtype, x2.device)
+        plan, s8 = weight_cached(w.packed, key, lambda: _mx_plan(x2, w, cfg))
+        run_gemv_tma(plan, x2, s8, y)  # MX: no global scale (the gs argument is not read)
+        return
+    plan, s8 = _mx_plan(x2, w, cfg)
+    run_gemv_tma(plan, x2, s8, y)
+
+
+def _mx_plan(x2: torch.Tensor, w, cfg: dict) -> tuple[GemvTmaPlan, torch.Tensor]:
     N, K = w.shape
     base = tma_default_config(N, K, x2.device, x2.shape[0])
     base["BN"] = min(base["BN"], 128)
     tc = {**base, "G": 32, **{k: v for k, v in cfg.items() if k != "TMA"}, "MX": True}
     s8 = w.scale.view(torch.uint8)
-    launch_gemv_tma(x2, w.packed, s8, s8, y, tc)  # MX: no global scale (the gs argument is not read)
+    return GemvTmaPlan(w.packed, s8, tc, x2.shape[0] == 1, x2.dtype), s8
 
 
 @on_input_device
@@ -186,19 +196,19 @@ def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Ten
         KW = K // 16
         bm, split = _tiles(M, N, KW // bw, x.device, bn)
         split = cfg.get("SPLIT", split)
-        wps = triton.cdiv(triton.cdiv(KW, split), bw) * bw
-        split = triton.cdiv(KW, wps)
+        wps = cdiv(cdiv(KW, split), bw) * bw
+        split = cdiv(KW, wps)
     else:
         s32 = w.scale_float().contiguous()
         bn = cfg.get("BN", 16 if INTERPRET else 64)
         if 128 % bn:
             raise ValueError(f"FP8-block BN {bn} must divide the 128-row scale block")
-        bm, split = _tiles(M, N, triton.cdiv(K, 128), x.device, bn)
+        bm, split = _tiles(M, N, cdiv(K, 128), x.device, bn)
         split = cfg.get("SPLIT", split)
-        kps = triton.cdiv(triton.cdiv(K, split), 128) * 128
-        split = triton.cdiv(K, kps)
+        kps = cdiv(cdiv(K, split), 128) * 128
+        split = cdiv(K, kps)
     bm = cfg.get("BM", bm)
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
+    grid = (cdiv(N, bn), cdiv(M, bm), split)
     if split > 1:
         ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
         cnt = counters(x.device, grid[0] * grid[1])

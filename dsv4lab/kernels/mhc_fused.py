@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, counters
+from .common import cdiv, next_pow2, INTERPRET, counters
 from .device import on_input_device
 
 BT_MAX = 16         # token rows per program of hc_pre
@@ -185,11 +185,11 @@ def _hc_post_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, D, HC: tl.constexpr
 def pre_split(T: int, K: int, split: int | None = None, block_k: int | None = None) -> tuple[int, int, int, int]:
     """(BT, BK, CH, SPLIT) for T tokens and K = hc*D: a fixed rule of the shape. V4-Pro (K = 28672):
     T = 1 -> 112 splits of 256; T = 4 -> 32 of 896; T >= 16 -> 8 of 3584 per 16-token block."""
-    bt = min(BT_MAX, triton.next_power_of_2(max(T, 1)))
+    bt = min(BT_MAX, next_pow2(max(T, 1)))
     bk = block_k or max(16, ACC_ELEMS // bt)
     want = split or max(1, SPLIT_ROWS // bt)
-    ch = triton.cdiv(triton.cdiv(K, want), bk) * bk
-    return bt, bk, ch, triton.cdiv(K, ch)
+    ch = cdiv(cdiv(K, want), bk) * bk
+    return bt, bk, ch, cdiv(K, ch)
 
 
 def _bf16_by_hand(x: torch.Tensor) -> bool:
@@ -208,8 +208,8 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     if T == 0:
         return pre, post, comb, out
     bt, bk, ch, n_split = pre_split(T, K, split, block_k)
-    hcp = triton.next_power_of_2(hc)
-    n_tb = triton.cdiv(T, bt)
+    hcp = next_pow2(hc)
+    n_tb = cdiv(T, bt)
     if n_split > 1:
         ws = torch.empty(n_tb * n_split * bt * (2 * hcp + hcp * hcp + 1), dtype=torch.float32, device=dev)
         cnt = counters(dev, n_tb)
@@ -218,7 +218,7 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     _hc_pre_kernel[(n_tb, n_split)](
         x, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,
         T, K, D, ch, int(iters), float(hc_eps), float(norm_eps), HC=hc, HCP=hcp, BT=bt, BK=bk,
-        BD=max(64, COLLAPSE_ELEMS // bt), SPLIT=n_split, SPLITP=triton.next_power_of_2(n_split), HEAD=head,
+        BD=max(64, COLLAPSE_ELEMS // bt), SPLIT=n_split, SPLITP=next_pow2(n_split), HEAD=head,
         BF16_BY_HAND=_bf16_by_hand(x), num_warps=4)
     return pre, post, comb, out
 
@@ -250,7 +250,7 @@ def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, 
     y = torch.empty_like(x)
     if B * S == 0:
         return y
-    _hc_post_kernel[(B * S, triton.cdiv(D, POST_BD))](
+    _hc_post_kernel[(B * S, cdiv(D, POST_BD))](
         x, block_out.contiguous(), post.contiguous(), comb.contiguous(), y, D, HC=hc,
-        HCP=triton.next_power_of_2(hc), BD=POST_BD, BF16_BY_HAND=_bf16_by_hand(x), num_warps=4)
+        HCP=next_pow2(hc), BD=POST_BD, BF16_BY_HAND=_bf16_by_hand(x), num_warps=4)
     return y

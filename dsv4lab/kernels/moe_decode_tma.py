@@ -28,6 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quant.stacked import StackedMXFP4
 from .common import (
+    cdiv,
     BOX_GROUPS,
     INTERPRET,
     block_scales,
@@ -139,13 +140,13 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     xp, xinv = x_pairs(x.reshape(-1))
     w1d, s1d = _descs(w1, bn, g)
     w3d, s3d = _descs(w3, bn, g)
-    _moe_up_kernel[(triton.cdiv(I, bn), T * k)](
+    _moe_up_kernel[(cdiv(I, bn), T * k)](
         w1d, s1d, w3d, s3d, TensorDescriptor.from_tensor(xp, [g, 16]), xinv, ids_c,
         _global_scales(w1), _global_scales(w3), h,
         I, H // 16, k, h.stride(0), lim, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET, MX=mx, num_warps=warps)
     hp, hinv = x_pairs(h.reshape(-1))
     w2d, s2d = _descs(w2, bn, g)
-    n_tiles = triton.cdiv(H, bn)
+    n_tiles = cdiv(H, bn)
     ws = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
     _moe_down_kernel[(n_tiles, T * k)](
         w2d, s2d, TensorDescriptor.from_tensor(hp, [g, 16]), hinv, ids_c, wts,

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
-from .common import FMT_NVFP4, INTERPRET, dequant_tile, dot_dtype, round_to
+from .common import cdiv, FMT_NVFP4, INTERPRET, dequant_tile, dot_dtype, round_to
 from .device import on_input_device
 from .linear_gemm import block_k
 
@@ -119,7 +119,7 @@ def expert_schedule(ids: torch.Tensor, n_experts: int, bm: int) -> dict:
     starts = ends - counts
     ntiles = (counts + bm - 1) // bm
     tcum = torch.cumsum(ntiles, 0)
-    mt = triton.cdiv(R, bm) + min(n_experts, R)
+    mt = cdiv(R, bm) + min(n_experts, R)
     t = torch.arange(mt, device=ids.device)
     e = torch.searchsorted(tcum, t, right=True)
     valid = e < n_experts
@@ -164,7 +164,7 @@ def grouped_gemm(x: torch.Tensor, sched: dict, gather: bool, w, w3=None, limit: 
     else:
         p3, s3, gs3 = p, s, gs
     clamp = limit is not None and limit > 0
-    grid = (sched["tiles"], triton.cdiv(N, c["BN"]))
+    grid = (sched["tiles"], cdiv(N, c["BN"]))
     _grouped_kernel[grid](x, sched["src"], sched["tile_e"], sched["tile_r0"], sched["tile_r1"], p, s,
                           gs if gs is not None else s, p3, s3, gs3 if gs3 is not None else s,
                           rw if rw is not None else x, y, N, K, x.stride(0), p.stride(0), s.stride(0), y.stride(0),
@@ -210,6 +210,6 @@ def moe_prefill_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     h = grouped_gemm(x, sched, True, w1, w3, limit, rw_sorted, cfg)
     y = grouped_gemm(h, sched, False, w2, cfg=cfg)
     bh = 256 if INTERPRET else 1024
-    _unpermute_kernel[(T, triton.cdiv(H, bh))](y, sched["pos"], rw, out, H, KTOP=k, BH=bh,
+    _unpermute_kernel[(T, cdiv(H, bh))](y, sched["pos"], rw, out, H, KTOP=k, BH=bh,
                                                WEIGHT=not weight_before_w2, num_warps=1 if INTERPRET else 4)
     return out

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import INTERPRET
+from .common import cdiv, next_pow2, INTERPRET
 from .device import on_input_device
 
 NORM_NONE, NORM_PLAIN, NORM_WEIGHTED = 0, 1, 2  # NORM constexpr: none, unweighted (q heads), weighted
@@ -135,9 +135,9 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
     T, H, D = x3.shape
     y = torch.empty(T, H, D, device=x.device, dtype=out_dtype)
     rope = positions is not None
-    BP = max(triton.next_power_of_2(D // 2), KV_FP8_BLOCK_PAIRS.value if fp8_nope else 1)
-    HB = heads_per_program or min(triton.next_power_of_2(H), 2)  # H=128: 64 programs per row
-    _norm_rope_kernel[(T, triton.cdiv(H, HB))](
+    BP = max(next_pow2(D // 2), KV_FP8_BLOCK_PAIRS.value if fp8_nope else 1)
+    HB = heads_per_program or min(next_pow2(H), 2)  # H=128: 64 programs per row
+    _norm_rope_kernel[(T, cdiv(H, HB))](
         x3, y, x3 if weight is None else weight, positions if rope else x3, inv_freq if rope else x3,
         positions.numel() if rope else 1, H, float(eps), x3.stride(0), x3.stride(1), y.stride(0), y.stride(1),
         D=D, RD=2 * inv_freq.shape[-1] if rope else 0, NORM=norm, ROPE=(-1 if inverse else 1) if rope else 0,

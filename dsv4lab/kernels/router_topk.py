@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import INTERPRET
+from .common import next_pow2, INTERPRET
 from .device import on_input_device
 
 SCORES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
@@ -116,9 +116,9 @@ def route_triton(logits: torch.Tensor, top_k: int, scoring: str, scale: float, b
     w = torch.empty(T, top_k, device=logits.device, dtype=torch.float32)
     hash_ = tid2eid is not None
     toks = input_ids.reshape(-1) if hash_ else logits
-    BE = triton.next_power_of_2(E)
+    BE = next_pow2(E)
     _route_kernel[(T,)](logits, bias if bias is not None else logits, tid2eid.contiguous() if hash_ else logits,
-                        toks, ids, w, E, logits.stride(0), float(scale), K=top_k, KP=triton.next_power_of_2(top_k),
+                        toks, ids, w, E, logits.stride(0), float(scale), K=top_k, KP=next_pow2(top_k),
                         BE=BE, SCORE=SCORES[scoring], HASH=hash_, PRECISE=not INTERPRET,
                         num_warps=1 if INTERPRET else max(1, min(8, BE // 128)), enable_fp_fusion=False)
     return ids, w

@@ -1,0 +1,228 @@
+"""Host (Python) time of the kernel entry points in ``dsv4lab.kernels.dispatch``, measurable on a CPU.
+
+Eager decode is host-bound (``launch_overhead.py``: one NVFP4 GEMV through ``quant_linear`` cost
+173 us of host time on the H200 against 17-24 us for a bare Triton launch). ``--cpu-stub`` runs the
+wrappers on CPU tensors with only the launches replaced: every ``@triton.jit`` kernel object of the
+kernel modules becomes a stub whose ``kernel[grid](...)`` records (grid, args) and returns, the
+CUDA checks answer as on an H200 (``Tensor.is_cuda`` True, ``have_triton_cuda`` / ``tma_supported``
+/ ``tma_moe_supported`` True, capability 9.0, 132 SMs) and the rest of each wrapper (configs,
+descriptors, allocations, env lookups, reshapes) runs as written. That isolates the wrapper cost
+from Triton's own launch cost (``launch_overhead.py`` on the GPU measures both).
+
+    python benchmarks/host_overhead.py --cpu-stub [--iters 300] [--profile quant_linear_nvfp4] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import importlib
+import json
+import os
+import pkgutil
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SMS = 132  # an H200's SM count, what the stubbed num_sms answers
+
+
+class StubKernel:
+    """Stands in for a ``@triton.jit`` function: ``stub[grid](*args, **kw)`` appends
+    (name, grid, args, kw) to ``log`` when recording and returns None."""
+
+    def __init__(self, name: str, log: list | None):
+        self.name = name
+        self.log = log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if self.log is not None:
+                self.log.append((self.name, grid, args, kwargs))
+        return launch
+
+
+def _kernel_modules() -> list:
+    import dsv4lab.kernels as pkg
+
+    mods = []
+    for info in pkgutil.iter_modules(pkg.__path__):
+        try:
+            mods.append(importlib.import_module(f"dsv4lab.kernels.{info.name}"))
+        except Exception:  # e.g. the CuTe module without cutlass: nothing of it is stubbed
+            continue
+    return mods
+
+
+@contextlib.contextmanager
+def stubbed_launches(log: list | None = None):
+    """Within: kernels are ``StubKernel`` s, CPU tensors pass for CUDA tensors of an sm_90 device.
+    Everything is restored on exit (the caches the wrappers filled stay: clear them if needed)."""
+    from triton.runtime.jit import JITFunction
+
+    from dsv4lab.kernels import device as dev_mod
+
+    undo: list[tuple[object, str, object]] = []
+
+    def patch(obj, name, value):
+        undo.append((obj, name, obj.__dict__.get(name, _MISSING) if isinstance(obj, type) else getattr(obj, name)))
+        setattr(obj, name, value)
+
+    for mod in _kernel_modules():
+        for name, val in list(vars(mod).items()):
+            if isinstance(val, JITFunction):
+                patch(mod, name, StubKernel(f"{mod.__name__.rsplit('.', 1)[-1]}.{name}", log))
+        if hasattr(mod, "tma_supported"):
+            patch(mod, "tma_supported", lambda x, packed, scale: packed.shape[1] * 2 % 256 == 0)
+        if hasattr(mod, "num_sms"):
+            patch(mod, "num_sms", lambda device: SMS)
+    patch(dev_mod, "have_triton_cuda", lambda: os.environ.get("DSV4LAB_NO_KERNELS", "0") != "1")
+    patch(torch.Tensor, "is_cuda", property(lambda self: True))
+    patch(torch.cuda, "current_device", lambda: None)   # CPU tensors' device.index is None: "current"
+    patch(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    patch(torch.cuda, "is_current_stream_capturing", lambda: False)
+    _stub_device_type(patch)
+    try:
+        yield log
+    finally:
+        for obj, name, old in reversed(undo):
+            if old is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+
+_MISSING = object()
+
+
+def _stub_device_type(patch) -> None:
+    """``linear_nvfp4._use_tma`` also asks ``x2.device.type == "cuda"``: the same checks without it."""
+    from dsv4lab.kernels import linear_nvfp4
+
+    def _use_tma(x2, packed, scale):
+        if x2.shape[0] > 16 or os.environ.get("DSV4LAB_KERNEL_TMA", "1") == "0":
+            return False
+        return linear_nvfp4.tma_supported(x2, packed, scale)
+
+    patch(linear_nvfp4, "_use_tma", _use_tma)
+
+
+# ----------------------------------------------------------------------------- the calls
+def decode_calls(dtype=torch.bfloat16) -> dict:
+    """name -> zero-argument callable running one dispatch entry point at a V4-Pro decode shape (one
+    token), on CPU tensors (with ``stubbed_launches`` active)."""
+    from dsv4lab.config import named_config
+    from dsv4lab.kernels import dispatch
+    from dsv4lab.model.compressor import Compressor
+    from dsv4lab.model.state import CompressorState
+    from dsv4lab.quant.stacked import stack_experts
+    from dsv4lab.quant.weights import quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
+
+    g = torch.Generator().manual_seed(0)
+    cfg = named_config("v4-pro")
+    H = cfg.hidden_size
+    x = torch.randn(1, H, generator=g).to(dtype)
+    w_nv = quantize_nvfp4(torch.randn(512, H, generator=g))
+    w_mx = quantize_mxfp4(torch.randn(512, H, generator=g))
+    w_f8 = quantize_fp8_block(torch.randn(512, H, generator=g))
+    E, I, k = 8, 512, 6  # a few experts: the wrapper cost does not depend on E
+    experts = [[quantize_nvfp4(torch.randn(*shape, generator=g) * 0.02) for _ in range(E)]
+               for shape in ((I, H), (I, H), (H, I))]
+    w1, w3, w2 = (stack_experts(ws) for ws in experts)
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5]])
+    wts = torch.rand(1, k, generator=g)
+    hc, B = cfg.hc_mult, 1
+    streams = torch.randn(B, 1, hc, H, generator=g).to(dtype)
+    mix = (2 + hc) * hc
+    fn, base, scale = torch.randn(mix, hc * H, generator=g), torch.randn(mix, generator=g), torch.ones(3)
+    block_out = torch.randn(B, 1, H, generator=g).to(dtype)
+    post, comb = torch.rand(B, 1, hc, generator=g), torch.rand(B, 1, hc, hc, generator=g)
+    Hq, D = cfg.num_attention_heads, cfg.head_dim
+    q = torch.randn(B, 1, Hq, D, generator=g).to(dtype)
+    sink = torch.zeros(Hq)
+    ring = torch.randn(B, cfg.sliding_window, D, generator=g).to(dtype)
+    entries = torch.randn(B, 1024, D, generator=g).to(dtype)
+    pos = torch.tensor(4000)
+    n_ent = torch.tensor(1000)
+    selected = torch.randint(0, 1000, (B, 1, cfg.index_topk), generator=g)
+    comp = Compressor(cfg, D, 4, True).to(dtype)
+    st = CompressorState.empty(B, 4, D, True, 8192, dtype, "cpu")
+    kv, z = torch.randn(B, 1, 2 * D, generator=g).to(dtype), torch.randn(B, 1, 2 * D, generator=g).to(dtype)
+    rope = cfg.qk_rope_head_dim
+    inv_freq = torch.rand(rope // 2, generator=g)
+    qh = torch.randn(B, 1, Hq, D, generator=g).to(dtype)
+    positions = torch.tensor([4000])
+    qn_w = torch.ones(D, dtype=dtype)
+    logits = torch.randn(1, cfg.n_routed_experts, generator=g)
+    bias = torch.zeros(cfg.n_routed_experts)
+    return {
+        "quant_linear_nvfp4": lambda: dispatch.quant_linear(x, w_nv),
+        "quant_linear_mxfp4": lambda: dispatch.quant_linear(x, w_mx),
+        "quant_linear_fp8_block": lambda: dispatch.quant_linear(x, w_f8),
+        "moe_decode_nvfp4": lambda: dispatch.moe_decode(x, ids, wts, w1, w3, w2, 10.0),
+        "mhc_pre": lambda: dispatch.mhc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6),
+        "mhc_post": lambda: dispatch.mhc_post(streams, block_out, post, comb),
+        "decode_attention_sparse": lambda: dispatch.decode_attention(q, sink, 0.1, ring, pos, entries, None, selected),
+        "compressor_decode": lambda: dispatch.compressor_decode(comp, kv, z, pos, st),
+        "norm_rope": lambda: dispatch.norm_rope(qh, positions, inv_freq, 1e-6, qn_w),
+        "route": lambda: dispatch.route(logits, cfg.num_experts_per_tok, "sqrtsoftplus", 2.5, bias),
+    }
+
+
+def host_us(fn, iters: int, repeats: int = 7) -> float:
+    """Best of ``repeats`` batches of ``iters // repeats`` calls, mean us per call (the machine this
+    runs on is shared: the minimum is the wrapper's cost, the rest is other processes)."""
+    for _ in range(20):
+        fn()
+    n = max(1, iters // repeats)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu-stub", action="store_true", help="stub the launches, run on CPU tensors (required)")
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--only", default="", help="comma-separated call names")
+    ap.add_argument("--profile", default="", help="cProfile this call, print the top entries")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if not args.cpu_stub:
+        ap.error("only --cpu-stub is implemented here; on the GPU run benchmarks/launch_overhead.py")
+    torch.set_num_threads(1)
+    os.environ["DSV4LAB_KERNEL_VERIFY"] = "0"  # the stubs write nothing: the first-use parity check would fail
+    log: list = []
+    with stubbed_launches(log):
+        calls = decode_calls()
+        names = [n for n in calls if not args.only or n in args.only.split(",")]
+        res = {}
+        for n in names:
+            log.clear()
+            calls[n]()
+            launches = [e[0] for e in log]
+            res[n] = {"us": round(host_us(calls[n], args.iters), 1), "launches": launches}
+            print(f"{n:26s} {res[n]['us']:8.1f} us  {', '.join(launches)}", flush=True)
+        if args.profile:
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(args.iters):
+                calls[args.profile]()
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
