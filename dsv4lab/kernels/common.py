@@ -406,6 +406,9 @@ def rebased(template: TensorDescriptor, base: torch.Tensor) -> TensorDescriptor:
     """``template`` over another tensor of the same shape, strides and dtype (16-byte aligned, as
     every allocation is): a copy with ``base`` swapped, skipping ``TensorDescriptor``'s validation
     (~4 us a call) that ``template`` already passed for this geometry."""
+    if not hasattr(template, "__dict__"):  # a triton whose descriptor keeps its fields in slots: rebuild
+        return template if base is None else TensorDescriptor(base, template.shape, template.strides,
+                                                              template.block_shape)
     d = object.__new__(TensorDescriptor)
     d.__dict__.update(template.__dict__)
     d.base = base
