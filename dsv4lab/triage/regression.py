@@ -312,7 +312,8 @@ def first_fingerprint_change(table, cur: dict, base: dict) -> tuple[str | None, 
     hook in the baseline's execution order (``fp[.<input>].order``; a hook that no longer fires, e.g.
     a disabled indexer, counts where it used to fire) up to its first regressed one that moved
     beyond ``LOCATE`` (fp32 round-off): a small change at its origin (one token's clamp) often
-    passes the tolerance there and only fails a few hooks downstream, in another component."""
+    passes the tolerance there and only fails a few hooks downstream, in another component. An
+    earlier hook of the regressed hook's own component that changed at all wins over that one."""
     regressed = set(table["metric"][table["status"] == "REGRESSED"])
     orders = list(dict.fromkeys(k for k in (*cur, *base) if "/fp." in k and k.endswith(".order")))
     for key in orders:
@@ -321,9 +322,17 @@ def first_fingerprint_change(table, cur: dict, base: dict) -> tuple[str | None, 
         hit = next((i for i, hook in enumerate(hooks) if prefix + hook in regressed), None)
         if hit is None:
             continue
-        moved = (h for h in hooks[:hit] if prefix + h in base and (
-            prefix + h not in cur or not within(cur[prefix + h]["value"], base[prefix + h]["value"], LOCATE)))
-        return prefix.split("/fp.", 1)[1][:-1], next(moved, hooks[hit])
+        def changed(h: str, tol) -> bool:
+            return prefix + h in base and (prefix + h not in cur or not within(cur[prefix + h]["value"],
+                                                                               base[prefix + h]["value"], tol))
+
+        origin = next((h for h in hooks[:hit] if changed(h, LOCATE)), hooks[hit])
+        # a bug whose origin changes only round-off (mHC's comb transposed on still-identical streams)
+        # moves a later component past LOCATE first: if the regressed hook's own component had
+        # already changed at all before that, it is the origin
+        same = next((h for h in hooks[: hooks.index(origin)] if changed(h, {"exact": True})
+                     and component_of_hook(h) == component_of_hook(hooks[hit])), None)
+        return prefix.split("/fp.", 1)[1][:-1], same or origin
     for metric in table["metric"][table["status"] == "REGRESSED"]:   # no order recorded: recording order
         if "/fp." in metric and not metric.endswith(".order"):
             return "", metric.split("/fp.", 1)[1]
