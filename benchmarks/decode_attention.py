@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.kernels import graph_time_us  # noqa: E402
 from dsv4lab.config import named_config  # noqa: E402
 from dsv4lab.model.decode_attention import decode_attention  # noqa: E402
 from dsv4lab.model.indexer import Indexer, index_scores_decode  # noqa: E402
@@ -28,24 +28,8 @@ H, D, W, HI, IH, TOPK = 128, 512, 128, 64, 128, 1024  # named_config("v4-pro")
 
 
 def graph_us(fn, iters: int = 200) -> float:
-    """Mean us of a CUDA-graph replay of ``fn`` (captured after two warm-up calls)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    for _ in range(10):
-        g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e6
+    """Mean us of ``fn`` as CUDA-graph replays (``kernels.graph_time_us`` of one call)."""
+    return graph_time_us([fn], reps=iters)
 
 
 def case(kind: str, B: int, context: int, splits: list[int]) -> dict:

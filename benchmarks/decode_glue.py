@@ -20,18 +20,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import graph_time_us  # noqa: E402  (benchmarks/kernels.py, beside this script)
+from benchmarks.kernels import graph_time_us  # noqa: E402
+from benchmarks.measure import kernels_per_call  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def timed(fn) -> tuple[float, int]:
     """(us per call as CUDA-graph replays, ``kernels.graph_time_us``; kernels one eager call launches)."""
-    t = graph_time_us([fn], reps=200)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return t, sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return graph_time_us([fn], reps=200), int(kernels_per_call(fn, reps=1)["kernels"])
 
 
 @torch.no_grad()
