@@ -23,7 +23,9 @@ are imported inside the calls that use them (lazily, for that reason).
 * ``decode_attention(q, sink, scale, window_ring, pos, entries, n_entries, selected)``:
   ``Attention.decode_kernel``, one decode token over the ring and the valid entries (Triton).
 * ``index_scores_decode(q, w_raw, keys, n_valid, w_scale)``: ``Indexer.decode_kernel``, the
-  indexer's decode scores (Triton; the top-k stays ``Indexer.select``).
+  indexer's decode scores (Triton).
+* ``index_top_k_decode(scores, n_valid, k)``: ``Indexer.topk_kernel``, the decode top-k of those
+  scores (Triton, one launch).
 * ``rms_norm(x, weight, eps)`` / ``norm_rope(x, positions, inv_freq, ...)``: ``Attention.norm_kernel``
   / ``rope_kernel``, the q_norm and the norm + RoPE (+ kv_fp8) / inverse RoPE launches (Triton).
 * ``route(logits, top_k, scoring, scale, bias, tid2eid, input_ids)``: ``Router.route_kernel``,
@@ -46,6 +48,7 @@ from ..model.moe import route as route_ref
 from ..model.norms import rms_norm as rms_norm_ref
 from ..model.decode_attention import decode_attention as decode_attention_ref
 from ..model.indexer import index_scores_decode as index_scores_decode_ref
+from ..model.indexer import index_top_k_decode as index_top_k_decode_ref
 from ..model.compressor import Compressor
 from ..model.state import CompressorState
 from .moe_decode_ref import moe_decode_ref
@@ -57,7 +60,7 @@ ROUTE_MAX_EXPERTS = 4096  # the router kernel holds one token's scores in regist
 
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "grouped_quant_linear",
            "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention",
-           "index_scores_decode", "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "route"]
+           "index_scores_decode", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "route"]
 
 
 def weight_on_cuda(w) -> bool:
@@ -244,6 +247,17 @@ def index_scores_decode(q: torch.Tensor, w_raw: torch.Tensor, keys: torch.Tensor
 
         return index_scores_decode_triton(q, w_raw, keys, n_valid, w_scale)
     return index_scores_decode_ref(q, w_raw, keys, n_valid, w_scale)
+
+
+def index_top_k_decode(scores: torch.Tensor, n_valid: torch.Tensor, k: int) -> torch.Tensor:
+    """``dsv4lab.model.indexer.index_top_k_decode`` (same signature): one Triton launch for CUDA fp32
+    scores [B,1,T] of up to ``indexer_topk.TOPK_MAX_ENTRIES`` entries, the reference elsewhere."""
+    if kernel_can_take(scores) and scores.dtype == torch.float32 and scores.dim() == 3 and scores.shape[1] == 1:
+        from .indexer_topk import TOPK_MAX_ENTRIES, index_top_k_decode_triton  # lazy: imports triton
+
+        if scores.shape[-1] <= TOPK_MAX_ENTRIES:
+            return index_top_k_decode_triton(scores, n_valid, k)
+    return index_top_k_decode_ref(scores, n_valid, k)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

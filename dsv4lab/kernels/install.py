@@ -7,7 +7,9 @@ grouped-GEMM prefill), every ``Compressor``
 (``.kernel``: the CuTeDSL softmax pool of prefill; ``.decode_kernel``: the Triton decode step), every ``Attention``
 (``.kernel``: the bounded prefill attention; ``.decode_kernel``: the decode attention;
 ``.norm_kernel`` / ``.rope_kernel``: the q/kv norms and RoPE, the output's inverse RoPE), every
-``Indexer`` (``.decode_kernel``: the decode scores), every mHC site ``HyperConnection`` (``.kernel``:
+``Indexer`` (``.decode_kernel``: the decode scores; ``.rope_kernel``: the queries' RoPE; ``.topk_kernel``:
+the decode top-k), every layer-level ``RMSNorm`` (``.kernel``; not the norms inside an ``Attention`` or
+``Compressor``: their own slots fuse those), every mHC site ``HyperConnection`` (``.kernel``:
 mixes + collapse; ``.post_kernel``: the expansion) and the ``HyperHead`` (``.kernel``) whose own
 name, or an enclosing component's, matches the pattern.
 By default a kernel goes only where it runs: weights (or, for the compressor and mHC, parameters) on CUDA with
@@ -25,14 +27,16 @@ from ..model.indexer import Indexer
 from ..model.linear import QLinear
 from ..model.mhc import HyperConnection, HyperHead
 from ..model.moe import Experts, Router
+from ..model.norms import RMSNorm
 from ..patterns import component_matcher, no_match_error, unmatched
 from . import compressor_pool_cute as pool_cute
 from .device import have_triton_cuda
 from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention, grouped_quant_linear,
-                       index_scores_decode, mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill, norm_rope,
-                       prefill_attention, quant_linear, rms_norm, route, weight_on_cuda)
+                       index_scores_decode, index_top_k_decode, mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill,
+                       norm_rope, prefill_attention, quant_linear, rms_norm, route, weight_on_cuda)
 
-TARGETS = (QLinear, Experts, Compressor, Attention, Indexer, HyperConnection, HyperHead)
+TARGETS = (QLinear, Experts, Compressor, Attention, Indexer, HyperConnection, HyperHead, RMSNorm)
+FUSED_NORM_OWNERS = (Attention, Compressor)  # their RMSNorms run inside their own slots (or as their reference)
 
 
 def kernel_targets(model: nn.Module, pattern="**") -> tuple[list[tuple[str, nn.Module]], bool]:
@@ -74,7 +78,7 @@ KERNEL_SLOTS: dict[type, tuple[str, ...]] = {  # the first class that matches (R
     Experts: ("kernel", "prefill_kernel"),
     HyperConnection: ("kernel", "post_kernel"),
     Attention: ("kernel", "decode_kernel", "norm_kernel", "rope_kernel"),
-    Indexer: ("decode_kernel",),
+    Indexer: ("decode_kernel", "rope_kernel", "topk_kernel"),
     Compressor: ("kernel", "decode_kernel"),
 }
 
@@ -116,6 +120,13 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
         if not (have_triton and _on_cuda(mod.compressor.ape)):
             return False
         mod.decode_kernel = index_scores_decode
+        mod.rope_kernel = norm_rope
+        mod.topk_kernel = index_top_k_decode
+        return True
+    if isinstance(mod, RMSNorm):
+        if not (have_triton and _on_cuda(mod.weight)):
+            return False
+        mod.kernel = rms_norm
         return True
     if isinstance(mod, (HyperConnection, HyperHead)):
         if not (have_triton and _on_cuda(mod.fn)):
@@ -149,7 +160,8 @@ def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, stri
     and ``compressor_decode`` as its ``decode_kernel``,
     ``prefill_attention`` as ``Attention.kernel`` with ``decode_attention`` as its ``decode_kernel`` and
     ``rms_norm`` / ``norm_rope`` as its ``norm_kernel`` / ``rope_kernel``,
-    ``index_scores_decode`` as ``Indexer.decode_kernel``, ``mhc_pre`` / ``mhc_post`` as
+    ``index_scores_decode`` / ``norm_rope`` / ``index_top_k_decode`` as ``Indexer.decode_kernel`` /
+    ``.rope_kernel`` / ``.topk_kernel``, ``rms_norm`` as a layer-level ``RMSNorm.kernel``, ``mhc_pre`` / ``mhc_post`` as
     ``HyperConnection.kernel`` / ``.post_kernel``, ``mhc_head_pre`` as ``HyperHead.kernel``, each only
     where it runs (see the module
     docstring). ``linear=`` / ``experts=`` install another callable with the same signature on
@@ -172,7 +184,10 @@ def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, stri
         return n
     have_triton = have_triton_cuda()
     have_cute = pool_cute.have_cute()
-    for _, mod in targets:
+    owners = {n for n, m in model.named_modules() if isinstance(m, FUSED_NORM_OWNERS)}
+    for name, mod in targets:
+        if isinstance(mod, RMSNorm) and name.rpartition(".")[0] in owners:
+            continue
         if isinstance(mod, QLinear) and linear is not None:
             if mod.qweight is None:
                 continue

@@ -42,6 +42,8 @@ class Indexer(Component):
         self.rotary = Rotary(config, "compress")
         self.enabled = True
         self.decode_kernel = None  # optional decode scores with index_scores_decode's signature (dsv4lab.kernels)
+        self.rope_kernel = None    # optional queries' RoPE with norm_rope_ref's signature (dsv4lab.kernels)
+        self.topk_kernel = None    # optional decode top-k with index_top_k_decode's signature (dsv4lab.kernels)
         self.train_dense = False  # training: attend every closed entry while the indexer distils
         self.aux_loss: torch.Tensor | None = None
         self.hook_q = HookPoint("indexer queries [B,S,Hi,Ih] after RoPE")
@@ -52,8 +54,11 @@ class Indexer(Component):
         """q [B,S,Hi,Ih] after RoPE (and ``indexer_fp4``); fires ``hook_q``."""
         B, S, _ = q_res.shape
         q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
-        cos, sin = self.rotary(positions)
-        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        if self.rope_takes_kernel():
+            q = self.rope_kernel(q, positions, self.rotary.inv_freq)
+        else:
+            cos, sin = self.rotary(positions)
+            q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
         if RoundTrip.INDEXER_FP4 in self.round_trips:
             q = indexer_fp4_round_trip(q)
         return self.hook_q(q)
@@ -90,6 +95,13 @@ class Indexer(Component):
                 return self.scores(x[:, a:b], q_res[:, a:b], positions[a:b], keys)
         return torch.cat([self.select(part(a, min(S, a + rows)), visible[a : a + rows]) for a in range(0, S, rows)], 1)
 
+    def rope_takes_kernel(self) -> bool:
+        """Does ``queries`` rotate with ``rope_kernel`` (one launch for the reference's ~14: angles,
+        cos/sin, the fp32 rotation, stack, cast, cat)? Installed, ``hook_q`` not listening, the
+        rotary stock, not training with grad (the kernel has no backward)."""
+        return (self.rope_kernel is not None and not self.hook_q.active and type(self.rotary).forward is Rotary.forward
+                and not (self.training and torch.is_grad_enabled()))
+
     def decode_takes_kernel(self) -> bool:
         """Does decode score with ``decode_kernel``? Only when one is installed, no indexer hook
         listens (the kernel's scores differ from the reference's in summation order) and the
@@ -107,17 +119,14 @@ class Indexer(Component):
             return self.select(self.scores(x, q_res, positions, keys), n_valid.view(1))
         scores = self.decode_kernel(self.queries(q_res, positions), self.weights_proj(x), keys, n_valid,
                                     self.n_heads ** -0.5)
+        if self.topk_kernel is not None and type(self).select is Indexer.select:
+            return self.topk_kernel(scores, n_valid, self.topk)
         return self.select(scores, n_valid.view(1))
 
     def select(self, scores: torch.Tensor, n_valid_for_query: torch.Tensor) -> torch.Tensor:
         """Top-k valid entries per query; scores [B,S,T], n_valid [S] -> indices [B,S,k]."""
-        T = scores.shape[-1]
-        k = min(self.topk, T)
-        valid = torch.arange(T, device=scores.device).view(1, 1, -1) < n_valid_for_query.view(1, -1, 1)
-        scores = self.hook_scores(scores.masked_fill(~valid, float("-inf")))
-        idx = scores.topk(k, dim=-1).indices
-        idx = torch.where(idx < n_valid_for_query.view(1, -1, 1), idx, torch.full_like(idx, -1))
-        return self.hook_indices(idx)
+        return self.hook_indices(top_k_valid(self.hook_scores(mask_closed_later(scores, n_valid_for_query)),
+                                             n_valid_for_query, self.topk))
 
     def distill(self, scores: torch.Tensor, attn_probs: torch.Tensor, valid: torch.Tensor) -> None:
         """Training only: KL(main attention over the entries, summed over heads || softmax of
@@ -130,6 +139,27 @@ class Indexer(Component):
         logp = torch.log_softmax(scores.masked_fill(~valid, -1e9), dim=-1)
         kl = (target * (torch.log(target.clamp_min(1e-9)) - logp)).masked_fill(~valid, 0).sum(-1)
         self.aux_loss = (kl * rows).sum() / rows.sum().clamp_min(1)
+
+
+def mask_closed_later(scores: torch.Tensor, n_valid_for_query: torch.Tensor) -> torch.Tensor:
+    """scores [B,S,T] with -inf at the entries t >= n_valid[s] (not yet closed for query s)."""
+    valid = torch.arange(scores.shape[-1], device=scores.device).view(1, 1, -1) < n_valid_for_query.view(1, -1, 1)
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+def top_k_valid(masked: torch.Tensor, n_valid_for_query: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [B,S,min(k,T)] of the largest of the masked scores [B,S,T], -1 past n_valid[s]."""
+    idx = masked.topk(min(k, masked.shape[-1]), dim=-1).indices
+    return torch.where(idx < n_valid_for_query.view(1, -1, 1), idx, torch.full_like(idx, -1))
+
+
+def index_top_k_decode(scores: torch.Tensor, n_valid: torch.Tensor, k: int) -> torch.Tensor:
+    """Decode top-k [B,1,min(k,T)] of scores [B,1,T] over the entries t < ``n_valid`` (a 0-d device
+    tensor), -1 where fewer are valid: ``Indexer.select`` without its hooks. The reference of
+    ``dsv4lab.kernels.indexer_topk`` (``Indexer.topk_kernel``; the kernel returns the same set
+    for distinct scores, in index order)."""
+    n = n_valid.view(1)
+    return top_k_valid(mask_closed_later(scores, n), n, k)
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

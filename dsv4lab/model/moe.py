@@ -246,7 +246,6 @@ class Experts(Component):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, graph_safe: bool = False) -> torch.Tensor:
         T, D = x.shape
         k = ids.shape[1]
-        out = torch.zeros_like(x)
         want_each = self.hook_expert_out.active
         each = x.new_zeros(T, k, D) if want_each else None
         # an installed kernel takes the gathered route even for small E (it reads only the
@@ -264,6 +263,7 @@ class Experts(Component):
             if self.kernel_applies(x, stack, prefill=True):
                 w1, w3, w2 = self.kernel_stacks(stack)
                 return self.hook_out(self.prefill_kernel(x, ids, weights, w1, w3, w2, self.limit, before).to(x.dtype))
+        out = torch.zeros_like(x)  # only the loops accumulate (a zero-fill launch the kernel paths skip)
         if graph_safe:
             for e in range(self.n_experts):
                 expert = self[e]

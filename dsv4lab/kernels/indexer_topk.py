@@ -1,0 +1,103 @@
+"""Triton decode top-k of the lightning indexer: the kernel of
+``dsv4lab.model.indexer.index_top_k_decode`` (same signature; ``Indexer.topk_kernel``).
+
+The reference masks the entries w >= n_valid with -inf, runs ``torch.topk`` (on CUDA a radix
+select plus a sort of the k: two launches) and turns the indices past n_valid into -1, among
+eight small launches. This kernel is one launch, one program per batch row, reading only the n
+valid scores (n read on the device: no host sync, graph safe):
+
+* n <= k: the selection is every valid entry, written in index order, then -1 up to k. No pass
+  over the scores but the one writing them.
+* n > k: an exact radix select of the k-th largest score over monotone uint32 keys of the fp32
+  bits (-0.0 taken as +0.0, as ``torch.topk`` compares values), four passes of 8-bit digits with
+  ``tl.histogram``; then one pass writes the entries above that threshold and the first entries
+  equal to it (lowest index first) until k are taken, in index order.
+
+The selection is deterministic and, for distinct scores, the reference's set (its order is the
+index order, the reference's the score order: the decode attention takes them as a set). Ties at
+the k-th score take the lowest indices (``torch.topk`` leaves that choice to its algorithm).
+Cost: five reads of the 4n score bytes by one program per row; the reference path stays for
+capacities above ``TOPK_MAX_ENTRIES`` (``dispatch.index_top_k_decode``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import next_pow2, INTERPRET
+from .device import on_input_device
+
+BLOCK = 2048            # scores per tile (8 warps: 8 per thread)
+NUM_WARPS = 8
+TOPK_MAX_ENTRIES = 65536  # capacity above which the single-program passes cost more than torch.topk's launches
+
+
+@triton.jit
+def _key(s):
+    """Monotone uint32 key of fp32 scores (larger score, larger key; -0.0 as +0.0)."""
+    b = (s + 0.0).to(tl.uint32, bitcast=True)
+    return tl.where((b >> 31) != 0, ~b, b | 0x80000000)
+
+
+@triton.jit
+def _top_k_kernel(s_ptr, n_ptr, out_ptr, T, K, s_b, o_b, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    row = s_ptr + b * s_b
+    orow = out_ptr + b * o_b
+    n = tl.minimum(tl.load(n_ptr).to(tl.int32), T)
+    offs = tl.arange(0, BLOCK)
+    digits = tl.arange(0, 256)
+    every_n = tl.where(n <= K, n, 0)         # n when every valid entry is taken, else 0
+    n_pass = n - every_n                     # no select passes when every valid entry is taken
+    prefix = tl.zeros([], tl.uint32)          # the high digits of the k-th largest key found so far
+    need = K                                  # how many still to take among the keys matching prefix
+    for i in tl.static_range(4):
+        SHIFT: tl.constexpr = 24 - 8 * i
+        hist = tl.zeros([256], tl.int32)
+        for t0 in range(0, n_pass, BLOCK):
+            t = t0 + offs
+            ok = t < n
+            key = _key(tl.load(row + t, mask=ok, other=0.0))
+            if SHIFT == 24:
+                match = ok
+            else:
+                match = ok & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+            hist += tl.histogram(((key >> SHIFT) & 0xFF).to(tl.int32), 256, mask=match)
+        incl = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist   # keys with digit >= d
+        above = incl - hist                                  # keys with digit > d
+        d = tl.max(tl.where((above < need) & (need <= incl), digits, -1), 0)
+        need -= tl.sum(tl.where(digits == d, above, 0), 0)
+        prefix = prefix | (tl.maximum(d, 0).to(tl.uint32) << SHIFT)
+    written = 0
+    ties = 0
+    for t0 in range(0, n, BLOCK):
+        t = t0 + offs
+        ok = t < n
+        key = _key(tl.load(row + t, mask=ok, other=0.0))
+        eq = ok & (key == prefix)
+        rank = ties + tl.cumsum(eq.to(tl.int32), 0)
+        sel = ok & ((key > prefix) | (eq & (rank <= need)) | (t < every_n))
+        slot = written + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(orow + slot, t.to(tl.int64), mask=sel)
+        written += tl.sum(sel.to(tl.int32), 0)
+        ties += tl.sum(eq.to(tl.int32), 0)
+    for p0 in range(0, K, BLOCK_K):   # past the selection: -1 (the reference's "none")
+        p = p0 + tl.arange(0, BLOCK_K)
+        tl.store(orow + p, tl.full([BLOCK_K], -1, tl.int64), mask=(p >= written) & (p < K))
+
+
+@on_input_device
+def index_top_k_decode_triton(scores: torch.Tensor, n_valid: torch.Tensor, k: int) -> torch.Tensor:
+    """``index_top_k_decode`` in one launch: scores [B,1,T] fp32, n_valid a 0-d device tensor ->
+    indices [B,1,min(k, T)] int64 (the valid entries with the largest scores, index order, -1 after)."""
+    B, S, T = scores.shape
+    if S != 1 or scores.dtype != torch.float32:
+        raise ValueError(f"index_top_k_decode_triton: scores must be fp32 [B,1,T], got {scores.dtype} {tuple(scores.shape)}")
+    kk = min(k, T)
+    scores = scores.contiguous()
+    out = torch.empty(B, 1, kk, dtype=torch.int64, device=scores.device)
+    _top_k_kernel[(B,)](scores, n_valid, out, T, kk, scores.stride(0), out.stride(0), BLOCK=BLOCK,
+                        BLOCK_K=min(next_pow2(kk), 1024), num_warps=1 if INTERPRET else NUM_WARPS)
+    return out
+
