@@ -153,8 +153,9 @@ def test_use_kernels_installs_and_removes_the_decode_slots(tiny, monkeypatch):
     monkeypatch.setattr(install_mod, "_on_cuda", lambda t: t is not None)
     monkeypatch.setattr(install_mod.pool_cute, "have_cute", lambda: False)
     try:
-        # attn (prefill + decode + glue slots), its indexer, their two compressors, the router, the two mHC sites
-        assert m.use_kernels("layers.1") == 7
+        # attn (prefill + decode + glue slots), its indexer, their two compressors, the router, the two mHC
+        # sites, the two layer norms
+        assert m.use_kernels("layers.1") == 9
         attn, ix = m.layers[1].attn, m.layers[1].attn.indexer
         assert attn.decode_kernel is dispatch_decode and ix.decode_kernel is dispatch_scores
         assert m.layers[3].attn.decode_kernel is None
@@ -162,8 +163,9 @@ def test_use_kernels_installs_and_removes_the_decode_slots(tiny, monkeypatch):
         assert impl["layers.1.attn"] == "kernel:prefill_attention+decode_attention"
         assert impl["layers.1.attn.indexer"] == "kernel:index_scores_decode"
         assert torch.equal(_decode_logits(m, ids), ref)
-        # every attention, indexer, compressor and router; two mHC sites per layer and the head's
-        n = sum(isinstance(mod, (Attention, Indexer, Compressor, Router)) for mod in m.modules()) + 2 * len(m.layers) + 1
+        # every attention, indexer, compressor and router; two mHC sites and two norms per layer, the head's
+        # mHC and the final norm
+        n = sum(isinstance(mod, (Attention, Indexer, Compressor, Router)) for mod in m.modules()) + 4 * len(m.layers) + 2
         assert install_kernels(m) == n
     finally:
         assert m.use_kernels(enable=False) == n

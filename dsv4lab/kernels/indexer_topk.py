@@ -41,34 +41,44 @@ def _key(s):
 
 
 @triton.jit
+def _digit_pass(row, n, prefix, need, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """One radix pass over the n scores at ``row``: the 8-bit digit at SHIFT of the need-th largest
+    key among those whose higher digits equal ``prefix``'s -> (prefix with that digit, how many of
+    the keys with the new prefix still to take)."""
+    offs = tl.arange(0, BLOCK)
+    digits = tl.arange(0, 256)
+    hist = tl.zeros([256], tl.int32)
+    for t0 in range(0, n, BLOCK):
+        t = t0 + offs
+        ok = t < n
+        key = _key(tl.load(row + t, mask=ok, other=0.0))
+        if SHIFT == 24:
+            match = ok
+        else:
+            match = ok & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+        hist += tl.histogram(((key >> SHIFT) & 0xFF).to(tl.int32), 256, mask=match)
+    incl = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist   # keys with digit >= d
+    above = incl - hist                                  # keys with digit > d
+    d = tl.max(tl.where((above < need) & (need <= incl), digits, -1), 0)
+    need -= tl.sum(tl.where(digits == d, above, 0), 0)
+    return prefix | (tl.maximum(d, 0).to(tl.uint32) << SHIFT), need
+
+
+@triton.jit
 def _top_k_kernel(s_ptr, n_ptr, out_ptr, T, K, s_b, o_b, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     row = s_ptr + b * s_b
     orow = out_ptr + b * o_b
     n = tl.minimum(tl.load(n_ptr).to(tl.int32), T)
     offs = tl.arange(0, BLOCK)
-    digits = tl.arange(0, 256)
     every_n = tl.where(n <= K, n, 0)         # n when every valid entry is taken, else 0
     n_pass = n - every_n                     # no select passes when every valid entry is taken
     prefix = tl.zeros([], tl.uint32)          # the high digits of the k-th largest key found so far
     need = K                                  # how many still to take among the keys matching prefix
-    for i in tl.static_range(4):
-        SHIFT: tl.constexpr = 24 - 8 * i
-        hist = tl.zeros([256], tl.int32)
-        for t0 in range(0, n_pass, BLOCK):
-            t = t0 + offs
-            ok = t < n
-            key = _key(tl.load(row + t, mask=ok, other=0.0))
-            if SHIFT == 24:
-                match = ok
-            else:
-                match = ok & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
-            hist += tl.histogram(((key >> SHIFT) & 0xFF).to(tl.int32), 256, mask=match)
-        incl = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist   # keys with digit >= d
-        above = incl - hist                                  # keys with digit > d
-        d = tl.max(tl.where((above < need) & (need <= incl), digits, -1), 0)
-        need -= tl.sum(tl.where(digits == d, above, 0), 0)
-        prefix = prefix | (tl.maximum(d, 0).to(tl.uint32) << SHIFT)
+    prefix, need = _digit_pass(row, n_pass, prefix, need, 24, BLOCK)
+    prefix, need = _digit_pass(row, n_pass, prefix, need, 16, BLOCK)
+    prefix, need = _digit_pass(row, n_pass, prefix, need, 8, BLOCK)
+    prefix, need = _digit_pass(row, n_pass, prefix, need, 0, BLOCK)
     written = 0
     ties = 0
     for t0 in range(0, n, BLOCK):
