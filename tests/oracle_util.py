@@ -108,3 +108,28 @@ def prefill_then_decode(m, ids: torch.Tensor, n_prefill: int):
             parts.append(m.decode_step(ids[:, t : t + 1], st))
             st.pos += 1
     return torch.cat(parts, 1), st
+
+
+class Counting:
+    """A kernel-slot callable that counts its calls and runs ``fn`` (components() shows fn's name)."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+        self.__name__ = fn.__name__
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        return self.fn(*a, **k)
+
+
+def decode_logits(m, ids: torch.Tensor, steps: int = 6) -> torch.Tensor:
+    """Prefill ids[:, :-steps] then decode the rest one token at a time: [steps, B, V]."""
+    n = ids.shape[1] - steps
+    st = m.new_state(ids.shape[0], ids.shape[1] + 1)
+    out = []
+    with torch.no_grad():
+        m.prefill(ids[:, :n], st)
+        for i in range(n, ids.shape[1]):
+            out.append(m.decode_step(ids[:, i : i + 1], st)[:, -1])
+            st.pos += 1
+    return torch.stack(out)

@@ -33,7 +33,7 @@ from dsv4lab.model.indexer import Indexer, index_scores_decode
 from dsv4lab.model.moe import Router
 from dsv4lab.quant.modes import RoundTrip
 from dsv4lab.workbench import random_model
-from oracle_util import interp_check_result, random_ids, tiny_config
+from oracle_util import decode_logits as _decode_logits, interp_check_result, random_ids, tiny_config
 
 def test_interp_decode_kernels_match_reference():
     assert triton_importable(), "triton is part of the test set-up (pip install -e '.[kernels]')"
@@ -49,19 +49,6 @@ def test_interp_decode_kernels_match_reference():
 
 
 # ----------------------------------------------------------------------------- slots in a model
-def _decode_logits(m, ids, steps=6):
-    """Prefill ids[:, :-steps] then decode the rest one token at a time: [steps, B, V]."""
-    n = ids.shape[1] - steps
-    st = m.new_state(ids.shape[0], ids.shape[1] + 1)
-    out = []
-    with torch.no_grad():
-        m.prefill(ids[:, :n], st)
-        for i in range(n, ids.shape[1]):
-            out.append(m.decode_step(ids[:, i : i + 1], st)[:, -1])
-            st.pos += 1
-    return torch.stack(out)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     cfg = tiny_config()

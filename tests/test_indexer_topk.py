@@ -26,7 +26,7 @@ from dsv4lab.kernels.dispatch import index_top_k_decode, norm_rope, rms_norm
 from dsv4lab.model.indexer import Indexer, index_top_k_decode as top_k_ref
 from dsv4lab.model.norms import RMSNorm
 from dsv4lab.workbench import random_model
-from oracle_util import interp_check_result, random_ids, tiny_config
+from oracle_util import Counting, decode_logits as _decode_logits, interp_check_result, random_ids, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,28 +39,6 @@ def test_interp_top_k_matches_reference():
         assert res[case] == {"same_set": True, "shape_ok": True, "dtype_ok": True, "index_order": True}, (case, res[case])
     assert res["ties"] == [0, 1, 2, 5]           # 2, 2, 1, then the first of the zeros (-0.0 == +0.0)
     assert res["ties_all_equal"] == [0, 1, 2, 3, 4]
-
-
-class Counting:
-    def __init__(self, fn):
-        self.fn, self.calls = fn, 0
-        self.__name__ = fn.__name__
-
-    def __call__(self, *a, **k):
-        self.calls += 1
-        return self.fn(*a, **k)
-
-
-def _decode_logits(m, ids, steps=6):
-    n = ids.shape[1] - steps
-    st = m.new_state(ids.shape[0], ids.shape[1] + 1)
-    out = []
-    with torch.no_grad():
-        m.prefill(ids[:, :n], st)
-        for i in range(n, ids.shape[1]):
-            out.append(m.decode_step(ids[:, i : i + 1], st)[:, -1])
-            st.pos += 1
-    return torch.stack(out)
 
 
 @pytest.fixture(scope="module")
