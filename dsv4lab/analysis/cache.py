@@ -102,8 +102,8 @@ def _move(obj, device, clone: bool):
 class ActivationCache(Mapping):
     """name -> captured value (the LAST firing); ``all(name)`` gives every kept firing in order.
 
-    ``order`` lists hook names in firing order (one entry per firing, cached or not; repeats for
-    decode steps); ``skipped`` names what ``max_bytes`` kept out; ``reduced`` maps a name to the
+    ``order`` lists the captured hook names in firing order (one entry per firing, kept within
+    ``max_bytes`` or not; repeats for decode steps); ``skipped`` names what ``max_bytes`` kept out; ``reduced`` maps a name to the
     reduction applied to it.
     """
 
@@ -164,7 +164,10 @@ def _reducer_for(reduce, name):
 
 def caching_hook(cache: ActivationCache, names=None, device="cpu", reduce=None, max_bytes: int | None = None,
                  keep: str = "all", clone: bool = True, on_overflow: str = "skip"):
-    """The (pattern, fn) pair that fills ``cache``; fn returns None so nothing downstream changes."""
+    """The (pattern, fn) pair that fills ``cache``; fn returns None so nothing downstream changes.
+    It listens only at ``names``: a listening hook point switches its component to the reference
+    (docs/hooks.md "Hooks and kernels"), so capturing the residual streams must not take every
+    kernel of the model off (at full depth that made a capture several times slower)."""
     keep_name = name_filter(names)
 
     def fn(t, name):
@@ -187,7 +190,7 @@ def caching_hook(cache: ActivationCache, names=None, device="cpu", reduce=None, 
             cache._add(name, _move(val, device, clone), keep)
         return None
 
-    return ("**", fn)
+    return ("**" if names is None else names, fn)
 
 
 @torch.no_grad()

@@ -245,7 +245,7 @@ def compare_against(logits_a, cache_a, mb, ib, ids, names=None, tol: float = 1e-
         return None
 
     with applied(mb, ib):
-        with hooks(mb, [("**", on_b)]):
+        with hooks(mb, [("**" if names is None else names, on_b)], strict=False):  # listen only where compared
             logits_b = mb(ids)
     nt = next_token_metrics(logits_a, logits_b, k)
 
