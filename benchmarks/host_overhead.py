@@ -184,9 +184,9 @@ def _stub_device_type(patch) -> None:
 
 
 # ----------------------------------------------------------------------------- the calls
-def decode_calls(dtype=torch.bfloat16) -> dict:
+def decode_calls(dtype=torch.bfloat16, device: str = "cpu") -> dict:
     """name -> zero-argument callable running one dispatch entry point at a V4-Pro decode shape (one
-    token), on CPU tensors (with ``stubbed_launches`` active)."""
+    token), on CPU tensors (with ``stubbed_launches`` active) or on ``device`` (the GPU tests)."""
     from dsv4lab.config import named_config
     from dsv4lab.kernels import dispatch
     from dsv4lab.model.compressor import Compressor
@@ -197,40 +197,40 @@ def decode_calls(dtype=torch.bfloat16) -> dict:
     g = torch.Generator().manual_seed(0)
     cfg = named_config("v4-pro")
     H = cfg.hidden_size
-    x = torch.randn(1, H, generator=g).to(dtype)
-    w_nv = quantize_nvfp4(torch.randn(512, H, generator=g))
-    w_mx = quantize_mxfp4(torch.randn(512, H, generator=g))
-    w_f8 = quantize_fp8_block(torch.randn(512, H, generator=g))
+    x = torch.randn(1, H, generator=g).to(device).to(dtype)
+    w_nv = quantize_nvfp4(torch.randn(512, H, generator=g).to(device))
+    w_mx = quantize_mxfp4(torch.randn(512, H, generator=g).to(device))
+    w_f8 = quantize_fp8_block(torch.randn(512, H, generator=g).to(device))
     E, I, k = 8, 512, 6  # a few experts: the wrapper cost does not depend on E
-    experts = [[quantize_nvfp4(torch.randn(*shape, generator=g) * 0.02) for _ in range(E)]
+    experts = [[quantize_nvfp4(torch.randn(*shape, generator=g).to(device) * 0.02) for _ in range(E)]
                for shape in ((I, H), (I, H), (H, I))]
     w1, w3, w2 = (stack_experts(ws) for ws in experts)
-    ids = torch.tensor([[0, 1, 2, 3, 4, 5]])
-    wts = torch.rand(1, k, generator=g)
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5]], device=device)
+    wts = torch.rand(1, k, generator=g).to(device)
     hc, B = cfg.hc_mult, 1
-    streams = torch.randn(B, 1, hc, H, generator=g).to(dtype)
+    streams = torch.randn(B, 1, hc, H, generator=g).to(device).to(dtype)
     mix = (2 + hc) * hc
-    fn, base, scale = torch.randn(mix, hc * H, generator=g), torch.randn(mix, generator=g), torch.ones(3)
-    block_out = torch.randn(B, 1, H, generator=g).to(dtype)
-    post, comb = torch.rand(B, 1, hc, generator=g), torch.rand(B, 1, hc, hc, generator=g)
+    fn, base, scale = torch.randn(mix, hc * H, generator=g).to(device), torch.randn(mix, generator=g).to(device), torch.ones(3, device=device)
+    block_out = torch.randn(B, 1, H, generator=g).to(device).to(dtype)
+    post, comb = torch.rand(B, 1, hc, generator=g).to(device), torch.rand(B, 1, hc, hc, generator=g).to(device)
     Hq, D = cfg.num_attention_heads, cfg.head_dim
-    q = torch.randn(B, 1, Hq, D, generator=g).to(dtype)
-    sink = torch.zeros(Hq)
-    ring = torch.randn(B, cfg.sliding_window, D, generator=g).to(dtype)
-    entries = torch.randn(B, 1024, D, generator=g).to(dtype)
-    pos = torch.tensor(4000)
-    n_ent = torch.tensor(1000)
-    selected = torch.randint(0, 1000, (B, 1, cfg.index_topk), generator=g)
-    comp = Compressor(cfg, D, 4, True).to(dtype)
-    st = CompressorState.empty(B, 4, D, True, 8192, dtype, "cpu")
-    kv, z = torch.randn(B, 1, 2 * D, generator=g).to(dtype), torch.randn(B, 1, 2 * D, generator=g).to(dtype)
+    q = torch.randn(B, 1, Hq, D, generator=g).to(device).to(dtype)
+    sink = torch.zeros(Hq, device=device)
+    ring = torch.randn(B, cfg.sliding_window, D, generator=g).to(device).to(dtype)
+    entries = torch.randn(B, 1024, D, generator=g).to(device).to(dtype)
+    pos = torch.tensor(4000, device=device)
+    n_ent = torch.tensor(1000, device=device)
+    selected = torch.randint(0, 1000, (B, 1, cfg.index_topk), generator=g).to(device)
+    comp = Compressor(cfg, D, 4, True).to(device, dtype)
+    st = CompressorState.empty(B, 4, D, True, 8192, dtype, device)
+    kv, z = torch.randn(B, 1, 2 * D, generator=g).to(device).to(dtype), torch.randn(B, 1, 2 * D, generator=g).to(device).to(dtype)
     rope = cfg.qk_rope_head_dim
-    inv_freq = torch.rand(rope // 2, generator=g)
-    qh = torch.randn(B, 1, Hq, D, generator=g).to(dtype)
-    positions = torch.tensor([4000])
-    qn_w = torch.ones(D, dtype=dtype)
-    logits = torch.randn(1, cfg.n_routed_experts, generator=g)
-    bias = torch.zeros(cfg.n_routed_experts)
+    inv_freq = torch.rand(rope // 2, generator=g).to(device)
+    qh = torch.randn(B, 1, Hq, D, generator=g).to(device).to(dtype)
+    positions = torch.tensor([4000], device=device)
+    qn_w = torch.ones(D, dtype=dtype, device=device)
+    logits = torch.randn(1, cfg.n_routed_experts, generator=g).to(device)
+    bias = torch.zeros(cfg.n_routed_experts, device=device)
     return {
         "quant_linear_nvfp4": lambda: dispatch.quant_linear(x, w_nv),
         "quant_linear_mxfp4": lambda: dispatch.quant_linear(x, w_mx),

@@ -197,3 +197,123 @@ def test_decode_entry_points_go_direct_on_repeat():
                 L.set_direct_launch(prev)
             normal = [(c, g) for c, g, a, _ in log]
             assert [(c, g) for c, g, _ in direct] == normal, name
+
+
+# ----------------------------------------------------------------------------- GPU (the H200)
+def _outputs(v):
+    """The tensors a call returned, flattened (clones: later calls may reuse buffers)."""
+    if isinstance(v, torch.Tensor):
+        return [v.detach().clone()]
+    if isinstance(v, (tuple, list)):
+        return [t for x in v for t in _outputs(x)]
+    return []
+
+
+def _bitwise(a: list, b: list, name: str) -> None:
+    assert len(a) == len(b) > 0, name
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(x.view(torch.uint8) if x.dtype.is_floating_point else x,
+                           y.view(torch.uint8) if y.dtype.is_floating_point else y), name
+
+
+# compressor_decode writes its state: its outputs depend on how often it ran, not on the launch path
+_STATEFUL = {"compressor_decode"}
+
+
+@pytest.fixture
+def gpu_calls(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dsv4lab.kernels import launch as L
+
+    if not L.direct_launch_enabled():
+        pytest.skip("direct launch off or unsupported here")
+    monkeypatch.setenv("DSV4LAB_KERNEL_VERIFY", "0")
+    return L, _host_overhead().decode_calls(torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_direct_matches_normal_bitwise(gpu_calls):
+    """(a) each decode entry point at V4-Pro shapes: the direct launches (second call on) give bitwise
+    the outputs of the normal launches, and they were direct."""
+    L, calls = gpu_calls
+    for name, fn in calls.items():
+        if name in _STATEFUL:
+            continue
+        prev = L.set_direct_launch(False)
+        try:
+            fn()
+            normal = _outputs(fn())
+        finally:
+            L.set_direct_launch(prev)
+        fn()
+        n0 = L.stats["direct"]
+        direct = _outputs(fn())
+        torch.cuda.synchronize()
+        assert L.stats["direct"] > n0, f"{name}: no direct launch"
+        _bitwise(direct, normal, name)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_of_direct_launches_matches_eager(gpu_calls):
+    """(b) a step of every (stateless) decode entry point captured in a CUDA graph while the direct path
+    is on replays bitwise equal to the eager direct run."""
+    L, calls = gpu_calls
+    names = [n for n in calls if n not in _STATEFUL]
+    for n in names:
+        calls[n]()
+    eager = {n: _outputs(calls[n]()) for n in names}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for n in names:
+            calls[n]()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    n0 = L.stats["direct"]
+    with torch.cuda.graph(graph):
+        outs = {n: calls[n]() for n in names}
+    assert L.stats["direct"] > n0
+    graph.replay()
+    torch.cuda.synchronize()
+    for n in names:
+        _bitwise(_outputs(outs[n]), eager[n], n)
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_view_and_other_dtype_after_caching():
+    """(c) after the GEMV and the norm kernel went direct: a 2-byte-offset activation view and an fp16
+    activation still give the normal launch's result (new specialisations, not the cached kernel)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dsv4lab.kernels import dispatch
+    from dsv4lab.kernels import launch as L
+    from dsv4lab.quant.weights import quantize_nvfp4
+
+    if not L.direct_launch_enabled():
+        pytest.skip("direct launch off or unsupported here")
+    g = torch.Generator().manual_seed(1)
+    K, N = 7168, 1536
+    w = quantize_nvfp4(torch.randn(N, K, generator=g).cuda())
+    buf = torch.randn(1, K + 8, generator=g).cuda().to(torch.bfloat16)
+    x = buf[:, :K].contiguous()
+    x_mis = buf[:, 1:K + 1]                       # data_ptr % 16 == 2
+    assert x_mis.data_ptr() % 16 and x_mis.is_contiguous()
+    nw = torch.ones(1536, dtype=torch.bfloat16, device="cuda")   # q_norm's width
+
+    def run(xx):
+        return _outputs((dispatch.quant_linear(xx, w), dispatch.rms_norm(xx[:, :1536], nw, 1e-6)))
+
+    for _ in range(3):
+        run(x)                                    # cached, direct
+    for xx in (x_mis, x.half(), x_mis.contiguous()):
+        prev = L.set_direct_launch(False)
+        try:
+            want = run(xx)
+        finally:
+            L.set_direct_launch(prev)
+        got1, got2 = run(xx), run(xx)             # first on a new key (normal), then direct
+        torch.cuda.synchronize()
+        _bitwise(got1, want, f"{xx.dtype} {xx.data_ptr() % 16}")
+        _bitwise(got2, want, f"{xx.dtype} {xx.data_ptr() % 16}")
