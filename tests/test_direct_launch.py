@@ -5,7 +5,6 @@ must reach the compiled kernel Triton's own cache picks for those arguments; on 
 under CUDA-graph replay."""
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -14,16 +13,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
+from test_host_overhead import _host_overhead  # noqa: E402  (benchmarks/host_overhead.py as a module)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _host_overhead():
-    spec = importlib.util.spec_from_file_location("host_overhead", ROOT / "benchmarks" / "host_overhead.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("host_overhead", mod)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @triton.jit

@@ -155,11 +155,15 @@ class LaunchSite:
             k = self.key(args)
         except Exception:
             return
-        if k is None or not hasattr(compiled, "packed_metadata") or not hasattr(compiled, "function"):
-            return  # e.g. a future of an asynchronous compile: stay on the normal path
+        if k is None:
+            return
+        try:
+            ent = (compiled.run, compiled.function, compiled.packed_metadata)
+        except Exception:  # e.g. a future of an asynchronous compile, a stand-in driver: stay normal
+            return
         if len(self.entries) >= ENTRIES_MAX:
             self.entries.clear()
-        self.entries[k] = (compiled.run, compiled.function, compiled.packed_metadata)
+        self.entries[k] = ent
 
     def _build(self, args: tuple) -> bool:
         """Check the layout (positional non-constexpr parameters first, then constexprs / scalars by
