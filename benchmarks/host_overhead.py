@@ -59,10 +59,79 @@ def _kernel_modules() -> list:
     return mods
 
 
+class StandInDriver:
+    """What ``JITFunction.run`` asks of the driver, for an H200 that is not here (one device, stream 0)."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+class FakeCompiled:
+    """What ``triton.compiler.compile`` returns under ``stubbed_launches(triton_run=True)``: the
+    ``CompiledKernel`` attributes a launch uses; its launcher (``run``) appends (this object, grid,
+    args, launch_enter_hook) to ``log`` and returns. ``src`` is Triton's ASTSource (signature,
+    constants, attrs: the specialisation it was compiled for)."""
+
+    log: list | None = None
+
+    def __init__(self, src, target=None, options=None, **_):
+        self.src, self.options = src, options
+        self.function, self.packed_metadata = object(), object()
+        self.run = self._launch
+
+    def _launch(self, gx, gy, gz, stream, function, packed, launch_metadata, enter, exit_, *args):
+        assert function is self.function and packed is self.packed_metadata
+        if FakeCompiled.log is not None:
+            FakeCompiled.log.append((self, (gx, gy, gz), args, enter))
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+
 @contextlib.contextmanager
-def stubbed_launches(log: list | None = None):
-    """Within: kernels are ``StubKernel`` s, CPU tensors pass for CUDA tensors of an sm_90 device.
-    Everything is restored on exit (the caches the wrappers filled stay: clear them if needed)."""
+def fake_triton(log: list | None = None):
+    """Within: ``JITFunction.run`` runs for real on a ``StandInDriver`` and compiles to ``FakeCompiled``
+    (launches appended to ``log``). On exit the kernels' compile caches made here and the direct
+    launch caches (``dsv4lab.kernels.launch.clear``) are dropped and the driver restored."""
+    import triton
+    import triton.compiler
+    from triton.runtime.jit import JITFunction
+
+    from dsv4lab.kernels import launch as launch_mod
+
+    kernels = [v for m in _kernel_modules() for v in vars(m).values() if isinstance(v, JITFunction)]
+    fresh = [k for k in kernels if not k.device_caches]
+    old_compile, old_log = triton.compiler.compile, FakeCompiled.log
+    old_driver = getattr(triton.runtime.driver, "_active", None)  # None: not created yet (no GPU here)
+    triton.runtime.driver.set_active(StandInDriver())
+    triton.compiler.compile = FakeCompiled
+    FakeCompiled.log = log
+    launch_mod.clear()
+    try:
+        yield log
+    finally:
+        triton.compiler.compile, FakeCompiled.log = old_compile, old_log
+        triton.runtime.driver._active = old_driver
+        for k in fresh:
+            k.device_caches.clear()
+        launch_mod.clear()
+
+
+@contextlib.contextmanager
+def stubbed_launches(log: list | None = None, triton_run: bool = False):
+    """Within: kernels are ``StubKernel`` s (``triton_run``: real ``JITFunction`` s under ``fake_triton``),
+    CPU tensors pass for CUDA tensors of an sm_90 device. Everything is restored on exit (the caches
+    the wrappers filled stay: clear them if needed)."""
     from triton.runtime.jit import JITFunction
 
     from dsv4lab.kernels import device as dev_mod
@@ -75,7 +144,7 @@ def stubbed_launches(log: list | None = None):
 
     for mod in _kernel_modules():
         for name, val in list(vars(mod).items()):
-            if isinstance(val, JITFunction):
+            if isinstance(val, JITFunction) and not triton_run:
                 patch(mod, name, StubKernel(f"{mod.__name__.rsplit('.', 1)[-1]}.{name}", log))
         if hasattr(mod, "tma_supported"):
             patch(mod, "tma_supported", lambda x, packed, scale: packed.shape[1] * 2 % 256 == 0)
@@ -87,8 +156,10 @@ def stubbed_launches(log: list | None = None):
     patch(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     patch(torch.cuda, "is_current_stream_capturing", lambda: False)
     _stub_device_type(patch)
+    ctx = fake_triton(log) if triton_run else contextlib.nullcontext()
     try:
-        yield log
+        with ctx:
+            yield log
     finally:
         for obj, name, old in reversed(undo):
             if old is _MISSING:
@@ -113,9 +184,9 @@ def _stub_device_type(patch) -> None:
 
 
 # ----------------------------------------------------------------------------- the calls
-def decode_calls(dtype=torch.bfloat16) -> dict:
+def decode_calls(dtype=torch.bfloat16, device: str = "cpu") -> dict:
     """name -> zero-argument callable running one dispatch entry point at a V4-Pro decode shape (one
-    token), on CPU tensors (with ``stubbed_launches`` active)."""
+    token), on CPU tensors (with ``stubbed_launches`` active) or on ``device`` (the GPU tests)."""
     from dsv4lab.config import named_config
     from dsv4lab.kernels import dispatch
     from dsv4lab.model.compressor import Compressor
@@ -126,40 +197,40 @@ def decode_calls(dtype=torch.bfloat16) -> dict:
     g = torch.Generator().manual_seed(0)
     cfg = named_config("v4-pro")
     H = cfg.hidden_size
-    x = torch.randn(1, H, generator=g).to(dtype)
-    w_nv = quantize_nvfp4(torch.randn(512, H, generator=g))
-    w_mx = quantize_mxfp4(torch.randn(512, H, generator=g))
-    w_f8 = quantize_fp8_block(torch.randn(512, H, generator=g))
+    x = torch.randn(1, H, generator=g).to(device).to(dtype)
+    w_nv = quantize_nvfp4(torch.randn(512, H, generator=g).to(device))
+    w_mx = quantize_mxfp4(torch.randn(512, H, generator=g).to(device))
+    w_f8 = quantize_fp8_block(torch.randn(512, H, generator=g).to(device))
     E, I, k = 8, 512, 6  # a few experts: the wrapper cost does not depend on E
-    experts = [[quantize_nvfp4(torch.randn(*shape, generator=g) * 0.02) for _ in range(E)]
+    experts = [[quantize_nvfp4(torch.randn(*shape, generator=g).to(device) * 0.02) for _ in range(E)]
                for shape in ((I, H), (I, H), (H, I))]
     w1, w3, w2 = (stack_experts(ws) for ws in experts)
-    ids = torch.tensor([[0, 1, 2, 3, 4, 5]])
-    wts = torch.rand(1, k, generator=g)
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5]], device=device)
+    wts = torch.rand(1, k, generator=g).to(device)
     hc, B = cfg.hc_mult, 1
-    streams = torch.randn(B, 1, hc, H, generator=g).to(dtype)
+    streams = torch.randn(B, 1, hc, H, generator=g).to(device).to(dtype)
     mix = (2 + hc) * hc
-    fn, base, scale = torch.randn(mix, hc * H, generator=g), torch.randn(mix, generator=g), torch.ones(3)
-    block_out = torch.randn(B, 1, H, generator=g).to(dtype)
-    post, comb = torch.rand(B, 1, hc, generator=g), torch.rand(B, 1, hc, hc, generator=g)
+    fn, base, scale = torch.randn(mix, hc * H, generator=g).to(device), torch.randn(mix, generator=g).to(device), torch.ones(3, device=device)
+    block_out = torch.randn(B, 1, H, generator=g).to(device).to(dtype)
+    post, comb = torch.rand(B, 1, hc, generator=g).to(device), torch.rand(B, 1, hc, hc, generator=g).to(device)
     Hq, D = cfg.num_attention_heads, cfg.head_dim
-    q = torch.randn(B, 1, Hq, D, generator=g).to(dtype)
-    sink = torch.zeros(Hq)
-    ring = torch.randn(B, cfg.sliding_window, D, generator=g).to(dtype)
-    entries = torch.randn(B, 1024, D, generator=g).to(dtype)
-    pos = torch.tensor(4000)
-    n_ent = torch.tensor(1000)
-    selected = torch.randint(0, 1000, (B, 1, cfg.index_topk), generator=g)
-    comp = Compressor(cfg, D, 4, True).to(dtype)
-    st = CompressorState.empty(B, 4, D, True, 8192, dtype, "cpu")
-    kv, z = torch.randn(B, 1, 2 * D, generator=g).to(dtype), torch.randn(B, 1, 2 * D, generator=g).to(dtype)
+    q = torch.randn(B, 1, Hq, D, generator=g).to(device).to(dtype)
+    sink = torch.zeros(Hq, device=device)
+    ring = torch.randn(B, cfg.sliding_window, D, generator=g).to(device).to(dtype)
+    entries = torch.randn(B, 1024, D, generator=g).to(device).to(dtype)
+    pos = torch.tensor(4000, device=device)
+    n_ent = torch.tensor(1000, device=device)
+    selected = torch.randint(0, 1000, (B, 1, cfg.index_topk), generator=g).to(device)
+    comp = Compressor(cfg, D, 4, True).to(device, dtype)
+    st = CompressorState.empty(B, 4, D, True, 8192, dtype, device)
+    kv, z = torch.randn(B, 1, 2 * D, generator=g).to(device).to(dtype), torch.randn(B, 1, 2 * D, generator=g).to(device).to(dtype)
     rope = cfg.qk_rope_head_dim
-    inv_freq = torch.rand(rope // 2, generator=g)
-    qh = torch.randn(B, 1, Hq, D, generator=g).to(dtype)
-    positions = torch.tensor([4000])
-    qn_w = torch.ones(D, dtype=dtype)
-    logits = torch.randn(1, cfg.n_routed_experts, generator=g)
-    bias = torch.zeros(cfg.n_routed_experts)
+    inv_freq = torch.rand(rope // 2, generator=g).to(device)
+    qh = torch.randn(B, 1, Hq, D, generator=g).to(device).to(dtype)
+    positions = torch.tensor([4000], device=device)
+    qn_w = torch.ones(D, dtype=dtype, device=device)
+    logits = torch.randn(1, cfg.n_routed_experts, generator=g).to(device)
+    bias = torch.zeros(cfg.n_routed_experts, device=device)
     return {
         "quant_linear_nvfp4": lambda: dispatch.quant_linear(x, w_nv),
         "quant_linear_mxfp4": lambda: dispatch.quant_linear(x, w_mx),
@@ -189,9 +260,32 @@ def host_us(fn, iters: int, repeats: int = 7) -> float:
     return best * 1e6
 
 
+def _normal_vs_direct(fn, iters: int, log: list) -> dict:
+    """Host us of ``fn`` with the direct launch path off, then on (``--triton-run``)."""
+    from dsv4lab.kernels import launch as launch_mod
+
+    n_launch = len(log)
+    prev = launch_mod.set_direct_launch(False)
+    try:
+        normal = host_us(fn, iters)
+        launch_mod.set_direct_launch(True)
+        fn()
+        launch_mod.stats["direct"] = 0
+        fn()
+        direct_launches = launch_mod.stats["direct"]
+        direct = host_us(fn, iters)
+    finally:
+        launch_mod.set_direct_launch(prev)
+    log.clear()
+    return {"normal_us": round(normal, 1), "direct_us": round(direct, 1), "launches": n_launch,
+            "direct_launches": direct_launches}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu-stub", action="store_true", help="stub the launches, run on CPU tensors (required)")
+    ap.add_argument("--triton-run", action="store_true",
+                    help="real JITFunction.run over a fake compile: time each call with the direct launch off / on")
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--only", default="", help="comma-separated call names")
     ap.add_argument("--profile", default="", help="cProfile this call, print the top entries")
@@ -202,13 +296,18 @@ def main() -> None:
     torch.set_num_threads(1)
     os.environ["DSV4LAB_KERNEL_VERIFY"] = "0"  # the stubs write nothing: the first-use parity check would fail
     log: list = []
-    with stubbed_launches(log):
+    with stubbed_launches(log, triton_run=args.triton_run):
         calls = decode_calls()
         names = [n for n in calls if not args.only or n in args.only.split(",")]
         res = {}
         for n in names:
             log.clear()
             calls[n]()
+            if args.triton_run:
+                res[n] = _normal_vs_direct(calls[n], args.iters, log)
+                print(f"{n:26s} normal {res[n]['normal_us']:8.1f} us  direct {res[n]['direct_us']:8.1f} us  "
+                      f"({res[n]['launches']} launches, {res[n]['direct_launches']} direct)", flush=True)
+                continue
             launches = [e[0] for e in log]
             res[n] = {"us": round(host_us(calls[n], args.iters), 1), "launches": launches}
             print(f"{n:26s} {res[n]['us']:8.1f} us  {', '.join(launches)}", flush=True)

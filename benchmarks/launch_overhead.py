@@ -3,6 +3,9 @@ anything. Eager is where hooks fire, and at decode sizes it is host-bound: a V4-
 ~620 launches eagerly in ~35 ms (H200, before fusion). This separates the costs: a bare PyTorch op,
 a trivial Triton kernel with few and with many arguments, the same behind ``on_input_device``
 (``torch.compiler.disable`` + the device guard), and our NVFP4 GEMV through ``dispatch.quant_linear``.
+The trivial kernel and ``quant_linear`` (NVFP4, M = 1: x-pairs prelude + TMA GEMV) are timed twice in
+the same run, with the direct launch path (``dsv4lab.kernels.launch``) off (``*_normal_us``: every
+launch through ``JITFunction.run``) and on (``*_direct_us``).
 
     python3 benchmarks/launch_overhead.py [--json out.json]
 """
@@ -40,6 +43,7 @@ def main() -> None:
     import triton.language as tl
 
     from dsv4lab.kernels import dispatch
+    from dsv4lab.kernels import launch as direct
     from dsv4lab.kernels.device import on_input_device
     from dsv4lab.quant.weights import NVFP4Weight
 
@@ -73,6 +77,17 @@ def main() -> None:
         "quant_linear_nvfp4_7168x512_m1_us": host_us(lambda: dispatch.quant_linear(xa, w), iters=500),
         "F_linear_bf16_7168x512_m1_us": host_us(lambda: torch.nn.functional.linear(xa, wd), iters=500),
     }
+    site = direct.LaunchSite(_one, N=64)
+    for path, on in (("normal", False), ("direct", True)):
+        prev = direct.set_direct_launch(on)
+        try:
+            direct.stats["direct"] = 0
+            res[f"triton_1_arg_launch_{path}_us"] = host_us(lambda: direct.launch(_one, (1,), x, N=64))
+            res[f"triton_1_arg_site_{path}_us"] = host_us(lambda: site((1,), x))
+            res[f"quant_linear_nvfp4_7168x512_m1_{path}_us"] = host_us(lambda: dispatch.quant_linear(xa, w), iters=500)
+            res[f"direct_launches_{path}"] = direct.stats["direct"]
+        finally:
+            direct.set_direct_launch(prev)
     text = json.dumps(res, indent=1)
     print(text)
     if args.json:

@@ -9,6 +9,7 @@ import argparse
 import hashlib
 import importlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import jit as tjit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ["DSV4LAB_DIRECT_LAUNCH"] = "0"  # every launch through the patched run(): it records the PTX
 _ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 _ap.add_argument("out")
 _ap.add_argument("--layout", choices=("NEW", "OLD"), default="NEW")

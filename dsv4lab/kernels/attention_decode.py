@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .common import cdiv, next_pow2, dot_dtype, head_block_query, num_sms, online_softmax_tile
 from .device import on_input_device
+from .launch import launch
 
 BLOCK_H = 32   # heads per program: the bounded prefill kernel's tile (offline sm_90a: no spills)
 BLOCK_N = 32   # keys per tile
@@ -152,7 +153,7 @@ def decode_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, w
     sink32 = sink.float().contiguous()
     dot = tl.float32 if ring.dtype == torch.float32 else dot_dtype(ring)  # fp32 under the interpreter
     block_d = next_pow2(max(D, 16))
-    _decode_split_kernel[(cdiv(H, BLOCK_H), n_split, B)](
+    launch(_decode_split_kernel, (cdiv(H, BLOCK_H), n_split, B),
         q, ring, ent, sel_arg, n_ent_arg, pos, sink32, out, part, m_part, l_part,
         H, D, W, T, K, n_split, scale,
         q.stride(0), q.stride(2), ring.stride(0), ring.stride(1), ent.stride(0), ent.stride(1),
@@ -160,6 +161,6 @@ def decode_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, w
         HAS_ENT=has_ent, HAS_SEL=sel is not None, FINAL=final, DOT=dot, IEEE=dot == tl.float32,
         BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=block_d, num_warps=NUM_WARPS)
     if not final:
-        _decode_combine_kernel[(H, B)](part, m_part, l_part, sink32, out, H, D, n_split, out.stride(0), out.stride(2),
+        launch(_decode_combine_kernel, (H, B), part, m_part, l_part, sink32, out, H, D, n_split, out.stride(0), out.stride(2),
                                        BLOCK_D=block_d, num_warps=4)
     return out

@@ -25,6 +25,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .launch import launch
+
 
 def patch_interpreter_for_numpy2() -> None:
     """TRITON_INTERPRET=1 with numpy >= 2.4: triton 3.6's interpreter turns 0-d scalars into
@@ -539,7 +541,7 @@ def x_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Ten
     kgp = cdiv(KG, INV_PAD) * INV_PAD
     inv = torch.empty(kgp, dtype=torch.float32, device=x.device)
     bg = 16 if INTERPRET else 32
-    _x_pairs_kernel[(cdiv(kgp, bg),)](x, xp, inv, KG, kgp, BG=bg, PDL=pdl, num_warps=1 if INTERPRET else 4,
+    launch(_x_pairs_kernel, (cdiv(kgp, bg),), x, xp, inv, KG, kgp, BG=bg, PDL=pdl, num_warps=1 if INTERPRET else 4,
                                       **({"launch_pdl": True} if pdl else {}))
     return xp, inv[:KG]
 

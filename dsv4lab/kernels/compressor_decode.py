@@ -33,6 +33,7 @@ from triton.language.extra import libdevice
 
 from .common import next_pow2, INTERPRET  # importing common also patches the interpreter for numpy >= 2.4
 from .device import on_input_device
+from .launch import launch
 
 
 @triton.jit
@@ -198,7 +199,7 @@ def compressor_decode_triton(kv: torch.Tensor, z: torch.Tensor, pos: torch.Tenso
     BLOCK_L = min(next_pow2(L), block_l)
     if num_warps is None:
         num_warps = 8 if BLOCK_D >= 512 else 4
-    _compressor_decode_kernel[(B,)](
+    launch(_compressor_decode_kernel, (B,),
         kv2, z2, ape_c, pos, ring_kv, ring_gate, entries, nw, inv, n,
         entries.shape[1], float(eps), kv2.stride(0), z2.stride(0), ape_c.stride(0),
         ring_kv.stride(0), ring_kv.stride(1), ring_gate.stride(0), ring_gate.stride(1),

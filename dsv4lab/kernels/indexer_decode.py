@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .common import cdiv, next_pow2, dot_dtype, num_sms
 from .device import on_input_device
+from .launch import launch
 
 BLOCK_T = 64    # keys per tile: s [Hi=64, 64] fp32 and q [64, 128] bf16 per program at V4-Pro shapes
 NUM_WARPS = 4
@@ -85,7 +86,7 @@ def index_scores_decode_triton(q: torch.Tensor, w_raw: torch.Tensor, keys: torch
     n_tiles = cdiv(T, BLOCK_T)
     progs = programs or max(1, min(n_tiles, cdiv(2 * num_sms(q.device), B)))
     dot = _dot_for(q, keys)
-    _index_scores_kernel[(progs, B)](
+    launch(_index_scores_kernel, (progs, B),
         q, w_raw, keys, n_valid, out, T, HI, DI, progs, w_scale, DI ** -0.5,
         q.stride(0), q.stride(2), w_raw.stride(0), keys.stride(0), keys.stride(1), out.stride(0),
         DOT=dot, IEEE=dot == tl.float32, BLOCK_T=BLOCK_T, BLOCK_HI=next_pow2(max(HI, 16)),

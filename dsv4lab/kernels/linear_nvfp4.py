@@ -62,6 +62,7 @@ from .common import (
     weight_cached,
 )
 from .device import on_input_device
+from .launch import launch
 from .linear_gemm import gemm_supported, launch_gemm
 from .linear_nvfp4_tma import GemvTmaPlan, launch_gemv_tma, run_gemv_tma, tma_default_config, tma_supported
 
@@ -325,10 +326,10 @@ def _launch_gemv(x2, packed, scale, gs, y, cfg):
         xp = torch.empty(K // 2, dtype=torch.int32, device=x2.device)
         inv = torch.empty(1, dtype=torch.float32, device=x2.device)
         xb = 64 if INTERPRET else min(4096, next_pow2(max(K // 2, 64)))  # few, wide steps: it runs before every CTA
-        _x_pairs_kernel[(1,)](x2, xp, inv, K, XB=xb, num_warps=1 if INTERPRET else 16)
+        launch(_x_pairs_kernel, (1,), x2, xp, inv, K, XB=xb, num_warps=1 if INTERPRET else 16)
     else:
         xp, inv = x2, gs
-    _gemv_kernel[(n_tiles, split)](
+    launch(_gemv_kernel, (n_tiles, split),
         x2, w64, scale.view(torch.uint8), gs, y, ws, cnt, xp, inv,
         M, N, KG, x2.stride(0), w64.stride(0), scale.stride(0), y.stride(0), gps, split,
         USE_SPLIT=split > 1, BN=cfg["BN"], G=cfg["G"], BMP=bmp, DOT_DTYPE=dot_dtype(x2),
@@ -362,7 +363,7 @@ def _launch_gemm(x2, packed, scale, gs, y, cfg):
         cnt = counters(x2.device, grid[0] * grid[1])
     else:
         ws, cnt = y, y
-    _gemm_kernel[grid](x2, packed, scale, gs, y, ws, cnt, M, N, K, kps, split,
+    launch(_gemm_kernel, grid, x2, packed, scale, gs, y, ws, cnt, M, N, K, kps, split,
                        x2.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
                        BM=bm, BN=bn, BK=bk, DOT_DTYPE=dot_dtype(x2), USE_SPLIT=split > 1,
                        num_warps=cfg["num_warps"])

@@ -61,6 +61,7 @@ from .common import (
     weight_global_scale,
     x_pairs,
 )
+from .launch import LaunchSite
 
 
 @triton.jit
@@ -176,7 +177,7 @@ class GemvTmaPlan:
     constexpr arguments. ``nvfp4_matmul`` keeps one per weight (``common.weight_cached``), so a decode
     call only allocates and launches."""
 
-    __slots__ = ("N", "KG", "gps", "split", "n_tiles", "grid", "wd", "sd", "g", "m1", "pdl", "xinv", "kw")
+    __slots__ = ("N", "KG", "gps", "split", "n_tiles", "grid", "wd", "sd", "g", "m1", "pdl", "xinv", "kw", "site")
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, cfg: dict, m1: bool, x_dtype: torch.dtype,
                  groups: int = 1):
@@ -197,10 +198,13 @@ class GemvTmaPlan:
             self.kw = dict(USE_SPLIT=split > 1, BN=bn, G=g, STAGES=cfg["STAGES"], USE_ASM=not INTERPRET, PDL=self.pdl,
                            MX=mx, XINV=self.xinv, ROWS_PER_X=N // groups if groups > 1 else 0,
                            num_warps=cfg["num_warps"], **({"launch_pdl": True} if self.pdl else {}))
+            # the descriptors and ints the plan passes on every call (``run_gemv_tma``): keyed by identity
+            self.site = LaunchSite(_gemv_tma_kernel, fixed=(0, 1, 8, 9, 10, 11), **self.kw)
         else:
             self.kw = dict(USE_SPLIT=split > 1, BN=bn, G=g, BMP=16, STAGES=cfg["STAGES"],
                            DOT_DTYPE=dot_dtype(x_dtype),
                            MX=mx, num_warps=cfg["num_warps"])
+            self.site = LaunchSite(_gemv_tma_dot_kernel, fixed=(0, 1, 8, 9, 12, 13), **self.kw)
 
 
 def run_gemv_tma(plan: GemvTmaPlan, x2: torch.Tensor, gs: torch.Tensor, y: torch.Tensor,
@@ -215,11 +219,11 @@ def run_gemv_tma(plan: GemvTmaPlan, x2: torch.Tensor, gs: torch.Tensor, y: torch
         ws, cnt = y, y
     if plan.m1:
         xp, inv = x_pairs(x2[0], plan.pdl) if pairs is None else pairs
-        _gemv_tma_kernel[plan.grid](plan.wd, plan.sd, pairs_descriptor(xp, plan.g, plan.xinv), inv, gs, y, ws, cnt,
-                                    plan.N, plan.KG, plan.gps, plan.split, **plan.kw)
+        plan.site(plan.grid, plan.wd, plan.sd, pairs_descriptor(xp, plan.g, plan.xinv), inv, gs, y, ws, cnt,
+                  plan.N, plan.KG, plan.gps, plan.split)
     else:
-        _gemv_tma_dot_kernel[plan.grid](plan.wd, plan.sd, x2, gs, y, ws, cnt, M, plan.N, plan.KG, x2.stride(0),
-                                        y.stride(0), plan.gps, plan.split, **plan.kw)
+        plan.site(plan.grid, plan.wd, plan.sd, x2, gs, y, ws, cnt, M, plan.N, plan.KG, x2.stride(0), y.stride(0),
+                  plan.gps, plan.split)
 
 
 def launch_gemv_tma(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor,

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from .common import cdiv, INTERPRET, counters, dot_dtype, e8m0_to_f32, nibble_plane_dots, num_sms, store_or_fix_up, weight_cached
 from .device import on_input_device
+from .launch import launch
 from .linear_gemm import GEMM_MIN_M, gemm_supported, launch_gemm
 from .linear_nvfp4_tma import GemvTmaPlan, run_gemv_tma, tma_default_config, tma_supported
 
@@ -215,11 +216,11 @@ def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Ten
     else:
         ws, cnt = y, y
     if w.format == "mxfp4":
-        _mxfp4_kernel[grid](x2, w64, s8, y, ws, cnt, M, N, KW, x2.stride(0), w64.stride(0), s8.stride(0), y.stride(0),
+        launch(_mxfp4_kernel, grid, x2, w64, s8, y, ws, cnt, M, N, KW, x2.stride(0), w64.stride(0), s8.stride(0), y.stride(0),
                             wps, split, USE_SPLIT=split > 1, BN=bn, BW=bw, BM=bm, STAGES=stages,
                             DOT_DTYPE=dot_dtype(x2), num_warps=warps)
     else:
-        _fp8_block_kernel[grid](x2, w.data.view(torch.uint8), s32, y, ws, cnt, M, N, K, x2.stride(0), w.data.stride(0),
+        launch(_fp8_block_kernel, grid, x2, w.data.view(torch.uint8), s32, y, ws, cnt, M, N, K, x2.stride(0), w.data.stride(0),
                                 s32.stride(0), y.stride(0), kps, split, USE_SPLIT=split > 1, BN=bn, BM=bm,
                                 STAGES=stages, DOT_DTYPE=dot_dtype(x2), num_warps=warps)
     return y.reshape(*lead, N)

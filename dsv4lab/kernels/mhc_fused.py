@@ -29,6 +29,7 @@ import triton.language as tl
 
 from .common import cdiv, next_pow2, INTERPRET, counters
 from .device import on_input_device
+from .launch import launch
 
 BT_MAX = 16         # token rows per program of hc_pre
 ACC_ELEMS = 256     # BT * BK: the per-program K step (fp32 accumulators ~ 25 * 256 / 128 threads)
@@ -215,7 +216,7 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
         cnt = counters(dev, n_tb)
     else:
         ws = cnt = pre  # unused
-    _hc_pre_kernel[(n_tb, n_split)](
+    launch(_hc_pre_kernel, (n_tb, n_split),
         x, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,
         T, K, D, ch, int(iters), float(hc_eps), float(norm_eps), HC=hc, HCP=hcp, BT=bt, BK=bk,
         BD=max(64, COLLAPSE_ELEMS // bt), SPLIT=n_split, SPLITP=next_pow2(n_split), HEAD=head,
@@ -250,7 +251,7 @@ def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, 
     y = torch.empty_like(x)
     if B * S == 0:
         return y
-    _hc_post_kernel[(B * S, cdiv(D, POST_BD))](
+    launch(_hc_post_kernel, (B * S, cdiv(D, POST_BD)),
         x, block_out.contiguous(), post.contiguous(), comb.contiguous(), y, D, HC=hc,
         HCP=next_pow2(hc), BD=POST_BD, BF16_BY_HAND=_bf16_by_hand(x), num_warps=4)
     return y

@@ -39,6 +39,7 @@ from .common import (
     weight_global_scale,
     x_pairs,
 )
+from .launch import launch
 
 
 @triton.jit
@@ -140,7 +141,7 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     xp, xinv = x_pairs(x.reshape(-1))
     w1d, s1d = _descs(w1, bn, g)
     w3d, s3d = _descs(w3, bn, g)
-    _moe_up_kernel[(cdiv(I, bn), T * k)](
+    launch(_moe_up_kernel, (cdiv(I, bn), T * k),
         w1d, s1d, w3d, s3d, TensorDescriptor.from_tensor(xp, [g, 16]), xinv, ids_c,
         _global_scales(w1), _global_scales(w3), h,
         I, H // 16, k, h.stride(0), lim, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET, MX=mx, num_warps=warps)
@@ -148,7 +149,7 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     w2d, s2d = _descs(w2, bn, g)
     n_tiles = cdiv(H, bn)
     ws = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
-    _moe_down_kernel[(n_tiles, T * k)](
+    launch(_moe_down_kernel, (n_tiles, T * k),
         w2d, s2d, TensorDescriptor.from_tensor(hp, [g, 16]), hinv, ids_c, wts,
         _global_scales(w2), y, ws, counters(x.device, T * n_tiles),
         H, I // 16, k, y.stride(0), BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET, MX=mx, num_warps=warps)

@@ -20,6 +20,7 @@ from triton.language.extra import libdevice
 
 from .common import cdiv, next_pow2, INTERPRET
 from .device import on_input_device
+from .launch import launch
 
 NORM_NONE, NORM_PLAIN, NORM_WEIGHTED = 0, 1, 2  # NORM constexpr: none, unweighted (q heads), weighted
 E4M3_MAX = tl.constexpr(448.0)
@@ -137,7 +138,7 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
     rope = positions is not None
     BP = max(next_pow2(D // 2), KV_FP8_BLOCK_PAIRS.value if fp8_nope else 1)
     HB = heads_per_program or min(next_pow2(H), 2)  # H=128: 64 programs per row
-    _norm_rope_kernel[(T, cdiv(H, HB))](
+    launch(_norm_rope_kernel, (T, cdiv(H, HB)),
         x3, y, x3 if weight is None else weight, positions if rope else x3, inv_freq if rope else x3,
         positions.numel() if rope else 1, H, float(eps), x3.stride(0), x3.stride(1), y.stride(0), y.stride(1),
         D=D, RD=2 * inv_freq.shape[-1] if rope else 0, NORM=norm, ROPE=(-1 if inverse else 1) if rope else 0,

@@ -1,0 +1,311 @@
+"""The direct launch path (``dsv4lab.kernels.launch``): on CPU through the real ``JITFunction.run``
+over a fake compile (``benchmarks/host_overhead.py`` ``fake_triton``), every launch, direct or not,
+must reach the compiled kernel Triton's own cache picks for those arguments; on the H200
+(``-m gpu``) the decode kernels must give bitwise the outputs of the normal launch, eagerly and
+under CUDA-graph replay."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from test_host_overhead import _host_overhead  # noqa: E402  (benchmarks/host_overhead.py as a module)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@triton.jit
+def _probe_kernel(x_ptr, y_ptr, n, m, s, B: tl.constexpr, F: tl.constexpr):
+    i = tl.arange(0, B)
+    tl.store(y_ptr + i, tl.load(x_ptr + i) * s + n + m + F)
+
+
+@pytest.fixture
+def fake():
+    """(launch module, launch log) with Triton's run over a fake compile; direct path on."""
+    from dsv4lab.kernels import launch as L
+
+    ho = _host_overhead()
+    log: list = []
+    with ho.fake_triton(log):
+        _probe_kernel.device_caches.clear()
+        prev = L.set_direct_launch(True)
+        try:
+            yield L, log
+        finally:
+            L.set_direct_launch(prev)
+            _probe_kernel.device_caches.clear()
+
+
+def _expected(kernel, args, kw):
+    """The compiled kernel Triton's own run() picks for these arguments (warmup: compiles, no launch)."""
+    return kernel.run(*args, grid=(1,), warmup=True, **kw)
+
+
+def _check(L, log, args, kw, direct: bool):
+    n0 = L.stats["direct"]
+    L.launch(_probe_kernel, (2, 1), *args, **kw)
+    compiled, grid, passed, enter = log[-1]
+    assert compiled is _expected(_probe_kernel, args, kw)
+    assert grid == (2, 1, 1)
+    assert passed[:len(args)] == tuple(args) and passed[len(args):] == (kw["B"], kw["F"])
+    assert (L.stats["direct"] == n0 + 1) is direct
+    assert (enter is None) if direct else True
+
+
+def test_repeat_goes_direct_and_changes_do_not(fake):
+    if not fake[0].direct_launch_enabled():
+        pytest.skip("direct launch unsupported by this triton")
+    L, log = fake
+    x, y = torch.zeros(64), torch.zeros(64)
+    kw = dict(B=16, F=1)
+    _check(L, log, (x, y, 3, 32, 1.0), kw, direct=False)      # first: compiles through run()
+    _check(L, log, (x, y, 5, 48, 2.0), kw, direct=True)       # same classes: direct
+    _check(L, log, (x[1:], y, 5, 48, 2.0), kw, direct=False)  # misaligned pointer: new key
+    _check(L, log, (x[1:], y, 5, 48, 2.0), kw, direct=True)
+    _check(L, log, (x.double(), y, 5, 48, 2.0), kw, direct=False)   # another dtype
+    _check(L, log, (x, y, 1, 48, 2.0), kw, direct=False)      # int == 1: a constexpr for Triton
+    _check(L, log, (x, y, 16, 48, 2.0), kw, direct=False)     # divisible by 16
+    _check(L, log, (x, y, 2 ** 40, 48, 2.0), kw, direct=False)  # i64
+    _check(L, log, (x, y, True, 48, 2.0), kw, direct=False)   # bool is not int
+    _check(L, log, (x, y, 3, 48, 2), kw, direct=False)        # int where a float was
+    _check(L, log, (x, y, 3, 32, 1.0), dict(B=16, F=2), direct=False)   # another constexpr value
+    _check(L, log, (x, y, 3, 32, 1.0), dict(B=16, F=1.0), direct=False)  # same value, another type
+    _check(L, log, (x, y, 3, 32, 1.0), dict(B=16, F=1.0), direct=True)
+    _check(L, log, (x, y, 5, 48, 2.0), kw, direct=True)       # the first entry still there
+
+
+def test_switch_hooks_and_layouts_take_the_normal_path(fake):
+    if not fake[0].direct_launch_enabled():
+        pytest.skip("direct launch unsupported by this triton")
+    L, log = fake
+    from triton import knobs
+
+    x, y = torch.zeros(64), torch.zeros(64)
+    args, kw = (x, y, 3, 32, 1.0), dict(B=16, F=1)
+    _check(L, log, args, kw, direct=False)
+    _check(L, log, args, kw, direct=True)
+    L.set_direct_launch(False)
+    _check(L, log, args, kw, direct=False)
+    L.set_direct_launch(True)
+    seen: list = []
+    hook = knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):   # a profiler's launch hook: Triton's own path, which hands the launcher the hook
+        hook.add(seen.append)
+        try:
+            _check(L, log, args, kw, direct=False)
+        finally:
+            hook.remove(seen.append)
+        assert log[-1][3] is hook
+    knobs.runtime.debug = True
+    try:
+        assert not L._triton_state_plain()
+    finally:
+        knobs.runtime.debug = False
+    _check(L, log, args, kw, direct=True)
+    # a constexpr passed positionally cannot be keyed by class: that layout stays normal
+    n0 = L.stats["direct"]
+    for _ in range(2):
+        L.launch(_probe_kernel, (1,), x, y, 3, 32, 1.0, 16, F=1)
+    assert L.stats["direct"] == n0
+    # a tensor by keyword: normal
+    for _ in range(2):
+        L.launch(_probe_kernel, (1,), x, n=3, m=32, s=1.0, y_ptr=y, B=16, F=1)
+    assert L.stats["direct"] == n0
+
+
+def test_fixed_positions_are_checked_by_identity(fake):
+    if not fake[0].direct_launch_enabled():
+        pytest.skip("direct launch unsupported by this triton")
+    L, log = fake
+    x, y = torch.zeros(64), torch.zeros(64)
+    site = L.LaunchSite(_probe_kernel, fixed=(2, 3), B=16, F=1)
+    n, m = 3, 4096
+    for direct in (False, True, True):
+        n0 = L.stats["direct"]
+        site((1,), x, y, n, m, 1.0)
+        assert (L.stats["direct"] == n0 + 1) is direct
+        assert log[-1][0] is _expected(_probe_kernel, (x, y, n, m, 1.0), dict(B=16, F=1))
+    n0 = L.stats["direct"]
+    site((1,), x, y, n, 4096 + 16, 1.0)   # another object at a fixed position: normal, right kernel
+    assert L.stats["direct"] == n0
+    assert log[-1][0] is _expected(_probe_kernel, (x, y, n, 4096 + 16, 1.0), dict(B=16, F=1))
+    L.clear()
+    assert site.key is None and not site.entries
+
+
+def test_interpreter_never_goes_direct():
+    """Under TRITON_INTERPRET=1 (CPU CI) the module reports the path off and cannot switch it on."""
+    import subprocess
+
+    code = ("import os; os.environ['TRITON_INTERPRET'] = '1'\n"
+            "from dsv4lab.kernels import launch as L\n"
+            "assert not L.direct_launch_enabled(); L.set_direct_launch(True); assert not L.direct_launch_enabled()\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
+def test_env_switch_off():
+    import os
+    import subprocess
+
+    code = "from dsv4lab.kernels import launch as L\nassert not L.direct_launch_enabled()\n"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DSV4LAB_DIRECT_LAUNCH": "0"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
+def test_decode_entry_points_go_direct_on_repeat():
+    """Every decode entry point of ``host_overhead.decode_calls`` launches only directly on its second
+    call, and each launch reaches the kernel compiled for its arguments (same as the normal path)."""
+    from dsv4lab.kernels import launch as L
+
+    ho = _host_overhead()
+    if not L.direct_launch_enabled():
+        pytest.skip("direct launch unsupported by this triton")
+    import os
+    os.environ.setdefault("DSV4LAB_KERNEL_VERIFY", "0")
+    log: list = []
+    with ho.stubbed_launches(log, triton_run=True):
+        calls = ho.decode_calls()
+        for name, fn in calls.items():
+            fn()
+            log.clear()
+            n0, m0 = L.stats["direct"], L.stats["normal"]
+            fn()
+            assert L.stats["normal"] == m0, name
+            assert L.stats["direct"] - n0 == len(log) > 0, name
+            direct = [(c, g, a) for c, g, a, _ in log]
+            log.clear()
+            prev = L.set_direct_launch(False)
+            try:
+                fn()
+            finally:
+                L.set_direct_launch(prev)
+            normal = [(c, g) for c, g, a, _ in log]
+            assert [(c, g) for c, g, _ in direct] == normal, name
+
+
+# ----------------------------------------------------------------------------- GPU (the H200)
+def _outputs(v):
+    """The tensors a call returned, flattened (clones: later calls may reuse buffers)."""
+    if isinstance(v, torch.Tensor):
+        return [v.detach().clone()]
+    if isinstance(v, (tuple, list)):
+        return [t for x in v for t in _outputs(x)]
+    return []
+
+
+def _bitwise(a: list, b: list, name: str) -> None:
+    assert len(a) == len(b) > 0, name
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(x.view(torch.uint8) if x.dtype.is_floating_point else x,
+                           y.view(torch.uint8) if y.dtype.is_floating_point else y), name
+
+
+# compressor_decode writes its state: its outputs depend on how often it ran, not on the launch path
+_STATEFUL = {"compressor_decode"}
+
+
+@pytest.fixture
+def gpu_calls(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dsv4lab.kernels import launch as L
+
+    if not L.direct_launch_enabled():
+        pytest.skip("direct launch off or unsupported here")
+    monkeypatch.setenv("DSV4LAB_KERNEL_VERIFY", "0")
+    return L, _host_overhead().decode_calls(torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_direct_matches_normal_bitwise(gpu_calls):
+    """(a) each decode entry point at V4-Pro shapes: the direct launches (second call on) give bitwise
+    the outputs of the normal launches, and they were direct."""
+    L, calls = gpu_calls
+    for name, fn in calls.items():
+        if name in _STATEFUL:
+            continue
+        prev = L.set_direct_launch(False)
+        try:
+            fn()
+            normal = _outputs(fn())
+        finally:
+            L.set_direct_launch(prev)
+        fn()
+        n0 = L.stats["direct"]
+        direct = _outputs(fn())
+        torch.cuda.synchronize()
+        assert L.stats["direct"] > n0, f"{name}: no direct launch"
+        _bitwise(direct, normal, name)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_of_direct_launches_matches_eager(gpu_calls):
+    """(b) a step of every (stateless) decode entry point captured in a CUDA graph while the direct path
+    is on replays bitwise equal to the eager direct run."""
+    L, calls = gpu_calls
+    names = [n for n in calls if n not in _STATEFUL]
+    for n in names:
+        calls[n]()
+    eager = {n: _outputs(calls[n]()) for n in names}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for n in names:
+            calls[n]()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    n0 = L.stats["direct"]
+    with torch.cuda.graph(graph):
+        outs = {n: calls[n]() for n in names}
+    assert L.stats["direct"] > n0
+    graph.replay()
+    torch.cuda.synchronize()
+    for n in names:
+        _bitwise(_outputs(outs[n]), eager[n], n)
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_view_and_other_dtype_after_caching():
+    """(c) after the GEMV and the norm kernel went direct: a 2-byte-offset activation view and an fp16
+    activation still give the normal launch's result (new specialisations, not the cached kernel)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dsv4lab.kernels import dispatch
+    from dsv4lab.kernels import launch as L
+    from dsv4lab.quant.weights import quantize_nvfp4
+
+    if not L.direct_launch_enabled():
+        pytest.skip("direct launch off or unsupported here")
+    g = torch.Generator().manual_seed(1)
+    K, N = 7168, 1536
+    w = quantize_nvfp4(torch.randn(N, K, generator=g).cuda())
+    buf = torch.randn(1, K + 8, generator=g).cuda().to(torch.bfloat16)
+    x = buf[:, :K].contiguous()
+    x_mis = buf[:, 1:K + 1]                       # data_ptr % 16 == 2
+    assert x_mis.data_ptr() % 16 and x_mis.is_contiguous()
+    nw = torch.ones(1536, dtype=torch.bfloat16, device="cuda")   # q_norm's width
+
+    def run(xx):
+        return _outputs((dispatch.quant_linear(xx, w), dispatch.rms_norm(xx[:, :1536], nw, 1e-6)))
+
+    for _ in range(3):
+        run(x)                                    # cached, direct
+    for xx in (x_mis, x.half(), x_mis.contiguous()):
+        prev = L.set_direct_launch(False)
+        try:
+            want = run(xx)
+        finally:
+            L.set_direct_launch(prev)
+        got1, got2 = run(xx), run(xx)             # first on a new key (normal), then direct
+        torch.cuda.synchronize()
+        _bitwise(got1, want, f"{xx.dtype} {xx.data_ptr() % 16}")
+        _bitwise(got2, want, f"{xx.dtype} {xx.data_ptr() % 16}")
