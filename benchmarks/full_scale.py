@@ -102,10 +102,11 @@ def stage_synth(args) -> dict:
             s = None
         nbytes = dir_bytes(path)
         res[fmt] = {"path": str(path), "bytes": nbytes, "write_s": s,
-                    "GBps": None if s is None else nbytes / s / 1e9,
-                    "inspect": cli_json("inspect", str(path)),
-                    "plan": cli_json("plan", str(path), "--gpus", str(args.gpus), "--gpu-memory", args.gpu_memory,
-                                     "--context", "65536")}
+                    "GBps": None if s is None else nbytes / s / 1e9}
+        if not args.no_inspect:
+            res[fmt]["inspect"] = cli_json("inspect", str(path))
+            res[fmt]["plan"] = cli_json("plan", str(path), "--gpus", str(args.gpus), "--gpu-memory",
+                                        args.gpu_memory, "--context", "65536")
     res["disk_free_after"] = shutil.disk_usage(Path(args.ckpt).parent).free
     return res
 
@@ -321,6 +322,8 @@ def main(argv=None) -> None:
     ap.add_argument("--gpu-memory", default="141GB", help="per-GPU capacity the plan places against")
     ap.add_argument("--formats", nargs="+", choices=("nvfp4", "official"), default=["nvfp4", "official"],
                     help="synth: which checkpoints to write (both by default; the official twin only feeds notebooks)")
+    ap.add_argument("--no-inspect", action="store_true",
+                    help="synth: write the checkpoints only (no inspect / plan runs: ~30 s of a device call)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="load: the embedded NVFP4 model over --gpus CPU devices (no CUDA, no timing claims)")
     ap.add_argument("--steps", type=int, default=256, help="decode steps (load / soak)")

@@ -85,24 +85,6 @@ def component_locator(layer: torch.nn.Module):
     return where
 
 
-class _CountingKernel:
-    """Wraps a ``@triton.jit`` kernel: ``k[grid](...)`` records (component, kernel) and launches."""
-
-    def __init__(self, kernel, name: str, where, log: list):
-        self.kernel, self.name, self.where, self.log = kernel, name, where, log
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.log.append((self.where(), self.name))
-            return launch(*args, **kwargs)
-        return run
-
-    def __getattr__(self, item):
-        return getattr(self.kernel, item)
-
-
 def _host_overhead():
     spec = importlib.util.spec_from_file_location("host_overhead", Path(__file__).resolve().parent / "host_overhead.py")
     mod = importlib.util.module_from_spec(spec)
@@ -117,6 +99,8 @@ def counted_launches(where, log: list, stub: bool):
     ``log``; ``stub``: and does nothing else (CPU tensors pass for an H200's, see host_overhead)."""
     from triton.runtime.jit import JITFunction
 
+    from dsv4lab.kernels import launch as direct_launch  # lazy, as triton above
+
     ho = _host_overhead()
     if stub:
         raw: list = []
@@ -128,17 +112,23 @@ def counted_launches(where, log: list, stub: bool):
         with ho.stubbed_launches(_Log(raw)) as s:
             yield s
         return
-    undo = []
-    for mod in ho._kernel_modules():
-        for name, val in list(vars(mod).items()):
-            if isinstance(val, JITFunction):
-                undo.append((mod, name, val))
-                setattr(mod, name, _CountingKernel(val, f"{mod.__name__.rsplit('.', 1)[-1]}.{name}", where, log))
+    # On a GPU: count at JITFunction.run (patching the module globals would hand Triton's
+    # dependency walk objects it deep-copies), with the direct launch off so every launch goes
+    # through run.
+    real_run = JITFunction.run
+
+    def run(self, *args, **kwargs):
+        if not kwargs.get("warmup", False):
+            log.append((where(), f"{self.fn.__module__.rsplit('.', 1)[-1]}.{self.fn.__name__}"))
+        return real_run(self, *args, **kwargs)
+
+    was_direct = direct_launch.set_direct_launch(False)
+    JITFunction.run = run
     try:
         yield log
     finally:
-        for mod, name, val in reversed(undo):
-            setattr(mod, name, val)
+        JITFunction.run = real_run
+        direct_launch.set_direct_launch(was_direct)
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .common import next_pow2, INTERPRET
 from .device import on_input_device
+from .launch import launch
 
 BLOCK = 2048            # scores per tile (8 warps: 8 per thread)
 NUM_WARPS = 8
@@ -107,7 +108,7 @@ def index_top_k_decode_triton(scores: torch.Tensor, n_valid: torch.Tensor, k: in
     kk = min(k, T)
     scores = scores.contiguous()
     out = torch.empty(B, 1, kk, dtype=torch.int64, device=scores.device)
-    _top_k_kernel[(B,)](scores, n_valid, out, T, kk, scores.stride(0), out.stride(0), BLOCK=BLOCK,
-                        BLOCK_K=min(next_pow2(kk), 1024), num_warps=1 if INTERPRET else NUM_WARPS)
+    launch(_top_k_kernel, (B,), scores, n_valid, out, T, kk, scores.stride(0), out.stride(0), BLOCK=BLOCK,
+           BLOCK_K=min(next_pow2(kk), 1024), num_warps=1 if INTERPRET else NUM_WARPS)
     return out
 

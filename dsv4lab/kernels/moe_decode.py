@@ -27,6 +27,7 @@ import triton.language as tl
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
 from .common import cdiv, INTERPRET, gemv_rows_m1
 from .device import on_input_device
+from .launch import launch
 from .moe_decode_tma import moe_decode_tma, tma_moe_supported
 
 
@@ -121,11 +122,11 @@ def moe_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     p3, s3, g3 = parts(w3)
     p2, s2, g2 = parts(w2)
     kg1 = H // 16
-    _moe_up_kernel[(cdiv(I, bn), T * k)](
-        x, ids_c, p1, s1, g1, p3, s3, g3, h, I, kg1, k, x.stride(0), p1.stride(0), p1.stride(1),
+    launch(_moe_up_kernel, (cdiv(I, bn), T * k),
+           x, ids_c, p1, s1, g1, p3, s3, g3, h, I, kg1, k, x.stride(0), p1.stride(0), p1.stride(1),
         s1.stride(0), s1.stride(1), h.stride(0), lim, cdiv(kg1, g) * g, BN=bn, G=g, num_warps=warps)
     kg2 = I // 16
-    _moe_down_kernel[(cdiv(H, bn), T)](
-        h, ids_c, wts, p2, s2, g2, y, H, kg2, k, h.stride(0), p2.stride(0), p2.stride(1),
+    launch(_moe_down_kernel, (cdiv(H, bn), T),
+           h, ids_c, wts, p2, s2, g2, y, H, kg2, k, h.stride(0), p2.stride(0), p2.stride(1),
         s2.stride(0), s2.stride(1), y.stride(0), cdiv(kg2, g) * g, BN=bn, G=g, num_warps=warps)
     return y
