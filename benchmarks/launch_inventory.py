@@ -30,6 +30,7 @@ import os
 import sys
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -160,11 +161,17 @@ def build(layer_type: str, dev, experts: int):
 
 def inventory(layer_type: str, stub: bool, experts: int = 8) -> dict:
     """Launches of one decode step: per component the Triton kernels and the kernel-launching aten
-    ops (with counts), the totals and the estimated CUDA kernels; on CUDA also the profiler's."""
+    ops (with counts), the totals and the estimated CUDA kernels; on CUDA also the profiler's.
+    The stubs write nothing, so the first-use parity check is off meanwhile (and only meanwhile:
+    a caller's environment, e.g. a test process, is restored)."""
+    with mock.patch.dict(os.environ, {"DSV4LAB_KERNEL_VERIFY": "0"}):
+        return _inventory(layer_type, stub, experts)
+
+
+def _inventory(layer_type: str, stub: bool, experts: int) -> dict:
     from dsv4lab.kernels.install import install_kernels
     from dsv4lab.model.state import DecodeState
 
-    os.environ.setdefault("DSV4LAB_KERNEL_VERIFY", "0")  # stubs write nothing: no first-use parity check
     dev = torch.device("cpu" if stub else "cuda")
     layer, cfg, _ = build(layer_type, dev, experts)
     st = DecodeState.allocate(cfg, 1, 4096, torch.bfloat16, dev)

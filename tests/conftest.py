@@ -28,3 +28,23 @@ def reference_cache_dir(tmp_path_factory):
         os.environ.pop("DSV4LAB_CACHE", None)
     else:
         os.environ["DSV4LAB_CACHE"] = old
+
+
+def _dsv4lab_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k.startswith(("DSV4LAB_", "TRITON_"))}
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_switches():
+    """A test that sets a DSV4LAB_* / TRITON_* switch in os.environ (not monkeypatch) leaks it into
+    every later test and every subprocess they start: DSV4LAB_KERNEL_VERIFY=0 once turned off the
+    first-use guard that tests/kernels_interp_check.py checks, far from the test that set it."""
+    before = _dsv4lab_env()
+    yield
+    after = _dsv4lab_env()
+    if after != before:
+        changed = sorted(set(before.items()) ^ set(after.items()))
+        os.environ.update(before)
+        for k in set(after) - set(before):
+            os.environ.pop(k, None)
+        pytest.fail(f"the test changed environment switches {changed}; use monkeypatch.setenv")

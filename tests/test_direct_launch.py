@@ -160,7 +160,7 @@ def test_env_switch_off():
     assert r.returncode == 0, r.stderr
 
 
-def test_decode_entry_points_go_direct_on_repeat():
+def test_decode_entry_points_go_direct_on_repeat(monkeypatch):
     """Every decode entry point of ``host_overhead.decode_calls`` launches only directly on its second
     call, and each launch reaches the kernel compiled for its arguments (same as the normal path)."""
     from dsv4lab.kernels import launch as L
@@ -168,8 +168,7 @@ def test_decode_entry_points_go_direct_on_repeat():
     ho = _host_overhead()
     if not L.direct_launch_enabled():
         pytest.skip("direct launch unsupported by this triton")
-    import os
-    os.environ.setdefault("DSV4LAB_KERNEL_VERIFY", "0")
+    monkeypatch.setenv("DSV4LAB_KERNEL_VERIFY", "0")  # the stubs write nothing (restored after the test)
     log: list = []
     with ho.stubbed_launches(log, triton_run=True):
         calls = ho.decode_calls()

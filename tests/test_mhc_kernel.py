@@ -36,7 +36,7 @@ from dsv4lab.kernels.device import triton_importable
 from dsv4lab.kernels.dispatch import mhc_head_pre, mhc_post, mhc_pre
 from dsv4lab.model.mhc import HyperConnection, HyperHead, collapse, head_weights, mix_weights
 from dsv4lab.workbench import random_model
-from oracle_util import interp_check_result, random_ids, tiny_config
+from oracle_util import Counting, interp_check_result, random_ids, tiny_config
 
 BF16_STEP = 2.0 ** -7  # one bf16 rounding step, relative to the value
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,16 +62,6 @@ def test_interp_mhc_kernels_match_reference():
 
 
 # ----------------------------------------------------------------------------- model-level wiring
-class Counting:
-    def __init__(self, fn):
-        self.fn, self.calls = fn, 0
-        self.__name__ = fn.__name__
-
-    def __call__(self, *a, **k):
-        self.calls += 1
-        return self.fn(*a, **k)
-
-
 def _sites(m):
     return [mod for mod in m.modules() if isinstance(mod, HyperConnection)], m.hc_head
 
