@@ -14,6 +14,10 @@ layer) whose method was on the Python stack at the time.
 * on CUDA (default there): the same recording around real launches, plus the CUDA profiler's
   kernel list of the step (the ground truth; the count a graph replay shows).
 
+``--prefill S``: the same for one prefill of an S-token prompt from position 0 (what every
+triage evaluation runs: notebook 3 evaluates an 11-token prompt ~200 times). Under the stubs the
+router runs its reference there (stubbed route launches would hand the MoE garbage expert ids).
+
 Shapes: V4-Pro's, with ``--experts`` routed experts (8 by default; the count of experts does not
 change which kernels launch) so the layer fits a CPU. Batch 1, position 1000, 4096 positions.
 
@@ -159,26 +163,33 @@ def build(layer_type: str, dev, experts: int):
         bench.V4_PRO.update(saved)
 
 
-def inventory(layer_type: str, stub: bool, experts: int = 8) -> dict:
+def inventory(layer_type: str, stub: bool, experts: int = 8, prefill: int = 0) -> dict:
     """Launches of one decode step: per component the Triton kernels and the kernel-launching aten
     ops (with counts), the totals and the estimated CUDA kernels; on CUDA also the profiler's.
     The stubs write nothing, so the first-use parity check is off meanwhile (and only meanwhile:
     a caller's environment, e.g. a test process, is restored)."""
     with mock.patch.dict(os.environ, {"DSV4LAB_KERNEL_VERIFY": "0"}):
-        return _inventory(layer_type, stub, experts)
+        return _inventory(layer_type, stub, experts, prefill)
 
 
-def _inventory(layer_type: str, stub: bool, experts: int) -> dict:
+def _inventory(layer_type: str, stub: bool, experts: int, prefill: int) -> dict:
     from dsv4lab.kernels.install import install_kernels
     from dsv4lab.model.state import DecodeState
 
     dev = torch.device("cpu" if stub else "cuda")
     layer, cfg, _ = build(layer_type, dev, experts)
     st = DecodeState.allocate(cfg, 1, 4096, torch.bfloat16, dev)
-    h = torch.randn(1, 1, cfg.hc_mult, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
-    ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    S = max(prefill, 1)
+    h = torch.randn(1, S, cfg.hc_mult, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
+    ids = torch.zeros(1, S, dtype=torch.long, device=dev)
     pos = st.pos_on(dev)
     pos.fill_(1000)
+    if prefill:
+        def step():
+            return layer.prefill(h, ids, 0, st.layers[0])
+    else:
+        def step():
+            return layer.decode(h, ids, pos, st.layers[0])
     where = component_locator(layer)
     log: list = []
     with contextlib.ExitStack() as stack:
@@ -191,10 +202,12 @@ def _inventory(layer_type: str, stub: bool, experts: int) -> dict:
             for m in layer.modules():
                 if hasattr(m, "kernel_devices"):
                     m.kernel_devices = ("cuda", "cpu")
-        layer.decode(h, ids, pos, st.layers[0])  # warm caches (plans, expert stacks)
+                if prefill and hasattr(m, "route_kernel"):
+                    m.route_kernel = None
+        step()  # warm caches (plans, expert stacks)
         log.clear()
         with _Recorder(where, log):
-            layer.decode(h, ids, pos, st.layers[0])
+            step()
     triton_names = {n for _, n in log if "." in n}
     per: dict[str, dict] = {}
     for comp, name in log:
@@ -203,21 +216,21 @@ def _inventory(layer_type: str, stub: bool, experts: int) -> dict:
     n_triton = sum(sum(v["triton"].values()) for v in per.values())
     n_aten = sum(sum(v["aten"].values()) for v in per.values())
     est = n_triton + sum(KERNELS_PER_OP.get(n.rstrip("_"), 1) * c for v in per.values() for n, c in v["aten"].items())
-    res = {"layer_type": layer_type, "installed": installed, "triton_launches": n_triton, "aten_ops": n_aten,
+    res = {"layer_type": layer_type, "step": f"prefill {prefill} tokens" if prefill else "decode", "installed": installed, "triton_launches": n_triton, "aten_ops": n_aten,
            "estimated_cuda_kernels": est,
            "components": {c: {k: dict(v[k]) for k in ("triton", "aten")} for c, v in sorted(per.items())}}
     if not stub:
         from benchmarks.measure import kernels_per_call
 
         with torch.no_grad():
-            prof = kernels_per_call(lambda: layer.decode(h, ids, pos, st.layers[0]), reps=2, top=200)
+            prof = kernels_per_call(step, reps=2, top=200)
         res["profiler_kernels"] = prof["kernels"]
         res["profiler_top_us"] = prof["top_us"]
     return res
 
 
 def print_inventory(r: dict) -> None:
-    print(f"== {r['layer_type']}: {r['triton_launches']} Triton launches + {r['aten_ops']} aten ops "
+    print(f"== {r['layer_type']}, {r['step']}: {r['triton_launches']} Triton launches + {r['aten_ops']} aten ops "
           f"(~{r['estimated_cuda_kernels']} CUDA kernels)" +
           (f"; profiler: {r['profiler_kernels']:.0f} kernels" if "profiler_kernels" in r else ""))
     for comp, v in r["components"].items():
@@ -230,13 +243,17 @@ def main() -> None:
     ap.add_argument("--cpu-stub", action="store_true", help="CPU tensors, launches stubbed (default without CUDA)")
     ap.add_argument("--layer", choices=("csa", "hca", "both"), default="both")
     ap.add_argument("--experts", type=int, default=8, help="routed experts of the layer (V4-Pro: 384)")
+    ap.add_argument("--prefill", type=int, default=0, metavar="S",
+                    help="inventory one prefill of an S-token prompt instead of a decode step")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if args.prefill < 0:
+        ap.error(f"--prefill must be >= 0 tokens, got {args.prefill}")
     stub = args.cpu_stub or not torch.cuda.is_available()
     torch.set_num_threads(1 if stub else torch.get_num_threads())
     out = []
     for key in (("csa", "hca") if args.layer == "both" else (args.layer,)):
-        r = inventory(LAYERS[key], stub, args.experts)
+        r = inventory(LAYERS[key], stub, args.experts, args.prefill)
         r["mode"] = "cpu-stub" if stub else "cuda"
         print_inventory(r)
         out.append(r)

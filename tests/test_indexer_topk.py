@@ -126,6 +126,19 @@ def test_launch_inventory_counts_a_v4_pro_step(layer, most):
                                                     "indexer_topk._top_k_kernel": 1}, "aten": {}}
 
 
+def test_launch_inventory_of_a_short_prefill():
+    """``--prefill S``: one prefill of an S-token prompt, what every triage evaluation runs. The
+    fused sites launch there too (mHC pre/post, the layer norms, the GEMVs), and the count is
+    recorded per component (the HCA layer: no indexer)."""
+    inv = _inventory().inventory("heavily_compressed_attention", stub=True, experts=8, prefill=3)
+    comps = inv["components"]
+    assert inv["step"] == "prefill 3 tokens"
+    assert comps["attn_hc"]["triton"] == {"mhc_fused._hc_pre_kernel": 1, "mhc_fused._hc_post_kernel": 1}
+    assert comps["ffn_norm"] == {"triton": {"norm_rope._norm_rope_kernel": 1}, "aten": {}}
+    assert inv["triton_launches"] >= 20 and inv["estimated_cuda_kernels"] > inv["triton_launches"]
+    assert not any(c.startswith("attn.indexer") for c in comps)
+
+
 # ----------------------------------------------------------------------------- GPU: V4-Pro shapes
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
