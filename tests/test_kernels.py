@@ -361,7 +361,7 @@ def test_gpu_act_quant(mode):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("T", [1, 4, 16])
 @pytest.mark.parametrize("tma", [True, False])
 def test_gpu_moe_decode(T, tma):
     """Both MoE decode paths (TMA-fed and pointer loads) on V4-Pro expert shapes; the TMA path

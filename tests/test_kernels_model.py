@@ -110,6 +110,33 @@ def test_experts_kernel_dispatch_mxfp4():
         assert w2.scale.data_ptr() == ex.stack().tensors["w2"]["scale"].data_ptr()
 
 
+def test_short_prefill_takes_the_experts_decode_kernel():
+    """A prefill of <= SHORT_PREFILL_TOKENS tokens runs the routed experts' decode kernel (2
+    launches) instead of the grouped prefill kernel (its schedule alone ~30); a longer one the
+    prefill kernel. Both slots hold reference-equal callables here, so the outputs match the
+    reference path."""
+    from dsv4lab.kernels.moe_decode_ref import moe_decode_ref
+    from dsv4lab.kernels.moe_prefill_ref import moe_prefill_ref
+    from dsv4lab.model.moe import SHORT_PREFILL_TOKENS
+
+    m = _nvfp4_experts_model()
+    ex = m.layers[1].mlp.experts
+    dec, pre = Counting(moe_decode_ref), Counting(moe_prefill_ref)
+    with torch.no_grad():
+        for T in (3, SHORT_PREFILL_TOKENS, SHORT_PREFILL_TOKENS + 1):
+            x, ids, w = _moe_case(ex, T=T)
+            ex.kernel, ex.prefill_kernel = None, None
+            ref = ex(x, ids, w)
+            ex.kernel, ex.prefill_kernel = dec, pre
+            ex.kernel_devices = ("cpu", "cuda")
+            d0, p0 = dec.calls, pre.calls
+            got = ex(x, ids, w)
+            short = T <= SHORT_PREFILL_TOKENS
+            assert (dec.calls - d0, pre.calls - p0) == ((1, 0) if short else (0, 1)), T
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        ex.kernel = ex.prefill_kernel = None
+
+
 def _prefill_decode(m, ids, n_prefill):
     return prefill_then_decode(m, ids, n_prefill)[0]
 
@@ -336,21 +363,25 @@ def test_experts_kernel_dispatch_equals_gathered_reference():
         assert w2.block_scale.data_ptr() == stack.tensors["w2"]["scale"].data_ptr()
         assert w3.global_scale.data_ptr() == stack.tensors["w3"]["gs"].data_ptr()
         assert ex.kernel_stacks(stack)[0] is w1
-        # prefill (not graph-safe) keeps the reference
+        # a short prefill (not graph-safe, <= SHORT_PREFILL_TOKENS) takes the decode kernel too; a
+        # longer one without a prefill kernel keeps the reference
         ex(x, ids, w, graph_safe=False)
-        assert kern.calls == 1
+        assert kern.calls == 2
+        xl, idsl, wl = _moe_case(ex, T=17)
+        ex(xl, idsl, wl, graph_safe=False)
+        assert kern.calls == 2
         # hook_expert_out needs per-expert outputs: the reference runs and the hook sees them
         seen = []
         with m.hooks([("layers.1.mlp.experts.hook_expert_out", lambda t, n: seen.append(t))]):
             assert torch.equal(ex(x, ids, w, graph_safe=True), ref)
-        assert kern.calls == 1 and seen[0].shape == (x.shape[0], 3, x.shape[1])
+        assert kern.calls == 2 and seen[0].shape == (x.shape[0], 3, x.shape[1])
         # activation quant (w4a4) is not fused: the reference runs
         for e in range(ex.n_experts):
             for p in ("w1", "w3", "w2"):
                 getattr(ex[e], p).set_mode("w4a4")
         assert not ex.kernel_applies(x, ex.stack())
         out_a4 = ex(x, ids, w, graph_safe=True)
-        assert kern.calls == 1
+        assert kern.calls == 2
         ex.kernel = None
         assert torch.equal(ex(x, ids, w, graph_safe=True), out_a4)
 

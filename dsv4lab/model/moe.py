@@ -22,6 +22,12 @@ from .hooks import HookPoint
 from .linear import QLinear
 from .swiglu import clamped_swiglu
 
+# A prefill of at most this many tokens takes the routed experts' decode kernel (2 launches:
+# each token's k experts gathered) instead of the grouped prefill kernel, whose on-device
+# schedule (sort by expert, tile table) costs ~30 launches: short prompts are what every
+# triage evaluation prefills (benchmarks/launch_inventory.py --prefill 11).
+SHORT_PREFILL_TOKENS = 16
+
 
 def score_fn(name: str, logits: torch.Tensor) -> torch.Tensor:
     if name == "sqrtsoftplus":
@@ -257,6 +263,11 @@ class Experts(Component):
             if want_each:
                 self.hook_expert_out(each_g)
             return self.hook_out(out)
+        if not graph_safe and T <= SHORT_PREFILL_TOKENS and self.kernel is not None and not want_each:
+            stack = self.stack()
+            if self.kernel_applies(x, stack):
+                w1, w3, w2 = self.kernel_stacks(stack)
+                return self.hook_out(self.kernel(x, ids, weights, w1, w3, w2, self.limit).to(x.dtype))
         before = self.weight_before_w2
         if not graph_safe and self.prefill_kernel is not None and not want_each:
             stack = self.stack()
