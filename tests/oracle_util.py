@@ -2,6 +2,7 @@
 model as prefill then token-by-token decode."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -133,3 +134,18 @@ def decode_logits(m, ids: torch.Tensor, steps: int = 6) -> torch.Tensor:
             out.append(m.decode_step(ids[:, i : i + 1], st)[:, -1])
             st.pos += 1
     return torch.stack(out)
+
+
+def benchmark_module(name: str):
+    """``benchmarks/<name>.py`` as a module (benchmarks/ is not on the test path as a package),
+    registered under ``name`` so the helpers it loads itself find it; loaded once per process."""
+    if name in sys.modules:
+        return sys.modules[name]
+    root = Path(__file__).resolve().parents[1]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    spec = importlib.util.spec_from_file_location(name, root / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

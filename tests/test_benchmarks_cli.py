@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from oracle_util import benchmark_module
+
 ROOT = Path(__file__).resolve().parents[1]
 # scripts have a main guard; the shared helpers (measure.py) are only imported
 SCRIPTS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
@@ -52,13 +54,7 @@ def test_full_model_benchmark_cpu_smoke(fmt: str):
 
 def _full_model():
     """benchmarks/full_model.py as a module (benchmarks/ is not a package on the test path)."""
-    import importlib.util
-
-    sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location("full_model", ROOT / "benchmarks" / "full_model.py")
-    fm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fm)
-    return fm
+    return benchmark_module("full_model")
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "official"])

@@ -58,8 +58,7 @@ def _check(L, log, args, kw, direct: bool):
 
 
 def test_repeat_goes_direct_and_changes_do_not(fake):
-    if not fake[0].direct_launch_enabled():
-        pytest.skip("direct launch unsupported by this triton")
+    assert fake[0].direct_launch_enabled(), "the direct launch must be supported by the installed triton"
     L, log = fake
     x, y = torch.zeros(64), torch.zeros(64)
     kw = dict(B=16, F=1)
@@ -80,8 +79,7 @@ def test_repeat_goes_direct_and_changes_do_not(fake):
 
 
 def test_switch_hooks_and_layouts_take_the_normal_path(fake):
-    if not fake[0].direct_launch_enabled():
-        pytest.skip("direct launch unsupported by this triton")
+    assert fake[0].direct_launch_enabled(), "the direct launch must be supported by the installed triton"
     L, log = fake
     from triton import knobs
 
@@ -119,8 +117,7 @@ def test_switch_hooks_and_layouts_take_the_normal_path(fake):
 
 
 def test_fixed_positions_are_checked_by_identity(fake):
-    if not fake[0].direct_launch_enabled():
-        pytest.skip("direct launch unsupported by this triton")
+    assert fake[0].direct_launch_enabled(), "the direct launch must be supported by the installed triton"
     L, log = fake
     x, y = torch.zeros(64), torch.zeros(64)
     site = L.LaunchSite(_probe_kernel, fixed=(2, 3), B=16, F=1)
@@ -166,8 +163,7 @@ def test_decode_entry_points_go_direct_on_repeat(monkeypatch):
     from dsv4lab.kernels import launch as L
 
     ho = _host_overhead()
-    if not L.direct_launch_enabled():
-        pytest.skip("direct launch unsupported by this triton")
+    assert L.direct_launch_enabled(), "the direct launch must be supported by the installed triton"
     monkeypatch.setenv("DSV4LAB_KERNEL_VERIFY", "0")  # the stubs write nothing (restored after the test)
     log: list = []
     with ho.stubbed_launches(log, triton_run=True):
@@ -208,23 +204,23 @@ def _bitwise(a: list, b: list, name: str) -> None:
                            y.view(torch.uint8) if y.dtype.is_floating_point else y), name
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device machine)")
+
 # compressor_decode writes its state: its outputs depend on how often it ran, not on the launch path
 _STATEFUL = {"compressor_decode"}
 
 
 @pytest.fixture
 def gpu_calls(monkeypatch):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from dsv4lab.kernels import launch as L
 
-    if not L.direct_launch_enabled():
-        pytest.skip("direct launch off or unsupported here")
+    assert L.direct_launch_enabled(), "the direct launch must be on (unset DSV4LAB_DIRECT_LAUNCH) and supported"
     monkeypatch.setenv("DSV4LAB_KERNEL_VERIFY", "0")
     return L, _host_overhead().decode_calls(torch.bfloat16, "cuda")
 
 
 @pytest.mark.gpu
+@needs_cuda
 def test_gpu_direct_matches_normal_bitwise(gpu_calls):
     """(a) each decode entry point at V4-Pro shapes: the direct launches (second call on) give bitwise
     the outputs of the normal launches, and they were direct."""
@@ -247,6 +243,7 @@ def test_gpu_direct_matches_normal_bitwise(gpu_calls):
 
 
 @pytest.mark.gpu
+@needs_cuda
 def test_gpu_graph_replay_of_direct_launches_matches_eager(gpu_calls):
     """(b) a step of every (stateless) decode entry point captured in a CUDA graph while the direct path
     is on replays bitwise equal to the eager direct run."""
@@ -273,17 +270,15 @@ def test_gpu_graph_replay_of_direct_launches_matches_eager(gpu_calls):
 
 
 @pytest.mark.gpu
+@needs_cuda
 def test_gpu_misaligned_view_and_other_dtype_after_caching():
     """(c) after the GEMV and the norm kernel went direct: a 2-byte-offset activation view and an fp16
     activation still give the normal launch's result (new specialisations, not the cached kernel)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from dsv4lab.kernels import dispatch
     from dsv4lab.kernels import launch as L
     from dsv4lab.quant.weights import quantize_nvfp4
 
-    if not L.direct_launch_enabled():
-        pytest.skip("direct launch off or unsupported here")
+    assert L.direct_launch_enabled(), "the direct launch must be on (unset DSV4LAB_DIRECT_LAUNCH) and supported"
     g = torch.Generator().manual_seed(1)
     K, N = 7168, 1536
     w = quantize_nvfp4(torch.randn(N, K, generator=g).cuda())

@@ -5,23 +5,17 @@ path (launches stubbed by ``benchmarks/host_overhead.py``)."""
 from __future__ import annotations
 
 import gc
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from oracle_util import benchmark_module
+
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _host_overhead():
-    spec = importlib.util.spec_from_file_location("host_overhead", ROOT / "benchmarks" / "host_overhead.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("host_overhead", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("host_overhead")
 
 
 def test_weight_cached_reuses_and_invalidates():

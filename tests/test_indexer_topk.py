@@ -14,9 +14,6 @@ torch.topk for distinct scores, CUDA-graph replay equal to eager.
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,9 +23,8 @@ from dsv4lab.kernels.dispatch import index_top_k_decode, norm_rope, rms_norm
 from dsv4lab.model.indexer import Indexer, index_top_k_decode as top_k_ref
 from dsv4lab.model.norms import RMSNorm
 from dsv4lab.workbench import random_model
-from oracle_util import Counting, decode_logits as _decode_logits, interp_check_result, random_ids, tiny_config
+from oracle_util import Counting, benchmark_module, decode_logits as _decode_logits, interp_check_result, random_ids, tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_interp_top_k_matches_reference():
@@ -104,11 +100,7 @@ def test_install_puts_norm_kernels_on_layer_norms_only(tiny, monkeypatch):
 
 
 def _inventory():
-    spec = importlib.util.spec_from_file_location("launch_inventory", ROOT / "benchmarks" / "launch_inventory.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("launch_inventory", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("launch_inventory")
 
 
 @pytest.mark.parametrize("layer,most", [("compressed_sparse_attention", 60), ("heavily_compressed_attention", 48)])

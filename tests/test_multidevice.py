@@ -25,7 +25,7 @@ from dsv4lab.checkpoint.fake import random_state
 from dsv4lab.model import DSV4Model
 from dsv4lab.workbench import random_model
 from dsv4lab.multidevice import devices_of, dispatch, gather_to, model_devices, normalize_device_map, segments
-from oracle_util import tiny_config
+from oracle_util import benchmark_module, tiny_config
 
 CPU, CPU0 = torch.device("cpu"), torch.device("cpu", 0)
 
@@ -273,12 +273,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 
 def _multi_gpu_benchmark():
     """benchmarks/multi_gpu.py as a module (benchmarks/ is not a package on the test path)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("multi_gpu", _ROOT / "benchmarks" / "multi_gpu.py")
-    mg = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mg)
-    return mg
+    return benchmark_module("multi_gpu")
 
 
 def test_multi_gpu_benchmark_split_map_and_cpu_smoke(tmp_path):
