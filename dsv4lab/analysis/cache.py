@@ -166,14 +166,11 @@ def caching_hook(cache: ActivationCache, names=None, device="cpu", reduce=None, 
                  keep: str = "all", clone: bool = True, on_overflow: str = "skip"):
     """The (pattern, fn) pair that fills ``cache``; fn returns None so nothing downstream changes.
     It listens only at ``names``: a listening hook point switches its component to the reference
-    (docs/hooks.md "Hooks and kernels"), so capturing the residual streams must not take every
-    kernel of the model off (at full depth that made a capture several times slower)."""
-    keep_name = name_filter(names)
+    (docs/hooks.md "Hooks and kernels"), so capturing the residual streams must not take the other
+    components' kernels off."""
 
     def fn(t, name):
         cache.order.append(name)
-        if not keep_name(name):
-            return None
         red = _reducer_for(reduce, name)
         with torch.no_grad():
             val = red(t) if red is not None else t
