@@ -146,6 +146,7 @@ class CompareResult:
     tol: float
     order_a: list = field(default_factory=list)
     order_b: list = field(default_factory=list)
+    last_logits_b: torch.Tensor | None = None   # [batch, vocab] fp32 on the CPU: B's logits at the last position
 
     @property
     def min_layer_cos(self) -> float:
@@ -281,4 +282,5 @@ def compare_against(logits_a, cache_a, mb, ib, ids, names=None, tol: float = 1e-
         if m and int(m.group(1)) in router_b:
             overlap[int(m.group(1))] = router_overlap(cache_a.all(name)[0], router_b[int(m.group(1))])
     return CompareResult(nt["kl_mean"], nt["kl_max"], nt["kl_per_pos"], nt["top1"], nt["topk"], nt["k"], rows,
-                         overlap, layer_cos, first, tol, list(cache_a.order), order_b)
+                         overlap, layer_cos, first, tol, list(cache_a.order), order_b,
+                         logits_b[:, -1].detach().float().cpu())

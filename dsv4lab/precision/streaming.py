@@ -43,6 +43,7 @@ from ..model.moe import Experts
 from ..quant.modes import Mode
 from ..quant.weights import FP8BlockWeight, MXFP4Weight, NVFP4Weight, QuantWeight
 from .apply import (
+    ModelTargets,
     NoOriginals,
     Originals,
     apply_precision,
@@ -132,20 +133,20 @@ def _replaced(ql) -> bool:
     return type(ql).dense_weight is not QLinear.dense_weight
 
 
-def _dense_linears(model, policy: PrecisionPolicy) -> list[tuple[str, object, Mode]]:
+def _dense_linears(model, policy: PrecisionPolicy, targets: ModelTargets | None = None) -> list[tuple[str, object, Mode]]:
     aside = displaced(model)
     out = []
-    for name, ql in model.qlinears():
+    for name, ql in (ModelTargets.of(model) if targets is None else targets).linears:
         mode = policy.mode_for(name)[0]
         if mode in DENSE_MODES and (ql.quantized or name in aside):
             out.append((name, ql, mode))
     return out
 
 
-def streamed_linears(model, policy) -> list[tuple[str, object, Mode]]:
+def streamed_linears(model, policy, targets: ModelTargets | None = None) -> list[tuple[str, object, Mode]]:
     """(name, linear, mode) of the quantised linears whose mode under ``policy`` is ``bf16`` /
     ``orig`` and whose weight streams (all but the replaced ones, see ``_replaced``)."""
-    return [t for t in _dense_linears(model, PrecisionPolicy.parse(policy)) if not _replaced(t[1])]
+    return [t for t in _dense_linears(model, PrecisionPolicy.parse(policy), targets) if not _replaced(t[1])]
 
 
 def dense_bytes(model, policy) -> dict[torch.device, int]:
@@ -202,23 +203,24 @@ def streaming_precision(model, policy, originals: Originals | None = None) -> It
     dense run would hold it), ``streamed_names``, ``swapped`` (replaced linears in ``orig``,
     swapped for real) and ``peak_bytes`` (largest streamed dense weight)."""
     policy = PrecisionPolicy.parse(policy)
-    check_targets(model, policy)
-    dense = _dense_linears(model, policy)
+    targets = ModelTargets.of(model)
+    check_targets(model, policy, targets)
+    dense = _dense_linears(model, policy, targets)
     if originals is None:
         for name, _, mode in dense:
             if mode == Mode.ORIG:
                 NoOriginals().weight(name)  # raises: say so before anything changed
     swap = {name: policy.mode_for(name)[1] for name, ql, mode in dense if mode == Mode.ORIG and _replaced(ql)}
-    saved = precision_state(model)
-    sources = {name: ql.weight_source for name, ql in model.qlinears()}
+    saved = precision_state(model, targets)
+    sources = {name: ql.weight_source for name, ql in targets.linears}
     experts: list = []
     try:
         # the modes (and the weight memory report a dense run would give); puts back any weight
         # an enclosing orig swap displaced
-        report = apply_precision(model, _without_orig(policy, swap), originals)
+        report = apply_precision(model, _without_orig(policy, swap), originals, targets)
         model.precision_policy = policy
-        plan = streamed_linears(model, policy)
-        for _, ql in model.qlinears():
+        plan = streamed_linears(model, policy, targets)
+        for _, ql in targets.linears:
             ql.weight_source = None   # an enclosing streamed run's sources do not apply to this policy
         for name, ql, mode in plan:
             ql.weight_source = _orig_source(name, ql, originals, model.dtype) if mode == Mode.ORIG else _bf16_source(ql)
@@ -230,13 +232,14 @@ def streaming_precision(model, policy, originals: Originals | None = None) -> It
                 experts.append((mod, mod.gather_in_decode, mod.kernel))
                 mod.gather_in_decode, mod.kernel = False, None   # the per-expert loop: see the module doc
         yield {**report, "streamed_names": [name for name, _, _ in plan], "swapped": sorted(swap),
-               "peak_bytes": largest_dense_bytes(model, policy)}
+               "peak_bytes": max((ql.out_features * ql.in_features * model.dtype.itemsize for _, ql, _ in plan),
+                                 default=0)}
     finally:
         for mod, gather, kernel in experts:
             mod.gather_in_decode, mod.kernel = gather, kernel
-        for name, ql in model.qlinears():
+        for name, ql in targets.linears:
             ql.weight_source = sources.get(name)
-        restore_precision(model, saved)
+        restore_precision(model, saved, targets)
 
 
 @contextlib.contextmanager

@@ -30,7 +30,6 @@ from ..precision import (
 )
 from ..precision import sweep as engine
 from ..precision.reference_cache import cached_reference_run
-from ..precision.streaming import fitting_precision
 from ..quant.modes import as_mode
 from .logits import topk_table
 from .plots import bar, headless, lines, load_plotlyjs, show
@@ -88,8 +87,7 @@ def evaluate(setup: Setup, policy) -> dict:
     policy = PrecisionPolicy.parse(policy)
     ref = setup.reference_run()
     res = engine.evaluate(setup.model, setup.ids, policy, ref, setup.originals).result
-    with fitting_precision(setup.model, policy, setup.originals):
-        last = setup.model(setup.ids)[0, -1].float().cpu()
+    last = res.last_logits_b[0]
     return {"policy": policy.describe(), "kl": res.kl_mean, "kl_last": res.kl_per_pos[-1], "kl_per_pos": res.kl_per_pos,
             "top1": res.top1, "topk": res.topk, "layer_cos": dict(sorted(res.layer_cos.items())),
             "min_layer_cos": res.min_layer_cos, "router_overlap": dict(sorted(res.router_overlap.items())),
@@ -282,8 +280,4 @@ class AblationPanel:
             print(self.readout())
             show(layer_cos_figure({r["policy"]: r}))
             if self.session is not None:
-                display(topk_table(self.session, r["result"] and self._last_logits(), 8))
-
-    def _last_logits(self):
-        with fitting_precision(self.setup.model, self.policy, self.setup.originals), torch.no_grad():
-            return self.setup.model(self.setup.ids)[0, -1].float().cpu()
+                display(topk_table(self.session, r["result"].last_logits_b[0], 8))
