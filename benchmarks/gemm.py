@@ -45,7 +45,10 @@ SWEEP = [{"SWAP": True, "BM": 128, "BN": 128, "BK": 128, "num_warps": 8},
          {"SWAP": False, "BM": 128, "BN": 256, "BK": 64, "num_warps": 8},
          {"SWAP": False, "BM": 128, "BN": 128, "BK": 64, "num_warps": 8},
          {"SWAP": False, "BM": 128, "BN": 128, "BK": 128, "num_warps": 8},
-         {"SWAP": False, "BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "STAGES": 4}]
+         {"SWAP": False, "BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "STAGES": 4},
+         {"SWAP": True, "BM": 256, "BN": 128, "BK": 64, "num_warps": 8},
+         {"SWAP": True, "BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "STAGES": 4},
+         {"SWAP": False, "BM": 256, "BN": 128, "BK": 64, "num_warps": 8}]
 
 
 def rand_weight(fmt: str, N: int, K: int, dev, seed: int):

@@ -33,6 +33,7 @@ from torch import nn
 from ..checkpoint.names import layer_of, module_kind
 from ..handles import Restorable
 from ..kernels.install import install_kernels, kernel_state, restore_kernels  # noqa: F401  (re-exported)
+from ..model.component import note_change
 from ..model.hooks import HookPoint
 from ..model.linear import QLinear
 from ..patterns import component_matcher, no_match_error, unmatched
@@ -186,6 +187,7 @@ class ReplaceHandle(Restorable):
             return
         for name, parent, key, orig, new in reversed(self.entries):
             parent._modules[key] = orig
+        note_change()  # writes to _modules bypass Component.__setattr__: count the swap back
         self.active = False
         stack = getattr(self.model, "_replace_stack", None)
         if stack is not None and self in stack:
@@ -235,6 +237,7 @@ def replace(model, pattern, impl, *, method: str | None = None, label: str | Non
                 pass
             parent, key = _parent_of(model, name)
             parent._modules[key] = new
+            note_change()  # a swap: graph decode recaptures, host-side caches (Experts.stack) decide again
             handle.entries.append((name, parent, key, orig, new))
     except Exception:
         handle.restore()

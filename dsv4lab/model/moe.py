@@ -16,7 +16,7 @@ from torch import nn
 from ..config import HASH_MOE, DSV4Config
 from ..quant.modes import Mode, RoundTrip
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
-from .component import Component
+from .component import Component, changes
 from .expert_stack import ExpertStack
 from .hooks import HookPoint
 from .linear import QLinear
@@ -167,6 +167,8 @@ class Experts(Component):
             self.add_module(str(e), Expert(config))
         self.limit = config.swiglu_limit
         self._stack = None
+        self._stack_seen = (-1, None)  # (changes() when stack() last decided, its answer)
+        self._applies_seen: dict = {}  # (changes(), prefill, id(stack)) -> kernel_applies' host checks
         self._kernel_stacks = None  # (ExpertStack, (w1, w3, w2) StackedNVFP4/StackedMXFP4 views of it)
         self.kernel = None  # optional fused decode fast path (see the class docstring)
         self.prefill_kernel = None  # optional grouped prefill fast path (see the class docstring)
@@ -191,7 +193,17 @@ class Experts(Component):
     def stack(self):
         """The stacked view of the expert weights (built once, rebuilt if a weight was swapped);
         None when the experts cannot share one stack (mixed formats or modes, or a replaced
-        expert implementation)."""
+        expert implementation). The answer is kept until a component counts a change
+        (``component.changes()``: swaps, modes, kernels): deciding walks every expert, which is
+        O(E) Python per call (384 experts: milliseconds a layer, every eager step)."""
+        seen, answer = self._stack_seen
+        if seen == changes():
+            return answer
+        answer = self._decide_stack()
+        self._stack_seen = (changes(), answer)  # after building: building assigns the experts' views
+        return answer
+
+    def _decide_stack(self):
         modes = {(getattr(self[e], p).mode, getattr(self[e], p).act_scale, getattr(self[e], p).round_trips)
                  for e in range(self.n_experts) for p in ExpertStack.PROJ}
         if len(modes) != 1 or any(type(self[e]) is not Expert for e in range(self.n_experts)):
@@ -205,12 +217,21 @@ class Experts(Component):
 
     def kernel_applies(self, x: torch.Tensor, stack, prefill: bool = False) -> bool:
         """Would graph-safe decode run ``self.kernel`` (``prefill``: the sparse path
-        ``self.prefill_kernel``) on ``x`` with this stack? (Host-side checks only: no device syncs.)"""
-        return ((self.prefill_kernel if prefill else self.kernel) is not None and stack is not None
-                and len({stack.formats[p] for p in stack.PROJ}) == 1 and stack.formats["w1"] in ("nvfp4", "mxfp4")
+        ``self.prefill_kernel``) on ``x`` with this stack? (Host-side checks only: no device syncs;
+        the O(E) part is kept until a component counts a change, as ``stack()``.)"""
+        if stack is None or (self.prefill_kernel if prefill else self.kernel) is None:
+            return False
+        key = (changes(), prefill, id(stack))
+        ok = self._applies_seen.get(key)
+        if ok is None:
+            ok = self._kernel_applies_to(stack, prefill)
+            self._applies_seen = {key: ok, **{k: v for k, v in self._applies_seen.items() if k[0] == key[0]}}
+        return ok and x.device.type in self.kernel_devices
+
+    def _kernel_applies_to(self, stack, prefill: bool) -> bool:
+        return (len({stack.formats[p] for p in stack.PROJ}) == 1 and stack.formats["w1"] in ("nvfp4", "mxfp4")
                 # stack() guarantees one mode for every projection; the kernel quantises nothing
                 and self[0].w1.act_format() == "none" and (prefill or not self.weight_before_w2)
-                and x.device.type in self.kernel_devices
                 # a replaced linear (e.g. another quantize_input) is not what the kernel computes
                 and all(type(getattr(self[e], p)) is QLinear for e in range(self.n_experts) for p in stack.PROJ))
 

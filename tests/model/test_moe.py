@@ -68,6 +68,30 @@ def test_stack_rebuilt_after_weight_swap():
     assert s1 is not None
 
 
+def test_stack_answer_kept_until_a_counted_change(monkeypatch):
+    """stack() walks every expert only after a component counted a change (swap, mode, replace):
+    repeated eager steps reuse the answer, and replace / restore (which write ``_modules``
+    directly) are counted, so a replaced expert is noticed at once."""
+    from dsv4lab.analysis.components import replace
+    from dsv4lab.model import expert_stack
+    from dsv4lab.model.component import changes
+    from dsv4lab.model.moe import Expert
+
+    m = _model(True)
+    ex = m.layers[2].mlp.experts
+    s1 = ex.stack()
+    walks = []
+    real = expert_stack.ExpertStack.identity
+    monkeypatch.setattr(expert_stack.ExpertStack, "identity", classmethod(lambda cls, e: walks.append(1) or real(e)))
+    assert ex.stack() is s1 and ex.stack() is s1 and walks == []
+    c0 = changes()
+    with replace(m, "layers.2.mlp.experts.4", type("OtherExpert", (Expert,), {})):
+        assert changes() > c0
+        assert ex.stack() is None  # a replaced expert implementation cannot share the stack
+    assert changes() > c0 + 1
+    assert ex.stack() is s1 and walks == [1]  # decided again once: the weights did not move
+
+
 def test_gathered_decode_mxfp4():
     """MXFP4 experts stack too (gathered decode instead of the masked loop over every expert), the
     gathered weights equal each expert's own dequantisation, and the experts view the stack."""
