@@ -156,6 +156,16 @@ try:
     res["tmagrp_rejects_partial_tiles"] = False
 except ValueError:
     res["tmagrp_rejects_partial_tiles"] = True
+# one token of nvfp4_grouped_matmul on CUDA: the plan (descriptors, launch site) is cached per weight
+import dsv4lab.kernels.linear_nvfp4 as ln_mod
+from dsv4lab.kernels.linear_nvfp4_tma import run_gemv_tma
+p1 = ln_mod._grouped_plan(xg[None], wg.packed, wg.block_scale, wg.global_scale, 3)
+p2 = ln_mod._grouped_plan(xg[None], wg.packed, wg.block_scale, wg.global_scale, 3)
+y1 = torch.empty(96, dtype=torch.bfloat16)
+run_gemv_tma(p1.tma, xg.reshape(1, -1), p1.gs if p1.gs is not None else wg.global_scale.reshape(1).float(), y1)
+res["grouped_one_token"] = err(y1, ref_g)
+res["grouped_one_token_plans"] = {"same": p1 is p2, "other_groups": ln_mod._grouped_plan(
+    xg[None], wg.packed, wg.block_scale, wg.global_scale, 6) is not p1}
 x2g = rnd(2, 3, 512).to(torch.bfloat16)
 res["grouped_loop"] = err(nvfp4_grouped_matmul(x2g, wg.packed, wg.block_scale, wg.global_scale),
                           torch.stack([nvfp4_matmul_ref(x2g[:, g], NVFP4Weight(wg.packed[32 * g:32 * g + 32],

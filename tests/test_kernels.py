@@ -91,6 +91,9 @@ def test_interp_grouped_tma_gemv(interp_results):
         v = interp_results[k]
         assert v["bad"] == 0 and v["ref_max"] > 0 and v["max_abs"] <= 2e-3 * v["ref_max"], (k, v)
     assert interp_results["tmagrp_rejects_partial_tiles"] is True
+    v = interp_results["grouped_one_token"]  # the cached plan of nvfp4_grouped_matmul, bf16 output
+    assert v["bad"] == 0 and v["ref_max"] > 0 and v["max_abs"] <= 1e-2 * v["ref_max"], v
+    assert interp_results["grouped_one_token_plans"] == {"same": True, "other_groups": True}
     assert interp_results["grouped_loop"]["bad"] == 0
 
 
