@@ -123,7 +123,10 @@ def gemm_row(name, fmt, K, N, M, dev, sweep: bool) -> dict:
     return row
 
 
-def moe_row(fmt, T, E, k, H, I, dev, limit=10.0) -> dict:
+MOE_SWEEP = [{"BM": 128}, {"BM": 128, "BK": 64}, {"BM": 256, "BK": 64}, {"BM": 256, "BK": 64, "num_warps": 4}]
+
+
+def moe_row(fmt, T, E, k, H, I, dev, limit=10.0, sweep: bool = False) -> dict:
     from dsv4lab.kernels.moe_prefill import moe_prefill_triton  # lazy: imports triton
     from dsv4lab.kernels.moe_prefill_ref import moe_prefill_ref
 
@@ -139,7 +142,17 @@ def moe_row(fmt, T, E, k, H, I, dev, limit=10.0) -> dict:
     t_k = timed(lambda: moe_prefill_triton(x, ids, wt, w1, w3, w2, limit), dev)
     t_r = timed(lambda: moe_prefill_ref(x, ids, wt, w1, w3, w2, limit), dev)
     flop = 2 * T * k * 3 * H * I
-    return {"moe_prefill": fmt, "tokens": T, "experts": E, "top_k": k, "hidden": H, "inter": I,
+    variants = []
+    if sweep and dev.type == "cuda":
+        for c in MOE_SWEEP:
+            try:
+                yc = moe_prefill_triton(x, ids, wt, w1, w3, w2, limit, cfg=c)
+                ok = float((yc.float() - ref.float()).abs().max() / ref.float().abs().max()) < 2e-2
+                variants.append({"cfg": c, "us": timed(lambda: moe_prefill_triton(x, ids, wt, w1, w3, w2, limit, cfg=c), dev)
+                                 if ok else float("inf")})
+            except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
+                print(f"  skip {c}: {type(e).__name__}", file=sys.stderr)
+    return {"moe_sweep": variants, "moe_prefill": fmt, "tokens": T, "experts": E, "top_k": k, "hidden": H, "inter": I,
             "kernel_us": t_k, "kernel_TFLOPs": flop / t_k / 1e6, "reference_us": t_r, "speedup": t_r / t_k,
             "max_err_over_max_ref": float((y.float() - ref.float()).abs().max() / ref.float().abs().max())}
 
@@ -181,7 +194,7 @@ def main() -> None:
     moe = []
     if args.moe:
         for fmt in [f for f in fmts if f != "fp8_block"]:
-            moe.append(moe_row(fmt, dev=dev, **moe_args))
+            moe.append(moe_row(fmt, dev=dev, sweep=args.sweep, **moe_args))
             print(json.dumps(moe[-1]), flush=True)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()

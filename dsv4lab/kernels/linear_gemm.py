@@ -100,28 +100,30 @@ def block_k(K: int) -> int:
 
 
 def gemm_tiles(fmt: str, M: int, N: int, K: int, device: torch.device) -> dict:
-    """The fixed tile rule (H200, 132 SMs; see docs/kernels.md). M <= 256: SWAP tiles of 128
-    weight rows x 64/128 tokens, K split until the grid covers the SMs (>= 4 K steps a split).
-    Larger M: 128 x 256 tiles (128 x 128 where 128 x 256 leaves SMs idle), BK 64, 8 warps,
-    groups of 8 row tiles."""
+    """The fixed tile rule (H200, 132 SMs; from ``benchmarks/gemm.py --sweep``, docs/kernels.md).
+    Always SWAP (weight rows on the MMA's M side, where the registers-dequantised tile can feed
+    wgmma directly): M <= 256 in tiles of 128 weight rows x 64/128 tokens, BK 64 when the row tiles
+    alone cover the SMs (q_b), else BK 128 and K split until the grid covers them (>= 4 K steps a
+    split); larger M in 128 rows x 256 tokens, BK 64 (M = 4096: 1.6-1.8x the 128 x 256 plain
+    tiles on q_b, o_b and the experts, all three formats)."""
     bk = block_k(K)
     if INTERPRET:
         return {"BM": 64 if M <= 64 else 128, "BN": 32, "BK": min(bk, 64), "SWAP": M <= 256, "GROUP_M": 2,
                 "STAGES": 2, "SPLIT": 1, "num_warps": 4}
     sms = num_sms(device)
     if M <= 256:
-        bm, bn, bk2, warps, stages, swap = (64 if M <= 64 else 128), 128, min(bk, 128), 8, 3, True
+        bm, bn, bk2 = (64 if M <= 64 else 128), 128, min(bk, 128)
+        if cdiv(N, bn) >= sms:
+            bk2 = min(bk, 64)
     else:
-        bm, bn, bk2, warps, stages, swap = 128, 256, min(bk, 64), 8, 3, False
-        if cdiv(M, bm) * cdiv(N, bn) < 2 * sms:
-            bn = 128
+        bm, bn, bk2 = 256, 128, min(bk, 64)
     tiles = cdiv(M, bm) * cdiv(N, bn)
     steps = K // bk2
     split = 1
     if tiles < sms:
         split = max(1, min(cdiv(sms, tiles), steps // 4, 32))
-    return {"BM": bm, "BN": bn, "BK": bk2, "SWAP": swap, "GROUP_M": 8, "STAGES": stages, "SPLIT": split,
-            "num_warps": warps}
+    return {"BM": bm, "BN": bn, "BK": bk2, "SWAP": True, "GROUP_M": 8, "STAGES": 3, "SPLIT": split,
+            "num_warps": 8}
 
 
 def gemm_supported(x2: torch.Tensor, K: int) -> bool:
