@@ -4,8 +4,8 @@ weight of the same shape, timed in the same run) and the path it replaced (``TIL
 older tiled NVFP4 GEMM / official-format kernels); then the grouped routed-experts prefill
 (``dsv4lab.kernels.moe_prefill``) at 4096 tokens, top-6, against the per-expert reference.
 
-Per row: kernel us and TFLOP/s, cuBLAS us and TFLOP/s, kernel / cuBLAS, the old path's us and the
-speedup over it, max |y - ref| / max |ref| against dequantise + ``F.linear``. ``--sweep`` also
+Per row: kernel us and TFLOP/s, cuBLAS us and TFLOP/s, kernel / cuBLAS (at M <= 256 also both
+replayed from a CUDA graph: eagerly such a call is host-bound), the old path's us and the speedup over it, max |y - ref| / max |ref| against dequantise + ``F.linear``. ``--sweep`` also
 times a few tile variants per (shape, format, M) and prints the fastest (the fixed rule in
 ``gemm_tiles`` comes from such a sweep). Timing: ``triton.testing.do_bench`` (median, L2 flushed
 between runs by do_bench).
@@ -75,6 +75,24 @@ def timed(fn, dev) -> float:
     return do_bench(fn, warmup=10, rep=50) * 1e3
 
 
+def timed_graph(fn, dev) -> float:
+    """Median microseconds of ``fn`` replayed from a CUDA graph: the GPU time without the host's
+    launch cost, which bounds a small-M call timed eagerly (NaN off CUDA)."""
+    if dev.type != "cuda":
+        return float("nan")
+    from triton.testing import do_bench  # lazy: heavy optional dependency
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=10, rep=50) * 1e3
+
+
 def matmul(x, w, cfg):
     """The kernel entry points with a config (``TILED=True``: the older kernels)."""
     from dsv4lab.kernels.linear_nvfp4 import nvfp4_matmul  # lazy: imports triton
@@ -98,6 +116,9 @@ def gemm_row(name, fmt, K, N, M, dev, sweep: bool) -> dict:
            "max_err_over_max_ref": float((y.float() - ref.float()).abs().max() / ref.float().abs().max()),
            "kernel_us": t_k, "kernel_TFLOPs": flop / t_k / 1e6, "cublas_bf16_us": t_b,
            "cublas_bf16_TFLOPs": flop / t_b / 1e6, "of_cublas": t_b / t_k}
+    if M <= 256:  # eager timing of a small M is the host's launch cost: also time the GPU alone
+        g_k, g_b = timed_graph(lambda: matmul(x, w, None), dev), timed_graph(lambda: F.linear(x, dense), dev)
+        row.update(kernel_graph_us=g_k, cublas_bf16_graph_us=g_b, of_cublas_graph=g_b / g_k)
     if M <= 256 or dev.type != "cuda":  # the old path at 4096 takes long and is not the comparison asked for
         t_o = timed(lambda: matmul(x, w, {"TILED": True}), dev)
         row.update(old_us=t_o, speedup_over_old=t_o / t_k)

@@ -25,12 +25,15 @@ and ``linear_official``).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from .common import cdiv, FMT_FP8, FMT_MXFP4, FMT_NVFP4, INTERPRET, counters, dequant_tile, dot_dtype, num_sms, \
     store_or_fix_up
+from .launch import launch
 
 GEMM_MIN_M = 64  # from this batch on, the prefill GEMM (below: the GEMV / older tiled kernels)
 FORMAT_CODES = {"nvfp4": 0, "mxfp4": 1, "fp8_block": 2}
@@ -103,7 +106,7 @@ def gemm_tiles(fmt: str, M: int, N: int, K: int, device: torch.device) -> dict:
     """The fixed tile rule (H200, 132 SMs; from ``benchmarks/gemm.py --sweep``, docs/kernels.md).
     Always SWAP (weight rows on the MMA's M side, where the registers-dequantised tile can feed
     wgmma directly): M <= 256 in tiles of 128 weight rows x 64/128 tokens, BK 64 when the row tiles
-    alone cover the SMs (q_b), else BK 128 and K split until the grid covers them (>= 4 K steps a
+    alone cover the SMs (q_b), else BK 128 and K split into as many parts as fill one wave (>= 4 K steps a
     split); larger M in 128 rows x 256 tokens, BK 64 (M = 4096: 1.6-1.8x the 128 x 256 plain
     tiles on q_b, o_b and the experts, all three formats)."""
     bk = block_k(K)
@@ -120,8 +123,8 @@ def gemm_tiles(fmt: str, M: int, N: int, K: int, device: torch.device) -> dict:
     tiles = cdiv(M, bm) * cdiv(N, bn)
     steps = K // bk2
     split = 1
-    if tiles < sms:
-        split = max(1, min(cdiv(sms, tiles), steps // 4, 32))
+    if tiles < sms:  # one wave: a program per SM holds these tiles (~120 KB of stages), so a grid
+        split = max(1, min(sms // tiles, steps // 4, 32))  # past the SM count runs a second, mostly idle wave
     return {"BM": bm, "BN": bn, "BK": bk2, "SWAP": True, "GROUP_M": 8, "STAGES": 3, "SPLIT": split,
             "num_warps": 8}
 
@@ -131,7 +134,17 @@ def gemm_supported(x2: torch.Tensor, K: int) -> bool:
     chosen for Hopper) or under the interpreter; other cases keep the older kernels."""
     if x2.shape[0] < GEMM_MIN_M or not block_k(K):
         return False
-    return INTERPRET or (x2.is_cuda and torch.cuda.get_device_capability(x2.device) >= (9, 0))
+    return INTERPRET or (x2.is_cuda and _capability(x2.device.index) >= (9, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+# the tile rule per (format, M, N, K, device): a prefill launch at M = 128 is host-bound (~90 us a
+# call on the H200 through kernel[grid] with the rule recomputed, against a few us of GPU time)
+_cached_tiles = functools.lru_cache(maxsize=4096)(lambda fmt, M, N, K, device: gemm_tiles(fmt, M, N, K, device))
 
 
 def launch_gemm(x2: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None,
@@ -141,7 +154,7 @@ def launch_gemm(x2: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Ten
     (e4m3 [N, K], fp32 scales [ceil(N/128), ceil(K/128)]). ``cfg`` overrides ``gemm_tiles``."""
     M, K = x2.shape
     N = data.shape[0]
-    c = {**gemm_tiles(fmt, M, N, K, x2.device), **(cfg or {})}
+    c = _cached_tiles(fmt, M, N, K, x2.device) if not cfg else {**gemm_tiles(fmt, M, N, K, x2.device), **cfg}
     bm, bn, bk = c["BM"], c["BN"], c["BK"]
     if K % bk or bk % 32 or (fmt == "fp8_block" and 128 % bk):
         raise ValueError(f"BK {bk} must be a multiple of 32 dividing K = {K} (FP8-block: and 128)")
@@ -155,11 +168,11 @@ def launch_gemm(x2: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Ten
         ws, cnt = y, y
     s = scale.view(torch.uint8) if fmt != "fp8_block" else scale
     wd = data.view(torch.int32) if c.get("WORDS") and fmt != "fp8_block" else data.view(torch.uint8)
-    _gemm_kernel[grid](x2, wd, s, gs if gs is not None else s, y, ws, cnt, M, N, K, kps, split,
-                       x2.stride(0), data.stride(0), s.stride(0), y.stride(0),
-                       FMT=FORMAT_CODES[fmt], BM=bm, BN=bn, BK=bk, GROUP_M=c["GROUP_M"], SWAP=c["SWAP"],
-                       STAGES=c["STAGES"], DOT_DTYPE=dot_dtype(x2), USE_SPLIT=split > 1, WORDS=c.get("WORDS", False) and fmt != "fp8_block",
-                       num_warps=c["num_warps"])
+    launch(_gemm_kernel, grid, x2, wd, s, gs if gs is not None else s, y, ws, cnt, M, N, K, kps, split,
+           x2.stride(0), data.stride(0), s.stride(0), y.stride(0),
+           FMT=FORMAT_CODES[fmt], BM=bm, BN=bn, BK=bk, GROUP_M=c["GROUP_M"], SWAP=c["SWAP"],
+           STAGES=c["STAGES"], DOT_DTYPE=dot_dtype(x2), USE_SPLIT=split > 1,
+           WORDS=c.get("WORDS", False) and fmt != "fp8_block", num_warps=c["num_warps"])
 
 
 __all__ = ["GEMM_MIN_M", "FMT_NVFP4", "FMT_MXFP4", "FMT_FP8", "gemm_tiles", "gemm_supported", "launch_gemm",
