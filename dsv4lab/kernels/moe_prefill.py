@@ -132,12 +132,14 @@ def expert_schedule(ids: torch.Tensor, n_experts: int, bm: int) -> dict:
             "tile_r1": ends[ec].to(torch.int32)}
 
 
-def prefill_tiles(N: int, K: int) -> dict:
-    """Fixed tiles of the grouped GEMMs (H200): 64 token rows x 128 weight rows, the largest BK of
-    128 / 64 / 32 dividing K, 3 stages, 8 warps (interpreter: 4 warps, 2 stages)."""
+def prefill_tiles(N: int, K: int, rows_per_expert: float = 0.0) -> dict:
+    """Fixed tiles of the grouped GEMMs (H200): 64 token rows x 128 weight rows (128 token rows when
+    the experts average >= 128 rows: 4096 tokens top-6 over 8 experts 18.2 -> 12.6 ms; V4-Pro's 384
+    experts average 64 at 4096 tokens), the largest BK of 128 / 64 / 32 dividing K, 3 stages,
+    8 warps (interpreter: 4 warps, 2 stages)."""
     if INTERPRET:
         return {"BM": 64, "BN": 32, "BK": min(block_k(K), 64), "STAGES": 2, "num_warps": 4}
-    return {"BM": 64, "BN": 128, "BK": block_k(K), "STAGES": 3, "num_warps": 8}
+    return {"BM": 128 if rows_per_expert >= 128 else 64, "BN": 128, "BK": block_k(K), "STAGES": 3, "num_warps": 8}
 
 
 def _stack_views(w) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -205,7 +207,9 @@ def moe_prefill_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
         return out
     x = x.contiguous()
     rw = weights.reshape(-1).float().contiguous()
-    sched = expert_schedule(ids, E, {**prefill_tiles(I, H), **(cfg or {})}["BM"])
+    bm = {**prefill_tiles(I, H, T * k / E), **(cfg or {})}["BM"]
+    cfg = {**(cfg or {}), "BM": bm}  # both grouped GEMMs walk the schedule's tiles
+    sched = expert_schedule(ids, E, bm)
     rw_sorted = rw[sched["order"]] if weight_before_w2 else None
     h = grouped_gemm(x, sched, True, w1, w3, limit, rw_sorted, cfg)
     y = grouped_gemm(h, sched, False, w2, cfg=cfg)
