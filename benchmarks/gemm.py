@@ -38,17 +38,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {"q_a": (7168, 1536), "q_b": (1536, 65536), "o_b": (16384, 7168), "wkv": (7168, 512),
           "w1/w3": (7168, 3072), "w2": (3072, 7168)}  # name -> (K, N)
 SMOKE_SHAPES = {"tiny": (256, 96)}
-SWEEP = [{"SWAP": True, "BM": 128, "BN": 128, "BK": 128, "num_warps": 8},
-         {"SWAP": True, "BM": 128, "BN": 128, "BK": 64, "num_warps": 8},
-         {"SWAP": True, "BM": 128, "BN": 128, "BK": 128, "num_warps": 8, "WORDS": True},
-         {"SWAP": True, "BM": 128, "BN": 64, "BK": 128, "num_warps": 4},
-         {"SWAP": False, "BM": 128, "BN": 256, "BK": 64, "num_warps": 8},
-         {"SWAP": False, "BM": 128, "BN": 128, "BK": 64, "num_warps": 8},
-         {"SWAP": False, "BM": 128, "BN": 128, "BK": 128, "num_warps": 8},
-         {"SWAP": False, "BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "STAGES": 4},
-         {"SWAP": True, "BM": 256, "BN": 128, "BK": 64, "num_warps": 8},
-         {"SWAP": True, "BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "STAGES": 4},
-         {"SWAP": False, "BM": 256, "BN": 128, "BK": 64, "num_warps": 8}]
+# variants merged over the rule's tiles (gemm_tiles) for --sweep: the 2026-12-03 rule came from a
+# sweep of whole tiles (kernels/h200_gemm_sweep_tiles.json); these probe around it
+SWEEP = [{"STAGES": 4}, {"GROUP_M": 4}, {"GROUP_M": 16}, {"WORDS": True}, {"BK": 128, "STAGES": 2}, {"BK": 64},
+         {"BN": 64, "num_warps": 4}, {"BM": 128}, {"BM": 128, "BN": 256}, {"SWAP": False, "BM": 128, "BN": 256}]
 
 
 def rand_weight(fmt: str, N: int, K: int, dev, seed: int):
@@ -127,6 +120,7 @@ def gemm_row(name, fmt, K, N, M, dev, sweep: bool) -> dict:
 
         base = gemm_tiles(fmt, M, N, K, dev)
         best = (t_k, base)
+        tried = []
         for c in SWEEP:
             cfg = {**base, **c}
             if K % cfg["BK"]:
@@ -137,9 +131,10 @@ def gemm_row(name, fmt, K, N, M, dev, sweep: bool) -> dict:
             except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
                 t = float("inf")
                 print(f"  skip {cfg}: {type(e).__name__}", file=sys.stderr)
+            tried.append({"variant": c, "us": t})
             if t < best[0]:
                 best = (t, cfg)
-        row.update(sweep_best_us=best[0], sweep_best=best[1])
+        row.update(sweep_best_us=best[0], sweep_best=best[1], sweep_tried=tried)
     del dense
     return row
 
