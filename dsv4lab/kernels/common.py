@@ -537,9 +537,10 @@ def x_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Ten
     1/xs and 7 unused words; 1/xs fp32 [K/16] again on its own, zero-padded after the end)."""
     K = x.shape[-1]
     KG = K // 16
-    xp = torch.empty((KG, 16), dtype=torch.int32, device=x.device)
     kgp = cdiv(KG, INV_PAD) * INV_PAD
-    inv = torch.empty(kgp, dtype=torch.float32, device=x.device)
+    buf = torch.empty(KG * 16 + kgp, dtype=torch.int32, device=x.device)  # one allocation for both
+    xp = buf[:KG * 16].view(KG, 16)                                      # (16 * 4-byte rows: aligned)
+    inv = buf[KG * 16:].view(torch.float32)
     bg = 16 if INTERPRET else 32
     launch(_x_pairs_kernel, (cdiv(kgp, bg),), x, xp, inv, KG, kgp, BG=bg, PDL=pdl, num_warps=1 if INTERPRET else 4,
                                       **({"launch_pdl": True} if pdl else {}))

@@ -34,6 +34,7 @@ from .launch import launch
 BT_MAX = 16         # token rows per program of hc_pre
 ACC_ELEMS = 256     # BT * BK: the per-program K step (fp32 accumulators ~ 25 * 256 / 128 threads)
 SPLIT_ROWS = 128    # BT * SPLIT: the partials the last program reads at once
+MIN_PROGRAMS = 96   # hc_pre's grid at least this (token blocks x splits) where T allows
 POST_BD = 512       # columns per hc_post program
 COLLAPSE_ELEMS = 2048  # BT * BD: the collapse tile of the last program (T = 1: 4 steps over D = 7168)
 
@@ -184,9 +185,13 @@ def _hc_post_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, D, HC: tl.constexpr
 
 
 def pre_split(T: int, K: int, split: int | None = None, block_k: int | None = None) -> tuple[int, int, int, int]:
-    """(BT, BK, CH, SPLIT) for T tokens and K = hc*D: a fixed rule of the shape. V4-Pro (K = 28672):
-    T = 1 -> 112 splits of 256; T = 4 -> 32 of 896; T >= 16 -> 8 of 3584 per 16-token block."""
+    """(BT, BK, CH, SPLIT) for T tokens and K = hc*D: a fixed rule of the shape. Token blocks of up
+    to 16 rows, halved until the grid has >= MIN_PROGRAMS programs (a short prefill of 11 tokens in
+    one 16-row block ran 8 programs: ~260 us a site on the H200). V4-Pro (K = 28672): T = 1 -> 112
+    splits of 256; T = 11 -> 3 blocks of 4 rows x 32 splits of 896; T = 4096 -> 8 of 3584 per 16 rows."""
     bt = min(BT_MAX, next_pow2(max(T, 1)))
+    while bt > 1 and split is None and cdiv(T, bt) * (SPLIT_ROWS // bt) < MIN_PROGRAMS:
+        bt //= 2
     bk = block_k or max(16, ACC_ELEMS // bt)
     want = split or max(1, SPLIT_ROWS // bt)
     ch = cdiv(cdiv(K, want), bk) * bk
