@@ -14,6 +14,8 @@ triton-free). Under ``TRITON_INTERPRET=1`` it patches the interpreter for numpy 
 """
 from __future__ import annotations
 
+import functools
+
 import os
 import weakref
 from typing import Callable, TypeVar
@@ -424,6 +426,17 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
         c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _COUNTERS[key] = c
     return c
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA capability of ``device``, kept per device: the kernels' support checks ask on every
+    call (a device-properties query each time)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def num_sms(device: torch.device) -> int:

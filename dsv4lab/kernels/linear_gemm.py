@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, FMT_FP8, FMT_MXFP4, FMT_NVFP4, INTERPRET, counters, dequant_tile, dot_dtype, num_sms, \
+from .common import cdiv, device_capability, FMT_FP8, FMT_MXFP4, FMT_NVFP4, INTERPRET, counters, dequant_tile, dot_dtype, num_sms, \
     store_or_fix_up
 from .launch import launch
 
@@ -134,12 +134,7 @@ def gemm_supported(x2: torch.Tensor, K: int) -> bool:
     chosen for Hopper) or under the interpreter; other cases keep the older kernels."""
     if x2.shape[0] < GEMM_MIN_M or not block_k(K):
         return False
-    return INTERPRET or (x2.is_cuda and _capability(x2.device.index) >= (9, 0))
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    return INTERPRET or (x2.is_cuda and device_capability(x2.device) >= (9, 0))
 
 
 # the tile rule per (format, M, N, K, device): a prefill launch at M = 128 is host-bound (~90 us a

@@ -46,6 +46,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import (
+    device_capability,
     cdiv,
     BOX_GROUPS,
     INTERPRET,
@@ -130,7 +131,7 @@ def tma_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) ->
         return False
     if INTERPRET:
         return True
-    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return x.is_cuda and device_capability(x.device) >= (9, 0)
 
 
 def _split_for(N: int, K: int, bn: int, mult: int, sms: int) -> int:

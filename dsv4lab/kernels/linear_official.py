@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import cdiv, INTERPRET, counters, dot_dtype, e8m0_to_f32, nibble_plane_dots, num_sms, store_or_fix_up, weight_cached
+from .common import cdiv, device_capability, INTERPRET, counters, dot_dtype, e8m0_to_f32, nibble_plane_dots, num_sms, store_or_fix_up, weight_cached
 from .device import on_input_device
 from .launch import launch
 from .linear_gemm import GEMM_MIN_M, gemm_supported, launch_gemm
@@ -128,7 +128,7 @@ def supported(x: torch.Tensor, w) -> bool:
     if fmt == "fp8_block":
         if w.block != 128 or w.data.stride(-1) != 1:
             return False
-        return INTERPRET or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9))
+        return INTERPRET or (x.is_cuda and device_capability(x.device) >= (8, 9))
     return False
 
 

@@ -29,6 +29,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..quant.stacked import StackedMXFP4
 from .common import (
     cdiv,
+    device_capability,
+    weight_cached,
     BOX_GROUPS,
     INTERPRET,
     block_scales,
@@ -101,7 +103,7 @@ def tma_moe_supported(x: torch.Tensor, w1, w3, w2) -> bool:
         return False
     if any(t.data_ptr() % 16 for w in (w1, w3, w2) for t in _parts(w)):
         return False
-    return INTERPRET or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    return INTERPRET or (x.is_cuda and device_capability(x.device) >= (9, 0))
 
 
 def _is_mx(w) -> bool:
@@ -114,12 +116,18 @@ def _parts(w) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _descs(w, bn: int, g: int):
     """2-D [E*N, ...] descriptors of a stack: weight words boxes [bn, g], scale boxes [bn, g] (NVFP4
-    e4m3) or [bn, g/2] (MXFP4 E8M0, one per two groups)."""
+    e4m3) or [bn, g/2] (MXFP4 E8M0, one per two groups). Kept per stack tensor
+    (``common.weight_cached``): six validated descriptors per decode step otherwise."""
     packed, scale = _parts(w)
+    return weight_cached(packed, ("moe_descs", bn, g, id(scale), scale.data_ptr(), _is_mx(w)),
+                         lambda: _build_descs(packed, scale, bn, g, _is_mx(w)))
+
+
+def _build_descs(packed: torch.Tensor, scale: torch.Tensor, bn: int, g: int, mx: bool):
     e, n, kh = packed.shape
     p = packed.view(torch.int64).reshape(e * n, kh // 8)
     s = scale.view(torch.uint8).reshape(e * n, scale.shape[-1])
-    return TensorDescriptor.from_tensor(p, [bn, g]), TensorDescriptor.from_tensor(s, [bn, g // 2 if _is_mx(w) else g])
+    return TensorDescriptor.from_tensor(p, [bn, g]), TensorDescriptor.from_tensor(s, [bn, g // 2 if mx else g])
 
 
 def _global_scales(w) -> torch.Tensor:

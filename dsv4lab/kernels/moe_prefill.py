@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
-from .common import cdiv, FMT_NVFP4, INTERPRET, dequant_tile, dot_dtype, round_to
+from .common import cdiv, device_capability, FMT_NVFP4, INTERPRET, dequant_tile, dot_dtype, round_to
 from .device import on_input_device
 from .linear_gemm import block_k
 
@@ -188,7 +188,7 @@ def moe_prefill_supported(x: torch.Tensor, w1, w3, w2) -> bool:
     scales = [w.block_scale if isinstance(w, StackedNVFP4) else w.scale for w in (w1, w3, w2)]
     if not all(t.is_contiguous() for t in [w.packed for w in (w1, w3, w2)] + scales):
         return False
-    return INTERPRET or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    return INTERPRET or (x.is_cuda and device_capability(x.device) >= (9, 0))
 
 
 @on_input_device
