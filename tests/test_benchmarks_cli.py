@@ -147,6 +147,23 @@ def test_gemm_benchmark_cpu_smoke():
     assert all(x["max_err_over_max_ref"] <= 2e-2 for x in res["moe_prefill"]), res["moe_prefill"]
 
 
+
+def test_eager_layer_cpu_stub(tmp_path: Path):
+    """benchmarks/eager_layer.py with the launches stubbed: one V4-Pro HCA layer (8 experts) decodes
+    eagerly with the kernels installed, and the JSON carries the host time and a profile whose
+    cumulative list reaches the layer's decode (what the eager target of issue 24 is measured by)."""
+    out = tmp_path / "eager.json"
+    r = subprocess.run([sys.executable, "benchmarks/eager_layer.py", "--cpu-stub", "--stub-bf16", "--layer", "hca",
+                        "--steps", "2", "--top", "60", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["layer"] == "hca" and row["mode"] == "cpu-stub" and row["installed"] >= 30
+    assert row["host_us_per_step"] > 0 and "decoder.py" in row["profile"] and "(decode)" in row["profile"]
+    bad = subprocess.run([sys.executable, "benchmarks/eager_layer.py", "--steps", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--steps must be >= 1, got 0" in bad.stderr
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs two CUDA GPUs (device kind nvidia-h200-x2 or larger)")

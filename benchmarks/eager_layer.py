@@ -1,0 +1,140 @@
+"""Host time of one eager decode step of a V4-Pro layer with every kernel installed, and where it goes.
+
+Issue #24 asks eager decode <= 100 ms/token at full depth: ~1.6 ms a layer, where today the GPU
+waits on the host (wall == host). This times ``DecoderLayer.decode`` eagerly (median of
+``--steps`` after warm-up; on CUDA also the wall time after a synchronise) and profiles it with
+cProfile: the functions with the most own time and the most cumulative time per step.
+
+* on CUDA (default there): real launches.
+* ``--cpu-stub`` (any machine): CPU tensors with the launches stubbed as in ``host_overhead.py``
+  (the Python around the launches only; aten ops run on the CPU, so the BF16 projections cost
+  real CPU time: ``--stub-bf16`` returns empty outputs for them).
+
+    python3 benchmarks/eager_layer.py --json $OUT/eager_layer.json [--experts 8 384]
+    python benchmarks/eager_layer.py --cpu-stub --stub-bf16 --layer csa
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import launch_inventory as inventory  # noqa: E402  (the layer builder and the CPU stubs)
+
+from dsv4lab.kernels.install import install_kernels  # noqa: E402
+from dsv4lab.model.state import DecodeState  # noqa: E402
+
+
+def _empty_linear(x, w, b=None):
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+def profile_text(prof: cProfile.Profile, top: int) -> str:
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumtime").print_stats(top)
+    return out.getvalue()
+
+
+def measure(layer_key: str, experts: int, stub: bool, stub_bf16: bool, steps: int, top: int) -> dict:
+    """Median host us of one eager decode step (and wall us on CUDA), installed kernels, the profile."""
+    dev = torch.device("cpu" if stub else "cuda")
+    layer, cfg, _ = inventory.build(inventory.LAYERS[layer_key], dev, experts)
+    st = DecodeState.allocate(cfg, 1, 4096, torch.bfloat16, dev)
+    h = torch.randn(1, 1, cfg.hc_mult, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    pos = st.pos_on(dev)
+    pos.fill_(1000)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        if stub:
+            stack.enter_context(mock.patch.dict(os.environ, {"DSV4LAB_KERNEL_VERIFY": "0"}))
+            stack.enter_context(inventory.counted_launches(lambda: "?", [], True))
+            stack.enter_context(inventory._cpu_install_allowed())
+            if stub_bf16:
+                stack.enter_context(mock.patch.object(F, "linear", _empty_linear))
+        installed = install_kernels(layer)
+        if stub:
+            for m in layer.modules():
+                if hasattr(m, "kernel_devices"):
+                    m.kernel_devices = ("cuda", "cpu")
+
+        def step():
+            return layer.decode(h, ids, pos, st.layers[0])
+
+        for _ in range(3):
+            step()
+        if not stub:
+            torch.cuda.synchronize()
+        host = []
+        t_all = time.perf_counter()
+        for _ in range(steps):
+            t = time.perf_counter()
+            step()
+            host.append(time.perf_counter() - t)
+        if not stub:
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t_all) / steps
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(min(steps, 30)):
+            step()
+        prof.disable()
+    return {"layer": layer_key, "experts": experts, "mode": "cpu-stub" if stub else "cuda", "installed": installed,
+            "host_us_per_step": statistics.median(host) * 1e6, "wall_us_per_step": None if stub else wall * 1e6,
+            "profile": profile_text(prof, top)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu-stub", action="store_true", help="CPU tensors, launches stubbed (default without CUDA)")
+    ap.add_argument("--stub-bf16", action="store_true", help="with --cpu-stub: empty outputs for the BF16 projections")
+    ap.add_argument("--layer", choices=("csa", "hca", "both"), default="both")
+    ap.add_argument("--experts", type=int, nargs="+", default=[8], help="routed experts of the layer (V4-Pro: 384)")
+    ap.add_argument("--steps", type=int, default=100, help="timed eager steps (the profile takes <= 30 more)")
+    ap.add_argument("--top", type=int, default=40, help="functions listed per profile ordering")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
+    if any(e < 1 for e in args.experts):
+        ap.error(f"--experts must be >= 1 each, got {args.experts}")
+    if args.stub_bf16 and not args.cpu_stub:
+        ap.error("--stub-bf16 needs --cpu-stub (on CUDA the BF16 projections run for real)")
+    stub = args.cpu_stub or not torch.cuda.is_available()
+    if stub:
+        torch.set_num_threads(1)
+    rows = []
+    for key in (("csa", "hca") if args.layer == "both" else (args.layer,)):
+        for e in args.experts:
+            r = measure(key, e, stub, args.stub_bf16, args.steps, args.top)
+            wall = "" if r["wall_us_per_step"] is None else f", wall {r['wall_us_per_step']:.0f} us"
+            print(f"{key} {e} experts ({r['mode']}): host {r['host_us_per_step']:.0f} us a step{wall}, "
+                  f"{r['installed']} kernels installed", flush=True)
+            rows.append(r)
+            if not stub:
+                torch.cuda.empty_cache()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name() if not stub else "cpu",
+                                         "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
