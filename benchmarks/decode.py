@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.layer_graph_decode import layer_graph_timing  # noqa: E402
 from benchmarks.measure import copy_ceiling, kernels_per_call, timed  # noqa: E402
 from dsv4lab.config import config_from_dict  # noqa: E402
 from dsv4lab.model.decoder import DecoderLayer  # noqa: E402
@@ -158,7 +159,18 @@ def bench_tiny(steps: int) -> dict:
 
     res = decode_check(m, ids, steps=steps).summary()
     res["host_syncs_in_decode_step"] = sync_inventory(m, ids, steps=3)
+    st = m.new_state(1, ids.shape[1] + 2 * steps + 16)  # eager + two layer-graph runs, with warm-ups
+    m.prefill(ids.cuda(), st)
+    tok = ids[:, -1:].cuda()
+    eager = timed(lambda: m.decode_step(tok, st), steps // 2, [tok.device])
+    res["layer_graphs"] = layer_graph_timing(m, st, tok, steps // 2, [tok.device], eager_ms=eager * 1e3)
     return res
+
+
+def write(res: dict, path: Path | None) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=1))
 
 
 def main() -> None:
@@ -193,6 +205,7 @@ def main() -> None:
     if not args.skip_tiny:
         res["tiny"] = bench_tiny(args.steps)
         print(json.dumps(res["tiny"]), flush=True)
+        write(res, args.json)
     modes = [m for m in args.layer_modes.split(",") if m]
     for lt in ("compressed_sparse_attention", "heavily_compressed_attention"):
         for mode in modes:
@@ -203,9 +216,7 @@ def main() -> None:
             res.setdefault("v4_pro_layer", []).append(r)
             print(json.dumps(r), flush=True)
             torch.cuda.empty_cache()
-            if args.json:  # after every variant: a call cut short keeps what ran
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(res, indent=1))
+            write(res, args.json)  # after every variant: a call cut short keeps what ran
 
 
 if __name__ == "__main__":

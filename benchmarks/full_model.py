@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.layer_graph_decode import layer_graph_timing  # noqa: E402
 from benchmarks.measure import (copy_ceiling, kernels_per_call, matmul_rate, peak_extra_bytes_by_device,  # noqa: E402
                                 synchronize, timed)
 from dsv4lab.checkpoint.expected import expected_tensors  # noqa: E402
@@ -283,7 +284,7 @@ def run(args) -> dict:
     cfg = preset_config(args.preset, layers=args.layers, experts=args.experts)
     n_gpu = args.gpus or torch.cuda.device_count()
     contexts = list(args.context)
-    state_len = max(contexts) + 2 * args.steps + 16  # eager and graph steps both advance it
+    state_len = max(contexts) + 4 * args.steps + 64  # eager, graph and layer-graph steps (+ warm-ups) advance it
     gpu_devs = [torch.device("cuda", g) for g in range(n_gpu)]
     p, devices = plan_placement(cfg, args.format, n_gpu, state_len, args.gpu_memory, args.reserve, gpu_devs)
     used = list(dict.fromkeys(devices))  # in layer order
@@ -384,6 +385,10 @@ def run(args) -> dict:
     res.update(floor_ms=floor * 1e3, graph_ms=graph * 1e3, graph_over_floor=graph / floor, eager_ms=eager * 1e3,
                capture_s=capture_s, kernels_per_step=graph_launches["kernels"],
                kernels_per_layer=graph_launches["kernels"] / cfg.num_hidden_layers)
+    del gd  # its pool goes back before the layer graphs are captured
+    lg = layer_graph_timing(model, state, step_ids, args.steps, used, eager_ms=eager * 1e3, floor_ms=floor * 1e3)
+    res["layer_graphs"] = lg
+    res.update(layer_graph_ms=lg["ms_per_token"], hooked_ms=lg["hooked_ms_per_token"])
     if args.compile:
         res["compiled"] = (compiled_decode(model, state, step_ids, args.steps, used, floor) if len(used) == 1
                            else {"skipped": "one CUDA graph around the compiled step needs one GPU"})
@@ -417,15 +422,19 @@ def compiled_decode(model, state, step_ids, steps: int, used, floor: float) -> d
 
 @torch.no_grad()
 def cpu_smoke(fmt: str) -> dict:
-    """The same build, prefill and eager decode on a tiny config on the CPU (no timing)."""
+    """The same build, prefill, eager and layer-graph decode on a tiny config on the CPU (timing
+    means nothing here; the hooked layer and the hook's firing are what is checked)."""
     cfg = tiny_config(n_experts=8, moe_intermediate_size=32, hidden_size=64)
     model = build(cfg, fmt, [torch.device("cpu")] * cfg.num_hidden_layers)
     state = model.new_state(1, 40)
     ids = torch.randint(0, cfg.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     logits = model.prefill(ids, state)
+    base = state.clone()
     step = model.decode_step(ids[:, -1:], state)
+    layer_graph = layer_graph_timing(model, base, ids[:, -1:], steps=1, devices=[])
     return {"format": fmt, "layers": cfg.num_hidden_layers, "active_weight_bytes_per_token": active_bytes(model, cfg)[0],
             "prefill_finite": bool(torch.isfinite(logits).all()), "decode_finite": bool(torch.isfinite(step).all()),
+            "layer_graph_hooked_units": layer_graph["eager_units_hooked"], "layer_graph_hook_fired": layer_graph["hook_fired"],
             "logits_std": float(logits.float().std())}
 
 

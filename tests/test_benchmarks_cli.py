@@ -44,12 +44,14 @@ def test_decode_benchmark_cpu_smoke(fmt: str):
 @pytest.mark.parametrize("fmt", ["nvfp4", "official"])
 def test_full_model_benchmark_cpu_smoke(fmt: str):
     """benchmarks/full_model.py builds its random-weight model (no disk) and runs prefill + one
-    eager decode step, finite, on a tiny config on the CPU; the timing itself needs the GPU."""
+    eager decode step and layer-graph decode with one hooked layer, finite, on a tiny config on the CPU; the timing itself needs the GPU."""
     r = subprocess.run([sys.executable, "benchmarks/full_model.py", "--cpu-smoke", "--format", fmt], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout)
     assert res["prefill_finite"] and res["decode_finite"] and res["active_weight_bytes_per_token"] > 0, res
+    assert len(res["layer_graph_hooked_units"]) == 1 and res["layer_graph_hooked_units"][0].startswith("layers."), res
+    assert res["layer_graph_hook_fired"] == 4, res  # 3 warm-up steps + 1 timed, each fired the hook once
 
 
 def _full_model():

@@ -34,7 +34,7 @@ def module_switches(mod: torch.nn.Module) -> tuple:
     return tuple(out)
 
 
-def _module_entry(name: str, mod: torch.nn.Module) -> tuple:
+def module_entry(name: str, mod: torch.nn.Module) -> tuple:
     entry = (name, type(mod).__qualname__, id(mod), module_switches(mod))
     if mod._forward_hooks or mod._forward_pre_hooks:  # torch's hook dicts: no public accessor
         entry += (tuple(id(h) for h in mod._forward_hooks.values()),
@@ -44,7 +44,7 @@ def _module_entry(name: str, mod: torch.nn.Module) -> tuple:
 
 def model_signature(model) -> tuple:
     """What a captured graph depends on besides the state: modules, their switches and hooks."""
-    return tuple(_module_entry(name, mod) for name, mod in model.named_modules())
+    return tuple(module_entry(name, mod) for name, mod in model.named_modules())
 
 
 def untracked_modules(model) -> list[tuple[str, torch.nn.Module]]:
@@ -57,7 +57,7 @@ def untracked_modules(model) -> list[tuple[str, torch.nn.Module]]:
 def untracked_signature(mods: list[tuple[str, torch.nn.Module]]) -> tuple:
     """Signature entries of ``mods`` with their children's identities (an item assigned into an
     ``nn.ModuleList`` changes its parent's entry)."""
-    return tuple(_module_entry(name, mod) + (tuple(id(c) for c in mod.children()),) for name, mod in mods)
+    return tuple(module_entry(name, mod) + (tuple(id(c) for c in mod.children()),) for name, mod in mods)
 
 
 @dataclass

@@ -241,7 +241,7 @@ class DSV4Model(Component):
                 break
             lg = step(nxt, state)
             state.pos += 1
-            all_logits.append(lg[:, -1])
+            all_logits.append(lg[:, -1].clone() if return_logits else None)  # a graph's buffer is reused
             nxt = lg[:, -1].argmax(-1, keepdim=True).to(input_ids.device)
         out = torch.cat(tokens, dim=1)
         return (out, torch.stack(all_logits, 1)) if return_logits else out

@@ -37,6 +37,14 @@ class LayerState:
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer a decode step of this layer writes."""
+        out = [self.kv_ring]
+        for cs in (self.compressor, self.indexer):
+            if cs is not None:
+                out += [cs.ring_kv, cs.ring_gate, cs.entries]
+        return out
+
 
 @dataclass
 class DecodeState:
@@ -85,10 +93,7 @@ class DecodeState:
     def tensors(self) -> list[torch.Tensor]:
         out = list(self.extra["pos_by_device"].values())
         for ls in self.layers:
-            out.append(ls.kv_ring)
-            for cs in (ls.compressor, ls.indexer):
-                if cs is not None:
-                    out += [cs.ring_kv, cs.ring_gate, cs.entries]
+            out += ls.tensors()
         return out
 
     def nbytes(self) -> int:
