@@ -14,8 +14,10 @@ import torch
 from . import bugzoo
 from .analysis import cache, compare, components, hooks
 from .config import DSV4Config
+from .decode.drivers import check_decode_mode, decoder
 from .model import DSV4Model
 from .model.init import randomize_
+from .model.validate import check_new_tokens
 from .precision import sweep
 
 
@@ -76,6 +78,27 @@ class WorkbenchModel(DSV4Model):
         return sweep.precision_floor(self, ids, threshold, **kw)
 
     # ---------------------------------------------------------------- bug zoo
+    # ----------------------------------------------------------------- decode
+    def decoder(self, state, mode: str = "layer-graphs"):
+        """``step(ids, state) -> logits`` over ``state`` by ``mode``: "eager", "graph" (only taps
+        follow a replay) or "layer-graphs" (hooked layers eager); see dsv4lab.decode.drivers."""
+        return decoder(self, state, mode)
+
+    def generate(self, input_ids, max_new_tokens: int, state=None, decode: str = "eager", **kw):
+        """Greedy decoding as :meth:`DSV4Model.generate`, through the decode driver ``decode``
+        ("eager", "graph", "layer-graphs"; see :meth:`decoder`)."""
+        check_decode_mode(decode)
+        if decode == "eager":
+            return super().generate(input_ids, max_new_tokens, state=state, **kw)
+        if "step_fn" in kw:
+            raise ValueError(f"generate: decode={decode!r} and step_fn both pick the decode driver; "
+                             "give one (step_fn for a driver of your own)")
+        self.check_ids(input_ids)
+        check_new_tokens(max_new_tokens)
+        if state is None:
+            state = self.new_state(input_ids.shape[0], input_ids.shape[1] + max_new_tokens)
+        return super().generate(input_ids, max_new_tokens, state=state, step_fn=decoder(self, state, decode), **kw)
+
     def inject(self, bug: str, layers=None, **kw):
         """Inject a known bug variant (dsv4lab.bugzoo.BUGS); returns a restorable handle."""
         return bugzoo.inject(self, bug, layers=layers, **kw)

@@ -141,3 +141,22 @@ def test_layer_graphs_equal_eager_on_gpu_with_a_hooked_layer():
 @cuda
 def test_layer_graphs_equal_eager_on_gpu():
     _check_equal_to_eager("cuda", steps=64)
+
+
+def test_generate_by_decode_mode_name():
+    m, _, _ = _prefilled()
+    ids = torch.randint(2, 97, (1, 9), generator=torch.Generator().manual_seed(2))
+    ref = m.generate(ids, 10)
+    seen = []
+    with m.hooks([("layers.1.hook_resid_mid", lambda t, n: seen.append(1))]):
+        got = m.generate(ids, 10, decode="layer-graphs")
+    assert torch.equal(got, ref)
+    assert len(seen) == 1 + 9  # the prefill fires it once, then each of the 9 decode steps
+    with pytest.raises(ValueError, match=r"'layer_graph'.*did you mean 'layer-graphs'"):
+        m.generate(ids, 10, decode="layer_graph")
+    with pytest.raises(ValueError, match="step_fn"):
+        m.generate(ids, 10, decode="layer-graphs", step_fn=m.decode_step)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            m.generate(ids, 10, decode="graph")
+    assert m.decoder(m.new_state(1, 4), "eager") == m.decode_step
