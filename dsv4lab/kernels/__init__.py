@@ -19,11 +19,12 @@
 
 | Attention decode (window ring + entries / top-k, sink) | `attention_decode.decode_attention_triton` | `dsv4lab.model.decode_attention.decode_attention` | tests/test_attention_decode_kernel.py |
 | Indexer decode scores | `indexer_decode.index_scores_decode_triton` | `dsv4lab.model.indexer.index_scores_decode` | tests/test_attention_decode_kernel.py |
+| Indexer prefill scores | `indexer_prefill.index_scores_prefill_triton` | `dsv4lab.model.indexer.index_scores_prefill` | tests/test_indexer_prefill_kernel.py |
 
 
 Entry points (``dispatch``: kernel where it runs, reference elsewhere): ``quant_linear``,
 ``grouped_quant_linear``, ``act_quant_nvfp4``, ``moe_decode``, ``moe_prefill``, ``compressor_pool``,
-``compressor_decode``, ``prefill_attention``, ``decode_attention``, ``index_scores_decode``, ``mhc_pre``, ``mhc_post``, ``mhc_head_pre``,
+``compressor_decode``, ``prefill_attention``, ``decode_attention``, ``index_scores_decode``, ``index_scores_prefill``, ``mhc_pre``, ``mhc_post``, ``mhc_head_pre``,
 ``rms_norm``, ``norm_rope``, ``route``. Installing them on a model:
 ``install.install_kernels(model, pattern, enable)``. Shared Triton helpers: ``common``; the
 launch-device guard and availability check: ``device``. Importing ``dsv4lab.kernels`` imports
@@ -33,12 +34,12 @@ See docs/kernels.md for layouts, tolerances and measured numbers.
 from __future__ import annotations
 
 from .device import have_triton_cuda
-from .dispatch import (act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention, grouped_quant_linear, index_scores_decode,
+from .dispatch import (act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention, grouped_quant_linear, index_scores_decode, index_scores_prefill,
                        mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill, norm_rope, nvfp4_linear,
                        prefill_attention, quant_linear, rms_norm, route)
 from .install import install_kernels, kernel_state, kernel_targets, restore_kernels
 
 __all__ = ["have_triton_cuda", "quant_linear", "nvfp4_linear", "grouped_quant_linear", "moe_decode", "moe_prefill",
-           "act_quant_nvfp4", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention", "index_scores_decode",
+           "act_quant_nvfp4", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention", "index_scores_decode", "index_scores_prefill",
            "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "route",
            "install_kernels", "kernel_state", "kernel_targets", "restore_kernels"]

@@ -24,6 +24,8 @@ are imported inside the calls that use them (lazily, for that reason).
   ``Attention.decode_kernel``, one decode token over the ring and the valid entries (Triton).
 * ``index_scores_decode(q, w_raw, keys, n_valid, w_scale)``: ``Indexer.decode_kernel``, the
   indexer's decode scores (Triton).
+* ``index_scores_prefill(q, w_raw, keys, n_valid, w_scale)``: ``Indexer.prefill_kernel``, the
+  indexer's prefill scores without the [B, S, Hi, T] transient (Triton).
 * ``index_top_k_decode(scores, n_valid, k)``: ``Indexer.topk_kernel``, the decode top-k of those
   scores (Triton, one launch).
 * ``rms_norm(x, weight, eps)`` / ``norm_rope(x, positions, inv_freq, ...)``: ``Attention.norm_kernel``
@@ -48,6 +50,7 @@ from ..model.moe import route as route_ref
 from ..model.norms import rms_norm as rms_norm_ref
 from ..model.decode_attention import decode_attention as decode_attention_ref
 from ..model.indexer import index_scores_decode as index_scores_decode_ref
+from ..model.indexer import index_scores_prefill as index_scores_prefill_ref
 from ..model.indexer import index_top_k_decode as index_top_k_decode_ref
 from ..model.compressor import Compressor
 from ..model.state import CompressorState
@@ -60,7 +63,7 @@ ROUTE_MAX_EXPERTS = 4096  # the router kernel holds one token's scores in regist
 
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "grouped_quant_linear",
            "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention",
-           "index_scores_decode", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "route"]
+           "index_scores_decode", "index_scores_prefill", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "route"]
 
 
 def weight_on_cuda(w) -> bool:
@@ -247,6 +250,17 @@ def index_scores_decode(q: torch.Tensor, w_raw: torch.Tensor, keys: torch.Tensor
 
         return index_scores_decode_triton(q, w_raw, keys, n_valid, w_scale)
     return index_scores_decode_ref(q, w_raw, keys, n_valid, w_scale)
+
+
+def index_scores_prefill(q: torch.Tensor, w_raw: torch.Tensor, keys: torch.Tensor, n_valid: torch.Tensor,
+                         w_scale: float) -> torch.Tensor:
+    """``dsv4lab.model.indexer.index_scores_prefill`` (same signature): the Triton kernel for CUDA
+    keys of a kernel dtype, the PyTorch reference elsewhere."""
+    if kernel_can_take(keys) and q.dtype in KERNEL_DTYPES:
+        from .indexer_prefill import index_scores_prefill_triton  # lazy: heavy optional dependency
+
+        return index_scores_prefill_triton(q, w_raw, keys, n_valid, w_scale)
+    return index_scores_prefill_ref(q, w_raw, keys, n_valid, w_scale)
 
 
 def index_top_k_decode(scores: torch.Tensor, n_valid: torch.Tensor, k: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ grouped-GEMM prefill), every ``Compressor``
 (``.kernel``: the CuTeDSL softmax pool of prefill; ``.decode_kernel``: the Triton decode step), every ``Attention``
 (``.kernel``: the bounded prefill attention; ``.decode_kernel``: the decode attention;
 ``.norm_kernel`` / ``.rope_kernel``: the q/kv norms and RoPE, the output's inverse RoPE), every
-``Indexer`` (``.decode_kernel``: the decode scores; ``.rope_kernel``: the queries' RoPE; ``.topk_kernel``:
+``Indexer`` (``.decode_kernel``: the decode scores; ``.prefill_kernel``: the prefill scores; ``.rope_kernel``: the queries' RoPE; ``.topk_kernel``:
 the decode top-k), every layer-level ``RMSNorm`` (``.kernel``; not the norms inside an ``Attention`` or
 ``Compressor``: their own slots fuse those), every mHC site ``HyperConnection`` (``.kernel``:
 mixes + collapse; ``.post_kernel``: the expansion) and the ``HyperHead`` (``.kernel``) whose own
@@ -32,7 +32,7 @@ from ..patterns import component_matcher, no_match_error, unmatched
 from . import compressor_pool_cute as pool_cute
 from .device import have_triton_cuda
 from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention, grouped_quant_linear,
-                       index_scores_decode, index_top_k_decode, mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill,
+                       index_scores_decode, index_scores_prefill, index_top_k_decode, mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill,
                        norm_rope, prefill_attention, quant_linear, rms_norm, route, weight_on_cuda)
 
 TARGETS = (QLinear, Experts, Compressor, Attention, Indexer, HyperConnection, HyperHead, RMSNorm)
@@ -78,7 +78,7 @@ KERNEL_SLOTS: dict[type, tuple[str, ...]] = {  # the first class that matches (R
     Experts: ("kernel", "prefill_kernel"),
     HyperConnection: ("kernel", "post_kernel"),
     Attention: ("kernel", "decode_kernel", "norm_kernel", "rope_kernel"),
-    Indexer: ("decode_kernel", "rope_kernel", "topk_kernel"),
+    Indexer: ("decode_kernel", "prefill_kernel", "rope_kernel", "topk_kernel"),
     Compressor: ("kernel", "decode_kernel"),
 }
 
@@ -120,6 +120,7 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
         if not (have_triton and _on_cuda(mod.compressor.ape)):
             return False
         mod.decode_kernel = index_scores_decode
+        mod.prefill_kernel = index_scores_prefill
         mod.rope_kernel = norm_rope
         mod.topk_kernel = index_top_k_decode
         return True

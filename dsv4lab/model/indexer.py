@@ -42,6 +42,7 @@ class Indexer(Component):
         self.rotary = Rotary(config, "compress")
         self.enabled = True
         self.decode_kernel = None  # optional decode scores with index_scores_decode's signature (dsv4lab.kernels)
+        self.prefill_kernel = None  # optional prefill scores with index_scores_prefill's signature (dsv4lab.kernels)
         self.rope_kernel = None    # optional queries' RoPE with norm_rope_ref's signature (dsv4lab.kernels)
         self.topk_kernel = None    # optional decode top-k with index_top_k_decode's signature (dsv4lab.kernels)
         self.train_dense = False  # training: attend every closed entry while the indexer distils
@@ -82,6 +83,12 @@ class Indexer(Component):
         A replaced ``scores`` / ``select`` runs per block (they are row-wise). Each row's scores
         are the same dot products as in the whole call (the same indices, bitwise on the CPU)."""
         B, S, _ = x.shape
+        if self.prefill_takes_kernel():  # [B, rows, T] scores only: the kernel keeps [.., Hi, T] on chip
+            q, w_raw = self.queries(q_res, positions), self.weights_proj(x)
+            rows = block_rows(block_bytes, B * keys.shape[1] * 4 * 3, S)  # scores, masked copy, top-k's sort
+            return torch.cat([self.select(self.prefill_kernel(q[:, a:a + rows], w_raw[:, a:a + rows], keys,
+                                                              visible[a:a + rows], self.n_heads ** -0.5),
+                                          visible[a:a + rows]) for a in range(0, S, rows)], 1)
         rows = block_rows(block_bytes, B * self.n_heads * keys.shape[1] * 4 * 2, S)
         if rows >= S or self.hook_q.active or self.hook_scores.active or self.hook_indices.active:
             return self.select(self.scores(x, q_res, positions, keys), visible)
@@ -102,13 +109,22 @@ class Indexer(Component):
         return (self.rope_kernel is not None and not self.hook_q.active and type(self.rotary).forward is Rotary.forward
                 and not (self.training and torch.is_grad_enabled()))
 
-    def decode_takes_kernel(self) -> bool:
-        """Does decode score with ``decode_kernel``? Only when one is installed, no indexer hook
-        listens (the kernel's scores differ from the reference's in summation order) and the
-        scoring math (``scores``, ``combine``, ``head_weights``) is not replaced (bug-zoo variants)."""
+    def _stock_scoring(self) -> bool:
+        """No indexer hook listens (a kernel's scores differ from the reference's in summation
+        order) and the scoring math (``scores``, ``combine``, ``head_weights``) is not replaced."""
         cls = type(self)
-        return (self.decode_kernel is not None and not (self.hook_q.active or self.hook_scores.active or self.hook_indices.active)
+        return (not (self.hook_q.active or self.hook_scores.active or self.hook_indices.active)
                 and cls.scores is Indexer.scores and cls.combine is Indexer.combine and cls.head_weights is Indexer.head_weights)
+
+    def decode_takes_kernel(self) -> bool:
+        """Does decode score with ``decode_kernel``? Installed and the scoring stock (``_stock_scoring``)."""
+        return self.decode_kernel is not None and self._stock_scoring()
+
+    def prefill_takes_kernel(self) -> bool:
+        """Does ``choose`` score with ``prefill_kernel``? Installed, the scoring stock, and not training
+        with grad (the kernel has no backward)."""
+        return (self.prefill_kernel is not None and self._stock_scoring()
+                and not (self.training and torch.is_grad_enabled()))
 
     def decode_select(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
                       n_valid: torch.Tensor) -> torch.Tensor:
@@ -177,3 +193,11 @@ def index_scores_decode(q: torch.Tensor, w_raw: torch.Tensor, keys: torch.Tensor
     device tensor. The reference of ``dsv4lab.kernels.indexer_decode`` (``Indexer.decode_kernel``)."""
     s = index_scores(q, w_raw.float() * w_scale, keys)
     return s.masked_fill(torch.arange(keys.shape[1], device=keys.device) >= n_valid, float("-inf"))
+
+
+def index_scores_prefill(q: torch.Tensor, w_raw: torch.Tensor, keys: torch.Tensor, n_valid: torch.Tensor,
+                         w_scale: float) -> torch.Tensor:
+    """Prefill scores [B,S,T] (fp32, -inf at t >= n_valid[s]) of q [B,S,Hi,Ih] over keys [B,T,Ih], with
+    head weights w_raw [B,S,Hi] * w_scale (in fp32, as ``Indexer.head_weights``); n_valid [S]. The
+    reference of ``dsv4lab.kernels.indexer_prefill`` (``Indexer.prefill_kernel``)."""
+    return mask_closed_later(index_scores(q, w_raw.float() * w_scale, keys), n_valid)
