@@ -334,7 +334,7 @@ def run(args) -> dict:
     # prefill at each --context, in chunks chosen from free memory (model.prefill_chunk) unless --chunk
     budget = int(2 * args.transient_gb * 1e9) if args.transient_gb else None  # prefill_chunk fits half of `free`
     gen = torch.Generator(used[0]).manual_seed(0)
-    by_ctx = []
+    by_ctx, prof = [], {}
     for T in contexts:
         ids = torch.randint(0, cfg.vocab_size, (1, T), device=used[0], generator=gen)
         chunk = args.chunk or model.prefill_chunk(T, free=budget)
@@ -349,12 +349,16 @@ def run(args) -> dict:
         t_pre = timed(prefill, args.prefill_iters, used, warmup=0)
         compute_s = sum(2 * reads[d]["params"] * T / flops[d] for d in used)
         floor_s = sum(max(2 * reads[d]["params"] * T / flops[d], reads[d]["linear_bytes"] / ceiling[d]) for d in used)
+        if args.profile:  # the whole prefill's kernels by device time (one more pass)
+            prof[str(T)] = kernels_per_call(prefill, reps=1, top=30, devices=used)
         by_ctx.append({"tokens": T, "chunk": chunk, "tokens_per_s": T / t_pre, "s": t_pre,
                        "floor_tokens_per_s": T / floor_s, "fraction_of_floor": floor_s / t_pre,
                        "compute_floor_tokens_per_s": T / compute_s, "over_compute_floor": compute_s / t_pre,
                        "peak_extra_GB_by_gpu": {str(d): e / 1e9 for d, e in zip(used, extra)},
                        "peak_extra_GB_gpu0": extra[0] / 1e9, "logits_finite": finite})
     first = by_ctx[0]
+    if prof:
+        res["prefill_kernels"] = prof
     res["prefill"] = first
     res["prefill_by_context"] = by_ctx
     res.update(prefill_tok_s=first["tokens_per_s"], prefill_compute_floor_tok_s=first["compute_floor_tokens_per_s"],
@@ -454,6 +458,7 @@ def main(argv=None) -> int:
     ap.add_argument("--transient-gb", type=float, default=None,
                     help="choose the chunk so the prefill transient fits this many GB (default: half of free memory)")
     ap.add_argument("--prefill-iters", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="also list each prefill's kernels by device time")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile(decode_step), eager and in a graph")
     ap.add_argument("--no-kernels", dest="kernels", action="store_false", help="reference linears, no Triton kernels")
     ap.add_argument("--seed", type=int, default=0)

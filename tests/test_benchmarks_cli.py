@@ -134,6 +134,21 @@ def test_prefill_benchmark_cpu_smoke():
             assert x[f"last_chunk_max_abs_diff_{p}_vs_dense"] <= 0.02 * x["last_chunk_max_abs"], x
 
 
+def test_prefill_attention_benchmark_cpu_smoke():
+    """benchmarks/prefill_attention.py builds its three shapes (window only, HCA entries, CSA
+    selections) and runs them through the reference on the CPU; a bad --shapes is one line."""
+    r = subprocess.run([sys.executable, "benchmarks/prefill_attention.py", "--cpu-smoke"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout)
+    assert sorted(res) == ["csa", "hca", "sliding"]
+    assert all(x["finite"] and x["shape"] == [1, 32, 4, 16] for x in res.values()), res
+    assert res["csa"]["flops"] > res["sliding"]["flops"]  # selected entries on top of the window
+    bad = subprocess.run([sys.executable, "benchmarks/prefill_attention.py", "--cpu-smoke", "--shapes", "mla"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--shapes" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_gemm_benchmark_cpu_smoke():
     """benchmarks/gemm.py on tiny shapes through Triton's interpreter: every format's prefill GEMM
     (and the old path it is compared with) and the grouped MoE prefill run and agree with the

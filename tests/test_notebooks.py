@@ -133,6 +133,9 @@ def test_05_decode(report):
     m = _m(report[0], "05_graph_vs_eager_decode")
     assert m["token_agreement"] == 1.0 and m["max_abs_logit_diff"] < 1e-3
     assert m["modes"] == ["decode_buffers", "full_forward"]  # CPU
+    assert m["hooked.tokens_equal"] is True and m["hooked.hook_fired_every_step"] is True
+    assert m["hooked.max_abs_logit_diff"] == 0.0 and m["hooked.hook_max_abs_diff"] == 0.0  # the same ops on CPU
+    assert m["hooked.eager_units"] == ["layers.1"]
 
 
 def test_06_triage(report):

@@ -1,13 +1,16 @@
 """Notebook 5: graph versus eager decode (tokens, per-step logit differences, latency, host
 syncs), wrapping :mod:`dsv4lab.decode.check`. On CPU there are no CUDA graphs: the check runs
-the fixed-buffer decode step against full forwards and says what needs a GPU."""
+the fixed-buffer decode step against full forwards and says what needs a GPU. Then a Python hook
+during decode, eager against layer graphs (:mod:`dsv4lab.decode.layer_graphs`): the hooked layer
+runs eagerly, the others from their graphs; the tokens and the hook's values must not change."""
 from __future__ import annotations
 
 import pandas as pd
 import torch
 
-from ..decode.check import decode_check
+from ..decode.check import decode_check, run_steps
 from ..decode.check import sync_inventory as inv
+from ..decode.layer_graphs import LayerGraphDecoder
 from .plots import lines
 
 GPU_ONLY = ("CUDA-graph capture and replay (eager vs graph tokens and logits, speedup)",
@@ -63,3 +66,57 @@ def record_decode(rec, dc) -> dict:
     rec.record(f"median_step_ms_{dc.mode_b}", sm[f"median_step_ms_{dc.mode_b}"], "ignore")
     return sm
 
+
+@torch.no_grad()
+def hooked_decode(session, ids: torch.Tensor, steps: int, hook: str) -> dict:
+    """``steps`` greedy steps after ``ids`` with a Python hook on ``hook`` that keeps the norm of its
+    tensor, once eagerly and once by layer graphs from a copy of the same state: tokens, logits,
+    the hook's values and per-step latency of both, and which units ran eagerly."""
+    m = session.model
+    ids = ids.to(m.device)
+    state = m.new_state(ids.shape[0], ids.shape[1] + steps + 1)
+    first = m.prefill(ids, state)[:, -1].argmax(-1, keepdim=True)
+    states = {"eager": state.clone(), "layer-graphs": state}
+    runs = {}
+    for mode, st in states.items():
+        norms: list[torch.Tensor] = []
+        with m.hooks([(hook, lambda t, name: norms.append(t.detach().float().norm()))]):
+            driver = LayerGraphDecoder(m, st) if mode == "layer-graphs" else None
+            toks, logits, lat = run_steps(m, st, first, steps, driver.step if driver else m.decode_step)
+            eager_units = driver.eager_units() if driver else []
+        runs[mode] = {"tokens": toks, "logits": logits, "latency_ms": lat, "hook_norms": torch.stack(norms).cpu(),
+                      "eager_units": eager_units}
+    a, b = runs["eager"], runs["layer-graphs"]
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"hook": hook, "steps": steps, "runs": runs, "eager_units": b["eager_units"],
+            "tokens_equal": a["tokens"] == b["tokens"],
+            "max_abs_logit_diff": max(float((x - y).abs().max()) for x, y in zip(a["logits"], b["logits"])),
+            "hook_fired": (len(a["hook_norms"]), len(b["hook_norms"])),
+            "hook_max_abs_diff": float((a["hook_norms"] - b["hook_norms"]).abs().max()),
+            "median_ms": {"eager": med(a["latency_ms"]), "layer-graphs": med(b["latency_ms"])}}
+
+
+def record_hooked(rec, hd: dict) -> None:
+    """Layer-graph decode with a hook against eager decode with it (the nightly keeps them equal)."""
+    rec.record("hooked.tokens_equal", hd["tokens_equal"])
+    rec.record("hooked.max_abs_logit_diff", hd["max_abs_logit_diff"], {"abs": 1e-3, "direction": "up"})
+    rec.record("hooked.hook_fired_every_step", hd["hook_fired"] == (hd["steps"], hd["steps"]))
+    rec.record("hooked.hook_max_abs_diff", hd["hook_max_abs_diff"], {"abs": 1e-3, "direction": "up"})
+    rec.record("hooked.eager_units", hd["eager_units"], "ignore")
+    for mode, ms in hd["median_ms"].items():
+        rec.record(f"hooked.median_step_ms_{mode}", ms, "ignore")
+
+
+def hooked_figure(hd: dict):
+    """Per-step latency of both runs (the hook fires in both)."""
+    runs = hd["runs"]
+    return lines(list(range(hd["steps"])), {mode: r["latency_ms"] for mode, r in runs.items()},
+                 f"Decode with a Python hook on {hd['hook']}: eager vs layer graphs", "decode step", "milliseconds",
+                 legend="driver")
+
+
+def hooked_table(hd: dict) -> pd.DataFrame:
+    runs = hd["runs"]
+    return pd.DataFrame({"step": range(hd["steps"]),
+                         **{f"hook |x| {mode}": [round(float(v), 4) for v in r["hook_norms"]] for mode, r in runs.items()},
+                         **{f"{mode} ms": [round(x, 3) for x in r["latency_ms"]] for mode, r in runs.items()}})
