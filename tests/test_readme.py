@@ -19,3 +19,4 @@ def test_readme_quick_tour_runs(capsys):
     exec(compile(code, str(README), "exec"), {"__name__": "__readme__"})
     out = capsys.readouterr().out
     assert "Paris" in out and "hook_weights" in out and "bug moves logits by" in out
+    assert out.count("layers.1.hook_resid_post") == 3  # layer-graph decode: the hook fires at prefill + 2 steps
