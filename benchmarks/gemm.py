@@ -12,6 +12,7 @@ between runs by do_bench).
 
     python3 benchmarks/gemm.py --json $OUT/gemm_h200.json
     python3 benchmarks/gemm.py --sweep --json $OUT/gemm_sweep.json
+    python3 benchmarks/gemm.py --moe-phases --formats nvfp4 --experts 8 --json $OUT/moe_phases.json
     python3 benchmarks/gemm.py --cpu-smoke        # tiny shapes through the interpreter (tested)
 """
 from __future__ import annotations
@@ -142,6 +143,45 @@ def gemm_row(name, fmt, K, N, M, dev, sweep: bool) -> dict:
 MOE_SWEEP = [{"BM": 128}, {"BM": 128, "BK": 64}, {"BM": 256, "BK": 64}, {"BM": 256, "BK": 64, "num_warps": 4}]
 
 
+MOE_PHASE_TILES = [{"BN": bn, "BK": bk, "STAGES": st, "num_warps": nw}
+                   for bn in (64, 128, 256) for bk in (64, 128) for st in (3, 4) for nw in (4, 8)
+                   if not (bn == 256 and nw == 4)]
+
+
+def moe_phase_sweep(fmt, T, E, k, H, I, dev, limit=10.0, bms=(64, 128, 256), tiles=None) -> list[dict]:
+    """The up (w1 + w3, SwiGLU) and down (w2) grouped GEMMs timed apart per (BM, tiles), each
+    checked against the default tiles' output; TFLOP/s of each."""
+    from dsv4lab.kernels.moe_prefill import expert_schedule, grouped_gemm  # lazy: imports triton
+
+    w1 = stack_experts([rand_weight(fmt, I, H, dev, 10 + e) for e in range(E)])
+    w3 = stack_experts([rand_weight(fmt, I, H, dev, 1000 + e) for e in range(E)])
+    w2 = stack_experts([rand_weight(fmt, H, I, dev, 2000 + e) for e in range(E)])
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = (torch.randn(T, H, device=dev, generator=g) * 0.05).to(torch.bfloat16)
+    ids = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1).indices
+    rows = []
+    for bm in bms:
+        sched = expert_schedule(ids, E, bm)
+        h_ref = grouped_gemm(x, sched, True, w1, w3, limit, None, {"BM": bm})  # each GEMM's own rule otherwise
+        y_ref = grouped_gemm(h_ref, sched, False, w2, cfg={"BM": bm})
+        phases = {"up": (lambda c: grouped_gemm(x, sched, True, w1, w3, limit, None, c), h_ref, 2 * 2 * T * k * H * I, H),
+                  "down": (lambda c: grouped_gemm(h_ref, sched, False, w2, cfg=c), y_ref, 2 * T * k * H * I, I)}
+        for phase, (run, ref, flop, K) in phases.items():
+            for t in tiles or MOE_PHASE_TILES:
+                c = {**t, "BM": bm}
+                if K % c["BK"]:
+                    continue
+                try:
+                    ok = float((run(c).float() - ref.float()).abs().max() / ref.float().abs().max()) < 2e-2
+                    us = timed(lambda: run(c), dev) if ok else float("inf")
+                    r = {"phase": phase, "cfg": c, "us": us, "TFLOPs": flop / us / 1e6, "agrees": ok}
+                except Exception as e:  # a tile that does not fit (shared memory, registers) is skipped
+                    r = {"phase": phase, "cfg": c, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+                print(json.dumps(r), flush=True)
+                rows.append(r)
+    return rows
+
+
 def moe_row(fmt, T, E, k, H, I, dev, limit=10.0, sweep: bool = False) -> dict:
     from dsv4lab.kernels.moe_prefill import moe_prefill_triton  # lazy: imports triton
     from dsv4lab.kernels.moe_prefill_ref import moe_prefill_ref
@@ -182,6 +222,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--no-moe", dest="moe", action="store_false")
     ap.add_argument("--sweep", action="store_true", help="also time tile variants and report the fastest")
+    ap.add_argument("--moe-phases", action="store_true",
+                    help="only the MoE prefill's up and down GEMMs, timed apart per tiling (MOE_PHASE_TILES x BM)")
+    ap.add_argument("--moe-bm", default="64,128,256", help="token rows per tile tried by --moe-phases")
     ap.add_argument("--json", type=Path, nargs="?", default=None, const=RESULTS / "gemm.json")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes through Triton's interpreter (no timing)")
     args = ap.parse_args()
@@ -201,6 +244,16 @@ def main() -> None:
             ap.error(f"--shapes: {unknown} not in {list(SHAPES)}")
         dev, shapes, ms = torch.device("cuda"), {s: SHAPES[s] for s in names}, [int(m) for m in args.m.split(",")]
         moe_args = dict(T=args.tokens, E=args.experts, k=6, H=7168, I=3072)
+    if args.moe_phases:
+        smoke = (dict(bms=(16,), tiles=[{"BN": 32, "BK": 32, "STAGES": 2, "num_warps": 4}]) if args.cpu_smoke
+                 else dict(bms=tuple(int(b) for b in args.moe_bm.split(","))))
+        res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+               "moe_phases": {fmt: moe_phase_sweep(fmt, dev=dev, **moe_args, **smoke) for fmt in fmts if fmt != "fp8_block"}}
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(res, indent=1) + "\n")
+        print("RESULT" + json.dumps(res))
+        return
     rows = []
     for name, (K, N) in shapes.items():
         for fmt in fmts:

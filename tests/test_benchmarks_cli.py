@@ -164,6 +164,17 @@ def test_gemm_benchmark_cpu_smoke():
     assert all(x["max_err_over_max_ref"] <= 2e-2 for x in res["moe_prefill"]), res["moe_prefill"]
 
 
+def test_gemm_moe_phases_cpu_smoke():
+    """``gemm.py --moe-phases`` times the MoE prefill's up and down GEMMs apart: under the interpreter
+    one tiling of each runs and agrees with the default tiles' output (the timing needs the GPU)."""
+    r = subprocess.run([sys.executable, "benchmarks/gemm.py", "--cpu-smoke", "--moe-phases", "--formats", "nvfp4"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT"))[6:])["moe_phases"]["nvfp4"]
+    assert [x["phase"] for x in rows] == ["up", "down"]
+    assert all(x["agrees"] for x in rows), rows
+
+
 
 def test_eager_layer_cpu_stub(tmp_path: Path):
     """benchmarks/eager_layer.py with the launches stubbed: one V4-Pro HCA layer (8 experts) decodes

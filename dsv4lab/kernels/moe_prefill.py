@@ -196,7 +196,8 @@ def moe_prefill_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                        limit: float | None, weight_before_w2: bool = False, cfg: dict | None = None) -> torch.Tensor:
     """Routed-expert output [T, H] in x.dtype for x [T, H], ``ids`` / ``weights`` [T, k]; stacks
     of one format (``moe_prefill_supported``). ``weight_before_w2``: the routing weight multiplies
-    the SwiGLU output (DeepSeek's order), else each expert's output."""
+    the SwiGLU output (DeepSeek's order), else each expert's output. ``cfg`` overrides the tiles of
+    both GEMMs, its ``up`` / ``down`` entries those of one (``BM`` only for both: the schedule's)."""
     if x.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(f"x must be [T, H] and ids / weights [T, k] with the same T; got x {tuple(x.shape)}, "
                          f"ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
@@ -207,12 +208,14 @@ def moe_prefill_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
         return out
     x = x.contiguous()
     rw = weights.reshape(-1).float().contiguous()
-    bm = {**prefill_tiles(I, H, T * k / E), **(cfg or {})}["BM"]
-    cfg = {**(cfg or {}), "BM": bm}  # both grouped GEMMs walk the schedule's tiles
+    cfg = dict(cfg or {})
+    up, down = cfg.pop("up", {}), cfg.pop("down", {})  # per-GEMM overrides (the tile sweep)
+    bm = {**prefill_tiles(I, H, T * k / E), **cfg}["BM"]
+    cfg["BM"] = bm  # both grouped GEMMs walk the schedule's tiles
     sched = expert_schedule(ids, E, bm)
     rw_sorted = rw[sched["order"]] if weight_before_w2 else None
-    h = grouped_gemm(x, sched, True, w1, w3, limit, rw_sorted, cfg)
-    y = grouped_gemm(h, sched, False, w2, cfg=cfg)
+    h = grouped_gemm(x, sched, True, w1, w3, limit, rw_sorted, {**cfg, **up})
+    y = grouped_gemm(h, sched, False, w2, cfg={**cfg, **down})
     bh = 256 if INTERPRET else 1024
     _unpermute_kernel[(T, cdiv(H, bh))](y, sched["pos"], rw, out, H, KTOP=k, BH=bh,
                                                WEIGHT=not weight_before_w2, num_warps=1 if INTERPRET else 4)
