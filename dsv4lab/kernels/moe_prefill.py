@@ -133,13 +133,16 @@ def expert_schedule(ids: torch.Tensor, n_experts: int, bm: int) -> dict:
 
 
 def prefill_tiles(N: int, K: int, rows_per_expert: float = 0.0) -> dict:
-    """Fixed tiles of the grouped GEMMs (H200): 64 token rows x 128 weight rows (128 token rows when
-    the experts average >= 128 rows: 4096 tokens top-6 over 8 experts 18.2 -> 12.6 ms; V4-Pro's 384
-    experts average 64 at 4096 tokens), the largest BK of 128 / 64 / 32 dividing K, 3 stages,
-    8 warps (interpreter: 4 warps, 2 stages)."""
+    """Fixed tiles of the grouped GEMMs (H200): 64 token rows x 128 weight rows, the largest BK of
+    128 / 64 / 32 dividing K, 3 stages, 8 warps (V4-Pro's 384 experts average 64 rows at 4096
+    tokens); where the experts average >= 128 rows, 128 token rows x 64 weight rows, BK 64, 4 warps
+    (4096 tokens top-6 over 8 experts: 18.2 -> 12.6 ms with 128 x 128 tiles, then up 8.0 -> 7.3 ms
+    and down 4.4 -> 4.2 ms: ``gemm.py --moe-phases``). Interpreter: 4 warps, 2 stages."""
     if INTERPRET:
         return {"BM": 64, "BN": 32, "BK": min(block_k(K), 64), "STAGES": 2, "num_warps": 4}
-    return {"BM": 128 if rows_per_expert >= 128 else 64, "BN": 128, "BK": block_k(K), "STAGES": 3, "num_warps": 8}
+    if rows_per_expert >= 128:
+        return {"BM": 128, "BN": 64, "BK": min(block_k(K), 64), "STAGES": 3, "num_warps": 4}
+    return {"BM": 64, "BN": 128, "BK": block_k(K), "STAGES": 3, "num_warps": 8}
 
 
 def _stack_views(w) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -210,12 +213,13 @@ def moe_prefill_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     rw = weights.reshape(-1).float().contiguous()
     cfg = dict(cfg or {})
     up, down = cfg.pop("up", {}), cfg.pop("down", {})  # per-GEMM overrides (the tile sweep)
-    bm = {**prefill_tiles(I, H, T * k / E), **cfg}["BM"]
+    rows = T * k / E
+    bm = {**prefill_tiles(I, H, rows), **cfg}["BM"]
     cfg["BM"] = bm  # both grouped GEMMs walk the schedule's tiles
     sched = expert_schedule(ids, E, bm)
     rw_sorted = rw[sched["order"]] if weight_before_w2 else None
-    h = grouped_gemm(x, sched, True, w1, w3, limit, rw_sorted, {**cfg, **up})
-    y = grouped_gemm(h, sched, False, w2, cfg={**cfg, **down})
+    h = grouped_gemm(x, sched, True, w1, w3, limit, rw_sorted, {**prefill_tiles(I, H, rows), **cfg, **up})
+    y = grouped_gemm(h, sched, False, w2, cfg={**prefill_tiles(H, I, rows), **cfg, **down})
     bh = 256 if INTERPRET else 1024
     _unpermute_kernel[(T, cdiv(H, bh))](y, sched["pos"], rw, out, H, KTOP=k, BH=bh,
                                                WEIGHT=not weight_before_w2, num_warps=1 if INTERPRET else 4)
