@@ -2,7 +2,7 @@
 ``dsv4lab.model.bounded_attention.bounded_attention`` (same signature, so it fills the
 ``Attention.kernel`` slot; reference parity on CPU through the interpreter).
 
-One program per (query, block of BLOCK_H = 32 heads, batch row): q [BLOCK_H, Dh] stays in registers,
+One program per (query, block of BLOCK_H = 64 heads, batch row): q [BLOCK_H, Dh] stays in registers,
 keys stream in tiles of BLOCK_N rows: first the window (contiguous positions
 [q_pos - window + 1, q_pos]), then the entries: the CSA indexer's ``selected`` rows gathered by
 index, or HCA's closed entries w < (q_pos + 1) // ratio. Online softmax in fp32 started from the
