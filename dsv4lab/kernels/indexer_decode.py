@@ -62,7 +62,7 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, n_ptr, out_ptr, T, HI, DI, PROGS, 
         tl.store(out_ptr + b * so_b + t, tl.full([BLOCK_T], float("-inf"), tl.float32), mask=t < T)
 
 
-def _dot_for(q: torch.Tensor, keys: torch.Tensor):
+def scores_dot_type(q: torch.Tensor, keys: torch.Tensor):
     """The tl.dot operand type giving the reference's fp32 products: bf16 / fp16 when both are."""
     if q.dtype == keys.dtype and q.dtype in (torch.bfloat16, torch.float16):
         return dot_dtype(keys)
@@ -85,7 +85,7 @@ def index_scores_decode_triton(q: torch.Tensor, w_raw: torch.Tensor, keys: torch
     out = torch.empty(B, 1, T, dtype=torch.float32, device=q.device)
     n_tiles = cdiv(T, BLOCK_T)
     progs = programs or max(1, min(n_tiles, cdiv(2 * num_sms(q.device), B)))
-    dot = _dot_for(q, keys)
+    dot = scores_dot_type(q, keys)
     launch(_index_scores_kernel, (progs, B),
         q, w_raw, keys, n_valid, out, T, HI, DI, progs, w_scale, DI ** -0.5,
         q.stride(0), q.stride(2), w_raw.stride(0), keys.stride(0), keys.stride(1), out.stride(0),

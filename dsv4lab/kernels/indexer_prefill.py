@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .common import cdiv, next_pow2
 from .device import on_input_device
-from .indexer_decode import _dot_for
+from .indexer_decode import scores_dot_type
 from .launch import launch
 
 BLOCK_T = 64     # keys per program: [Hi=64, 64] fp32 scores per query dot at V4-Pro shapes
@@ -85,7 +85,7 @@ def index_scores_prefill_triton(q: torch.Tensor, w_raw: torch.Tensor, keys: torc
     out = torch.empty(B, S, T, dtype=torch.float32, device=q.device)
     if S == 0 or T == 0:
         return out
-    dot = _dot_for(q, keys)
+    dot = scores_dot_type(q, keys)
     launch(_index_scores_prefill_kernel, (cdiv(T, BLOCK_T), cdiv(S, QUERIES), B),
            q, w_raw, keys, n_valid, out, S, T, HI, DI, w_scale, DI ** -0.5,
            q.stride(0), q.stride(1), q.stride(2), w_raw.stride(0), w_raw.stride(1), keys.stride(0), keys.stride(1),
