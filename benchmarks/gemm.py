@@ -148,17 +148,23 @@ MOE_PHASE_TILES = [{"BN": bn, "BK": bk, "STAGES": st, "num_warps": nw}
                    if not (bn == 256 and nw == 4)]
 
 
-def moe_phase_sweep(fmt, T, E, k, H, I, dev, limit=10.0, bms=(64, 128, 256), tiles=None) -> list[dict]:
-    """The up (w1 + w3, SwiGLU) and down (w2) grouped GEMMs timed apart per (BM, tiles), each
-    checked against the default tiles' output; TFLOP/s of each."""
-    from dsv4lab.kernels.moe_prefill import expert_schedule, grouped_gemm  # lazy: imports triton
-
+def moe_inputs(fmt, T, E, k, H, I, dev) -> tuple:
+    """Seeded random expert stacks (w1, w3, w2), tokens x [T, H] bf16, top-k ids and weights [T, k]."""
     w1 = stack_experts([rand_weight(fmt, I, H, dev, 10 + e) for e in range(E)])
     w3 = stack_experts([rand_weight(fmt, I, H, dev, 1000 + e) for e in range(E)])
     w2 = stack_experts([rand_weight(fmt, H, I, dev, 2000 + e) for e in range(E)])
     g = torch.Generator(device=dev).manual_seed(0)
     x = (torch.randn(T, H, device=dev, generator=g) * 0.05).to(torch.bfloat16)
     ids = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1).indices
+    return w1, w3, w2, x, ids, torch.rand(T, k, device=dev, generator=g)
+
+
+def moe_phase_sweep(fmt, T, E, k, H, I, dev, limit=10.0, bms=(64, 128, 256), tiles=None) -> list[dict]:
+    """The up (w1 + w3, SwiGLU) and down (w2) grouped GEMMs timed apart per (BM, tiles), each
+    checked against the default tiles' output; TFLOP/s of each."""
+    from dsv4lab.kernels.moe_prefill import expert_schedule, grouped_gemm  # lazy: imports triton
+
+    w1, w3, w2, x, ids, _ = moe_inputs(fmt, T, E, k, H, I, dev)
     rows = []
     for bm in bms:
         sched = expert_schedule(ids, E, bm)
@@ -186,13 +192,7 @@ def moe_row(fmt, T, E, k, H, I, dev, limit=10.0, sweep: bool = False) -> dict:
     from dsv4lab.kernels.moe_prefill import moe_prefill_triton  # lazy: imports triton
     from dsv4lab.kernels.moe_prefill_ref import moe_prefill_ref
 
-    w1 = stack_experts([rand_weight(fmt, I, H, dev, 10 + e) for e in range(E)])
-    w3 = stack_experts([rand_weight(fmt, I, H, dev, 1000 + e) for e in range(E)])
-    w2 = stack_experts([rand_weight(fmt, H, I, dev, 2000 + e) for e in range(E)])
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = (torch.randn(T, H, device=dev, generator=g) * 0.05).to(torch.bfloat16)
-    ids = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1).indices
-    wt = torch.rand(T, k, device=dev, generator=g)
+    w1, w3, w2, x, ids, wt = moe_inputs(fmt, T, E, k, H, I, dev)
     y = moe_prefill_triton(x, ids, wt, w1, w3, w2, limit)
     ref = moe_prefill_ref(x, ids, wt, w1, w3, w2, limit)
     t_k = timed(lambda: moe_prefill_triton(x, ids, wt, w1, w3, w2, limit), dev)
