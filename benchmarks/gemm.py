@@ -1,5 +1,6 @@
 """Prefill GEMM benchmark (CUDA): the W4A16 GEMM of ``dsv4lab.kernels.linear_gemm`` per V4-Pro
-shape and weight format at M = 128 and 4096 against cuBLAS BF16 (``F.linear`` on a dense bf16
+shape and weight format at M = 128 and 4096 (its two tiers apart at M >= 64: the Triton GEMM and
+dequantise + cuBLAS, ``dequant_gemm``) against cuBLAS BF16 (``F.linear`` on a dense bf16
 weight of the same shape, timed in the same run) and the path it replaced (``TILED=True``: the
 older tiled NVFP4 GEMM / official-format kernels); then the grouped routed-experts prefill
 (``dsv4lab.kernels.moe_prefill``) at 4096 tokens, top-6, against the per-expert reference.
@@ -110,6 +111,10 @@ def gemm_row(name, fmt, K, N, M, dev, sweep: bool) -> dict:
            "max_err_over_max_ref": float((y.float() - ref.float()).abs().max() / ref.float().abs().max()),
            "kernel_us": t_k, "kernel_TFLOPs": flop / t_k / 1e6, "cublas_bf16_us": t_b,
            "cublas_bf16_TFLOPs": flop / t_b / 1e6, "of_cublas": t_b / t_k}
+    if M >= 64:  # both prefill tiers whatever the dispatcher picks: where dequantise + cuBLAS wins
+        for tier, c in (("triton", {"DENSE": False}), ("dense", {"DENSE": True})):
+            t = timed(lambda: matmul(x, w, c), dev)
+            row.update({f"{tier}_us": t, f"{tier}_of_cublas": t_b / t})
     if M <= 256:  # eager timing of a small M is the host's launch cost: also time the GPU alone
         g_k, g_b = timed_graph(lambda: matmul(x, w, None), dev), timed_graph(lambda: F.linear(x, dense), dev)
         row.update(kernel_graph_us=g_k, cublas_bf16_graph_us=g_b, of_cublas_graph=g_b / g_k)
@@ -197,6 +202,8 @@ def moe_row(fmt, T, E, k, H, I, dev, limit=10.0, sweep: bool = False) -> dict:
     ref = moe_prefill_ref(x, ids, wt, w1, w3, w2, limit)
     t_k = timed(lambda: moe_prefill_triton(x, ids, wt, w1, w3, w2, limit), dev)
     t_r = timed(lambda: moe_prefill_ref(x, ids, wt, w1, w3, w2, limit), dev)
+    tiers = {f"{tier}_us": timed(lambda: moe_prefill_triton(x, ids, wt, w1, w3, w2, limit, cfg=c), dev)
+             for tier, c in (("grouped", {"DENSE": False}), ("dense", {"DENSE": True}))}
     flop = 2 * T * k * 3 * H * I
     variants = []
     if sweep and dev.type == "cuda":
@@ -209,7 +216,7 @@ def moe_row(fmt, T, E, k, H, I, dev, limit=10.0, sweep: bool = False) -> dict:
             except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
                 print(f"  skip {c}: {type(e).__name__}", file=sys.stderr)
     return {"moe_sweep": variants, "moe_prefill": fmt, "tokens": T, "experts": E, "top_k": k, "hidden": H, "inter": I,
-            "kernel_us": t_k, "kernel_TFLOPs": flop / t_k / 1e6, "reference_us": t_r, "speedup": t_r / t_k,
+            "kernel_us": t_k, "kernel_TFLOPs": flop / t_k / 1e6, "reference_us": t_r, "speedup": t_r / t_k, **tiers,
             "max_err_over_max_ref": float((y.float() - ref.float()).abs().max() / ref.float().abs().max())}
 
 

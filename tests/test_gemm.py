@@ -184,11 +184,12 @@ def test_gpu_moe_prefill(fmt, before):
     x = (torch.randn(T, H, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
     ids = torch.rand(T, E, device="cuda", generator=gen).topk(k, dim=-1).indices
     wt = torch.rand(T, k, device="cuda", generator=gen)
-    y = moe_prefill_triton(x, ids, wt, w1, w3, w2, 10.0, before)
+    grouped = {"DENSE": False}  # 768 rows an expert: the dense tier's by default (tests/test_dequant_gemm.py)
+    y = moe_prefill_triton(x, ids, wt, w1, w3, w2, 10.0, before, cfg=grouped)
     _row_close(y, moe_prefill_ref(x, ids, wt, w1, w3, w2, 10.0, before), 2e-2)
-    assert torch.equal(moe_prefill_triton(x, ids, wt, w1, w3, w2, 10.0, before), y)
+    assert torch.equal(moe_prefill_triton(x, ids, wt, w1, w3, w2, 10.0, before, cfg=grouped), y)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        yg = moe_prefill_triton(x, ids, wt, w1, w3, w2, 10.0, before)
+        yg = moe_prefill_triton(x, ids, wt, w1, w3, w2, 10.0, before)  # capturing: the grouped kernels
     graph.replay()
     assert torch.equal(yg, y)

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from .common import cdiv, device_capability, FMT_FP8, FMT_MXFP4, FMT_NVFP4, INTERPRET, counters, dequant_tile, dot_dtype, num_sms, \
     store_or_fix_up
+from .dequant_gemm import DENSE_MIN_M, dense_gemm, dense_supported
 from .launch import launch
 
 GEMM_MIN_M = 64  # from this batch on, the prefill GEMM (below: the GEMV / older tiled kernels)
@@ -170,5 +171,20 @@ def launch_gemm(x2: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Ten
            WORDS=c.get("WORDS", False) and fmt != "fp8_block", num_warps=c["num_warps"])
 
 
-__all__ = ["GEMM_MIN_M", "FMT_NVFP4", "FMT_MXFP4", "FMT_FP8", "gemm_tiles", "gemm_supported", "launch_gemm",
+def prefill_gemm(x2: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None,
+                 y: torch.Tensor, cfg: dict | None = None) -> None:
+    """The prefill GEMM's tier for this M: from ``DENSE_MIN_M`` rows on, dequantise + cuBLAS
+    (``dequant_gemm.dense_gemm``: compute-bound there, and cuBLAS is ~1.7x this module's tiles);
+    below, ``launch_gemm``. ``cfg``: ``DENSE`` forces a tier; tile keys force ``launch_gemm``."""
+    c = dict(cfg or {})
+    dense = c.pop("DENSE", None)
+    if dense is None:
+        dense = not c and x2.shape[0] >= DENSE_MIN_M and dense_supported(x2.shape[1])
+    if dense:
+        dense_gemm(x2, fmt, data, scale, gs, y)
+    else:
+        launch_gemm(x2, fmt, data, scale, gs, y, c or None)
+
+
+__all__ = ["GEMM_MIN_M", "prefill_gemm", "FMT_NVFP4", "FMT_MXFP4", "FMT_FP8", "gemm_tiles", "gemm_supported", "launch_gemm",
            "block_k", "grouped_tile"]

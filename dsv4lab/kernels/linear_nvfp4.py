@@ -63,7 +63,7 @@ from .common import (
 )
 from .device import on_input_device
 from .launch import launch
-from .linear_gemm import gemm_supported, launch_gemm
+from .linear_gemm import gemm_supported, prefill_gemm
 from .linear_nvfp4_tma import GemvTmaPlan, launch_gemv_tma, run_gemv_tma, tma_default_config, tma_supported
 
 
@@ -507,7 +507,7 @@ def nvfp4_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
         cfg = config or _tuned_config(x2, packed, scale, gs, y)
         _launch_gemv(x2, packed, scale, gs, y, cfg)
     elif gemm_supported(x2, K) and not (config or {}).get("TILED"):
-        launch_gemm(x2, "nvfp4", packed, scale, gs, y, config)
+        prefill_gemm(x2, "nvfp4", packed, scale, gs, y, config)
     else:
         _launch_gemm(x2, packed, scale, gs, y, {**gemm_config(M, N, K, x2.device), **(config or {})})
     return y.reshape(*lead, N)

@@ -39,7 +39,8 @@ import triton.language as tl
 from .common import cdiv, device_capability, INTERPRET, counters, dot_dtype, e8m0_to_f32, nibble_plane_dots, num_sms, store_or_fix_up, weight_cached
 from .device import on_input_device
 from .launch import launch
-from .linear_gemm import GEMM_MIN_M, gemm_supported, launch_gemm
+from .dequant_gemm import DENSE_MIN_M
+from .linear_gemm import GEMM_MIN_M, gemm_supported, prefill_gemm
 from .linear_nvfp4_tma import GemvTmaPlan, run_gemv_tma, tma_default_config, tma_supported
 
 
@@ -181,9 +182,9 @@ def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Ten
     cfg = dict(config or {})
     if gemm_supported(x2, K) and not cfg.get("TILED"):
         if w.format == "mxfp4":
-            launch_gemm(x2, "mxfp4", w.packed, w.scale, None, y, cfg)
+            prefill_gemm(x2, "mxfp4", w.packed, w.scale, None, y, cfg)
         else:
-            launch_gemm(x2, "fp8_block", w.data, w.scale_float().contiguous(), None, y, cfg)
+            prefill_gemm(x2, "fp8_block", w.data, w.scale_float().contiguous(), None, y, cfg)
         return y.reshape(*lead, N)
     if w.format == "mxfp4" and M <= 16 and cfg.get("TMA", True) and mx_tma_supported(x2, w):
         _mx_decode_tma(x2, w, y, cfg)
@@ -237,7 +238,8 @@ def verified_official_matmul(x: torch.Tensor, w) -> torch.Tensor:
     before that check runs the reference (graph-safe). ``DSV4LAB_KERNEL_VERIFY=0`` skips the check."""
     ref = lambda: F.linear(x, w.dequantize(x.dtype))  # noqa: E731
     M = x.numel() // max(x.shape[-1], 1)
-    bucket = 1 if M == 1 else (16 if M <= 16 else (17 if M < GEMM_MIN_M else GEMM_MIN_M))  # one per kernel path
+    tiers = (1, 16, GEMM_MIN_M - 1, DENSE_MIN_M - 1)  # one bucket per kernel path: GEMV, GEMV, tiled, GEMM, dense
+    bucket = next((b for b in tiers if M <= b), DENSE_MIN_M)
     key = (w.format, *w.shape, bucket, x.dtype, x.device.type, x.device.index)
     ok = _VERIFIED.get(key)
     if ok is None and os.environ.get("DSV4LAB_KERNEL_VERIFY", "1") == "0":

@@ -19,6 +19,12 @@ bound and surplus programs return at once, so it is CUDA-graph safe):
 The GEMM tiles are the SWAP orientation of ``linear_gemm`` (expert rows on the MMA's M side, a
 tile's tokens on its N side): 4096 tokens with top-6 of 384 experts is 64 rows per expert on
 average, so BM = 64.
+
+Where the experts average >= ``DENSE_MIN_M`` rows (few experts, or long chunks), the GEMMs are
+compute-bound and ``moe_prefill_dense`` runs instead: per hit expert its weights dequantised into
+one bounded scratch (``dequant_gemm``) and cuBLAS, the reference's SwiGLU, then the same unpermute.
+It reads the per-expert counts on the host (one sync a layer), so a CUDA-graph capture keeps the
+grouped kernels.
 """
 from __future__ import annotations
 
@@ -26,8 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..model.swiglu import clamped_swiglu
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
 from .common import cdiv, device_capability, FMT_NVFP4, INTERPRET, dequant_tile, dot_dtype, round_to
+from .dequant_gemm import DENSE_MIN_M, dense_supported, dequantize_rows
 from .device import on_input_device
 from .linear_gemm import block_k
 
@@ -200,18 +208,22 @@ def moe_prefill_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     """Routed-expert output [T, H] in x.dtype for x [T, H], ``ids`` / ``weights`` [T, k]; stacks
     of one format (``moe_prefill_supported``). ``weight_before_w2``: the routing weight multiplies
     the SwiGLU output (DeepSeek's order), else each expert's output. ``cfg`` overrides the tiles of
-    both GEMMs, its ``up`` / ``down`` entries those of one (``BM`` only for both: the schedule's)."""
+    both GEMMs, its ``up`` / ``down`` entries those of one (``BM`` only for both: the schedule's);
+    ``DENSE`` forces or refuses ``moe_prefill_dense`` (by default it runs where ``dense_moe_fits``)."""
     if x.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(f"x must be [T, H] and ids / weights [T, k] with the same T; got x {tuple(x.shape)}, "
                          f"ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
     T, k = ids.shape
     E, I, H = w1.shape
+    cfg = dict(cfg or {})
+    dense = cfg.pop("DENSE", None)
+    if dense or (dense is None and not cfg and dense_moe_fits(x, T * k / E, H, I)):
+        return moe_prefill_dense(x, ids, weights, w1, w3, w2, limit, weight_before_w2)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T == 0:
         return out
     x = x.contiguous()
     rw = weights.reshape(-1).float().contiguous()
-    cfg = dict(cfg or {})
     up, down = cfg.pop("up", {}), cfg.pop("down", {})  # per-GEMM overrides (the tile sweep)
     rows = T * k / E
     bm = {**prefill_tiles(I, H, rows), **cfg}["BM"]
@@ -220,7 +232,61 @@ def moe_prefill_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     rw_sorted = rw[sched["order"]] if weight_before_w2 else None
     h = grouped_gemm(x, sched, True, w1, w3, limit, rw_sorted, {**prefill_tiles(I, H, rows), **cfg, **up})
     y = grouped_gemm(h, sched, False, w2, cfg={**prefill_tiles(H, I, rows), **cfg, **down})
+    return unpermute(y, sched["pos"], rw, out, k, weight=not weight_before_w2)
+
+
+def unpermute(y: torch.Tensor, pos: torch.Tensor, rw: torch.Tensor, out: torch.Tensor, k: int,
+              weight: bool) -> torch.Tensor:
+    """out [T, H] = per token the sum over its k sorted rows of y (times the routing weight)."""
+    T, H = out.shape
     bh = 256 if INTERPRET else 1024
-    _unpermute_kernel[(T, cdiv(H, bh))](y, sched["pos"], rw, out, H, KTOP=k, BH=bh,
-                                               WEIGHT=not weight_before_w2, num_warps=1 if INTERPRET else 4)
+    _unpermute_kernel[(T, cdiv(H, bh))](y, pos, rw, out, H, KTOP=k, BH=bh, WEIGHT=weight,
+                                        num_warps=1 if INTERPRET else 4)
     return out
+
+
+def dense_moe_fits(x: torch.Tensor, rows_per_expert: float, H: int, I: int) -> bool:
+    """``moe_prefill_dense`` takes this call: experts average >= DENSE_MIN_M rows, the dequantiser
+    takes H and I, and no CUDA graph is being captured (it syncs on the counts)."""
+    if rows_per_expert < DENSE_MIN_M or not (dense_supported(H) and dense_supported(I)):
+        return False
+    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+@on_input_device
+def moe_prefill_dense(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3, w2,
+                      limit: float | None, weight_before_w2: bool = False) -> torch.Tensor:
+    """``moe_prefill_triton``'s result by dequantise + cuBLAS per hit expert, in the reference's
+    order of operations (``moe_prefill_ref``: linears in x.dtype, ``clamped_swiglu``, the routing
+    weight), summed per token by ``unpermute`` (fp32, slot order, one rounding). Transient: one
+    expert's three dequantised matrices, its rows' activations, and y [T*k, H]."""
+    T, k = ids.shape
+    E, I, H = w1.shape
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    dt = x.dtype
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    R = flat.numel()
+    pos = torch.empty(R, dtype=torch.int32, device=x.device)
+    pos[order] = torch.arange(R, dtype=torch.int32, device=x.device)
+    counts = torch.bincount(flat, minlength=E).tolist()  # the one host sync: prefill, never captured
+    src = order // k
+    rw = weights.reshape(-1).float().contiguous()
+    views = [_stack_views(w) for w in (w1, w3, w2)]
+    scratch = [torch.empty(shape, dtype=dt, device=x.device) for shape in ((I, H), (I, H), (H, I))]
+    y = torch.empty((R, H), dtype=dt, device=x.device)
+    r0 = 0
+    for e, c in enumerate(counts):
+        if not c:
+            continue
+        w1e, w3e, w2e = (dequantize_rows(fmt, p, s, None if gs is None else gs[e:e + 1], e * buf.shape[0],
+                                         buf.shape[0], dt, out=buf) for (fmt, p, s, gs), buf in zip(views, scratch))
+        xe = x.index_select(0, src[r0:r0 + c])
+        h = clamped_swiglu(torch.mm(xe, w1e.t()), torch.mm(xe, w3e.t()), limit)
+        if weight_before_w2:
+            h = h * rw[order[r0:r0 + c], None].to(h.dtype)
+        torch.mm(h, w2e.t(), out=y[r0:r0 + c])
+        r0 += c
+    return unpermute(y, pos, rw, out, k, weight=not weight_before_w2)

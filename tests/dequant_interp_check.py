@@ -1,0 +1,94 @@
+"""The large-M prefill tier (dsv4lab.kernels.dequant_gemm: dequantise + ``torch.mm``) and the dense
+routed-experts prefill (``moe_prefill.moe_prefill_dense``) through Triton's interpreter on CPU
+tensors: run by tests/test_dequant_gemm.py in a subprocess with TRITON_INTERPRET=1 (set before triton
+is imported). Prints one line ``RESULT{json}``.
+
+    TRITON_INTERPRET=1 python tests/dequant_interp_check.py
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("run with TRITON_INTERPRET=1 (set before triton is imported)")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from dsv4lab.kernels import dequant_gemm  # noqa: E402
+from dsv4lab.kernels.dequant_gemm import dequantize_rows, dense_gemm  # noqa: E402
+from dsv4lab.kernels.linear_nvfp4 import nvfp4_matmul  # noqa: E402
+from dsv4lab.kernels.linear_official import official_matmul  # noqa: E402
+from dsv4lab.kernels.moe_prefill import dense_moe_fits, moe_prefill_triton  # noqa: E402
+from dsv4lab.kernels.moe_prefill_ref import moe_prefill_ref  # noqa: E402
+from dsv4lab.quant.stacked import StackedMXFP4, StackedNVFP4  # noqa: E402
+from interp_weights import bad, rand_fp8, rand_mxfp4, rand_nvfp4, rand_x  # noqa: E402
+
+
+g = torch.Generator().manual_seed(1)  # the MoE ids; the weights draw from interp_weights.g
+res = {}
+
+
+def stored(w):
+    """(format, data, scale, global scale) as the kernels take them."""
+    if w.format == "nvfp4":
+        return "nvfp4", w.packed, w.block_scale, w.global_scale.reshape(1).float()
+    if w.format == "mxfp4":
+        return "mxfp4", w.packed, w.scale, None
+    return "fp8_block", w.data, w.scale_float().contiguous(), None
+
+
+# dequantisation: bitwise what w.dequantize(dtype) gives, from row 0 and from an offset, ragged rows
+N, K = 300, 256
+for mk in (rand_nvfp4, rand_mxfp4, rand_fp8):
+    w = mk(N, K)
+    fmt, data, scale, gs = stored(w)
+    for dtype in (torch.bfloat16, torch.float32):
+        ref = w.dequantize(dtype)
+        whole = dequantize_rows(fmt, data, scale, gs, 0, N, dtype)
+        part = dequantize_rows(fmt, data, scale, gs, 128, 100, dtype)
+        # the interpreter's bf16 cast mis-rounds fp32 subnormals (MXFP4's 2^-127 scale): compared
+        # apart, and bitwise on the GPU (tests/test_dequant_gemm.py)
+        normal = (ref.float().abs() >= torch.finfo(torch.float32).tiny) | (ref == 0)
+        res[f"dequant_{fmt}_{str(dtype)[6:]}"] = {
+            "normal_equal": bool(torch.equal(whole[normal], ref[normal])), "normal_count": int(normal.sum()),
+            "subnormal_close": bool(((whole.float() - ref.float())[~normal]).abs().max() <= 2 ** -126) if (~normal).any()
+            else True, "offset": bool(torch.equal(part, ref[128:228]))}
+    # the GEMM, one chunk and in row chunks (the scratch bound shrunk to 128 rows)
+    x = rand_x(70, K, torch.bfloat16)
+    ref = F.linear(x, w.dequantize(torch.bfloat16))
+    y = torch.empty(70, N, dtype=torch.bfloat16)
+    dense_gemm(x, fmt, data, scale, gs, y)
+    res[f"dense_{fmt}_one_chunk_equal"] = bool(torch.equal(y, ref))
+    saved, dequant_gemm.SCRATCH_BYTES = dequant_gemm.SCRATCH_BYTES, 128 * K * 2
+    yc = torch.empty(70, N, dtype=torch.bfloat16)
+    dense_gemm(x, fmt, data, scale, gs, yc)
+    dequant_gemm.SCRATCH_BYTES = saved
+    res[f"dense_{fmt}_chunked"] = bad(yc, ref, 1e-2)
+    # the dispatchers' forced tier (DENSE) against the reference
+    yd = (nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config={"DENSE": True}) if fmt == "nvfp4"
+          else official_matmul(x, w, config={"DENSE": True}))
+    res[f"dense_{fmt}_dispatch_equal"] = bool(torch.equal(yd, ref))
+
+# the dense MoE prefill vs the per-expert reference: both formats, clamp or not, the routing weight
+# before w2 or on the output, bf16 and fp32; an expert with no tokens
+E, H, I, T, k = 5, 64, 128, 40, 3
+for name, mk, S in (("nvfp4", rand_nvfp4, StackedNVFP4), ("mxfp4", rand_mxfp4, StackedMXFP4)):
+    w1 = S.from_weights([mk(I, H) for _ in range(E)])
+    w3 = S.from_weights([mk(I, H) for _ in range(E)])
+    w2 = S.from_weights([mk(H, I) for _ in range(E)])
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(T)])
+    wt = torch.rand(T, k, generator=g)
+    for dtype, rtol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-5)):
+        x = (torch.randn(T, H, generator=g) * 0.5).to(dtype)
+        for lim in (None, 0.75):
+            for before in (False, True):
+                y = moe_prefill_triton(x, ids, wt, w1, w3, w2, lim, before, cfg={"DENSE": True})
+                r = moe_prefill_ref(x, ids, wt, w1, w3, w2, lim, before)
+                res[f"moe_dense_{name}_{str(dtype)[6:]}_lim{lim}_before{before}"] = bad(y, r, rtol)
+res["moe_dense_fits"] = {"few_rows": dense_moe_fits(x, 64.0, H, I), "many_rows": dense_moe_fits(x, 600.0, H, I),
+                         "odd_K": dense_moe_fits(x, 600.0, 80, I)}
+print("RESULT" + json.dumps(res))
