@@ -14,6 +14,7 @@ between runs by do_bench).
     python3 benchmarks/gemm.py --json $OUT/gemm_h200.json
     python3 benchmarks/gemm.py --sweep --json $OUT/gemm_sweep.json
     python3 benchmarks/gemm.py --moe-phases --formats nvfp4 --experts 8 --json $OUT/moe_phases.json
+    python3 benchmarks/gemm.py --dequant --sweep --json $OUT/dequant.json   # the dense tier's dequantiser
     python3 benchmarks/gemm.py --cpu-smoke        # tiny shapes through the interpreter (tested)
 """
 from __future__ import annotations
@@ -145,6 +146,49 @@ def gemm_row(name, fmt, K, N, M, dev, sweep: bool) -> dict:
     return row
 
 
+DEQUANT_SHAPES = {"w1/w3": (7168, 3072), "q_b": (1536, 65536), "o_b": (16384, 7168)}
+DEQUANT_VARIANTS = [{"BN": bn, "BK": bk, "WORDS": wd, "num_warps": nw} for bn, bk in ((32, 128), (64, 128), (128, 64),
+                    (64, 256), (128, 128)) for wd in (False, True) for nw in (4, 8)]
+
+
+def copy_GBps(nbytes: int, dev) -> float:
+    """Read + written GB/s of a device copy of ``nbytes`` (the ceiling of a one-pass kernel)."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    return 2 * nbytes / timed(lambda: b.copy_(a), dev) / 1e3
+
+
+def dequant_rows_bench(fmt, name, K, N, dev, sweep: bool) -> dict:
+    """``dequant_gemm.dequantize_rows`` of one [N, K] weight to bf16: GB/s read + written against a
+    copy of the bf16 bytes in the same run; with ``sweep`` each of DEQUANT_VARIANTS (checked equal)."""
+    from dsv4lab.kernels.dequant_gemm import DEQUANT_TILES, dequantize_rows  # lazy: imports triton
+
+    w = rand_weight(fmt, N, K, dev, seed=N)
+    if fmt == "nvfp4":
+        args = ("nvfp4", w.packed, w.block_scale, w.global_scale.reshape(1).float())
+    elif fmt == "mxfp4":
+        args = ("mxfp4", w.packed, w.scale, None)
+    else:
+        args = ("fp8_block", w.data, w.scale_float().contiguous(), None)
+    moved = sum(t.numel() * t.element_size() for t in args[1:3]) + N * K * 2
+    out = torch.empty(N, K, dtype=torch.bfloat16, device=dev)
+    ref = dequantize_rows(*args, 0, N, torch.bfloat16)
+    ceiling = copy_GBps(N * K * 2, dev)
+    row = {"shape": name, "format": fmt, "K": K, "N": N, "bytes_moved": moved, "copy_GBps": ceiling}
+    for c in [DEQUANT_TILES] + (DEQUANT_VARIANTS if sweep else []):
+        try:
+            ok = torch.equal(dequantize_rows(*args, 0, N, torch.bfloat16, out=out, cfg=c), ref)
+            us = timed(lambda: dequantize_rows(*args, 0, N, torch.bfloat16, out=out, cfg=c), dev) if ok else float("inf")
+        except Exception as e:  # a tile that does not fit is skipped
+            print(f"  skip {c}: {type(e).__name__}", file=sys.stderr)
+            continue
+        row.setdefault("variants", []).append({"cfg": c, "us": us, "GBps": moved / us / 1e3, "of_copy": moved / us / 1e3 / ceiling})
+    row["default_us"], row["default_of_copy"] = row["variants"][0]["us"], row["variants"][0]["of_copy"]
+    best = min(row["variants"], key=lambda v: v["us"])
+    row["best"] = best
+    return row
+
+
 MOE_SWEEP = [{"BM": 128}, {"BM": 128, "BK": 64}, {"BM": 256, "BK": 64}, {"BM": 256, "BK": 64, "num_warps": 4}]
 
 
@@ -232,6 +276,8 @@ def main() -> None:
     ap.add_argument("--moe-phases", action="store_true",
                     help="only the MoE prefill's up and down GEMMs, timed apart per tiling (MOE_PHASE_TILES x BM)")
     ap.add_argument("--moe-bm", default="64,128,256", help="token rows per tile tried by --moe-phases")
+    ap.add_argument("--dequant", action="store_true",
+                    help="only the dense tier's dequantiser per shape and format, GB/s against a copy (--sweep: its tiles)")
     ap.add_argument("--json", type=Path, nargs="?", default=None, const=RESULTS / "gemm.json")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes through Triton's interpreter (no timing)")
     args = ap.parse_args()
@@ -251,6 +297,16 @@ def main() -> None:
             ap.error(f"--shapes: {unknown} not in {list(SHAPES)}")
         dev, shapes, ms = torch.device("cuda"), {s: SHAPES[s] for s in names}, [int(m) for m in args.m.split(",")]
         moe_args = dict(T=args.tokens, E=args.experts, k=6, H=7168, I=3072)
+    if args.dequant:
+        dshapes = {"tiny": (256, 96)} if args.cpu_smoke else DEQUANT_SHAPES
+        res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+               "dequant": [dequant_rows_bench(fmt, name, K, N, dev, args.sweep and dev.type == "cuda")
+                           for name, (K, N) in dshapes.items() for fmt in fmts]}
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(res, indent=1) + "\n")
+        print("RESULT" + json.dumps(res))
+        return
     if args.moe_phases:
         smoke = (dict(bms=(16,), tiles=[{"BN": 32, "BK": 32, "STAGES": 2, "num_warps": 4}]) if args.cpu_smoke
                  else dict(bms=tuple(int(b) for b in args.moe_bm.split(","))))

@@ -50,13 +50,15 @@ for mk in (rand_nvfp4, rand_mxfp4, rand_fp8):
         ref = w.dequantize(dtype)
         whole = dequantize_rows(fmt, data, scale, gs, 0, N, dtype)
         part = dequantize_rows(fmt, data, scale, gs, 128, 100, dtype)
+        words = dequantize_rows(fmt, data, scale, gs, 0, N, dtype, cfg={"WORDS": True, "BN": 16, "BK": 128})
         # the interpreter's bf16 cast mis-rounds fp32 subnormals (MXFP4's 2^-127 scale): compared
         # apart, and bitwise on the GPU (tests/test_dequant_gemm.py)
         normal = (ref.float().abs() >= torch.finfo(torch.float32).tiny) | (ref == 0)
         res[f"dequant_{fmt}_{str(dtype)[6:]}"] = {
             "normal_equal": bool(torch.equal(whole[normal], ref[normal])), "normal_count": int(normal.sum()),
             "subnormal_close": bool(((whole.float() - ref.float())[~normal]).abs().max() <= 2 ** -126) if (~normal).any()
-            else True, "offset": bool(torch.equal(part, ref[128:228]))}
+            else True, "offset": bool(torch.equal(part, ref[128:228])),
+            "words_tiles": bool(torch.equal(words[normal], ref[normal]))}
     # the GEMM, one chunk and in row chunks (the scratch bound shrunk to 128 rows)
     x = rand_x(70, K, torch.bfloat16)
     ref = F.linear(x, w.dequantize(torch.bfloat16))

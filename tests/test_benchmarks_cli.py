@@ -175,6 +175,17 @@ def test_gemm_moe_phases_cpu_smoke():
     assert all(x["agrees"] for x in rows), rows
 
 
+def test_gemm_dequant_cpu_smoke():
+    """``gemm.py --dequant`` runs the dense tier's dequantiser per format (its output checked equal
+    before timing: an unequal tile would time as inf)."""
+    r = subprocess.run([sys.executable, "benchmarks/gemm.py", "--cpu-smoke", "--dequant"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT"))[6:])["dequant"]
+    assert [x["format"] for x in rows] == ["nvfp4", "mxfp4", "fp8_block"]
+    assert all(v["us"] != float("inf") for x in rows for v in x["variants"]), rows
+    assert all(x["bytes_moved"] > 96 * 256 * 2 for x in rows)
+
 
 def test_eager_layer_cpu_stub(tmp_path: Path):
     """benchmarks/eager_layer.py with the launches stubbed: one V4-Pro HCA layer (8 experts) decodes

@@ -32,7 +32,7 @@ def interp():
 def test_interp_dequantise_is_the_reference(interp, fmt):
     for dt in ("bfloat16", "float32"):
         r = interp[f"dequant_{fmt}_{dt}"]
-        assert r["normal_equal"] and r["subnormal_close"] and r["offset"], (dt, r)
+        assert r["normal_equal"] and r["subnormal_close"] and r["offset"] and r["words_tiles"], (dt, r)
         assert r["normal_count"] > 0.9 * 300 * 256
     assert interp[f"dense_{fmt}_one_chunk_equal"]
     assert interp[f"dense_{fmt}_dispatch_equal"]

@@ -3,7 +3,8 @@ and the ``HyperConnection.kernel`` / ``.post_kernel`` / ``HyperHead.kernel`` slo
 
 CPU: the kernels through Triton's interpreter in a subprocess (tests/mhc_interp_check.py: hc 4, D 64,
 B 1..3, one and several splits of hc*D, two token blocks, hc 3 with a ragged D, zero streams (the
-RMS eps), saturated logits (the Sinkhorn eps), one Sinkhorn iteration; fp32 and bf16); the slots'
+RMS eps), saturated logits (the Sinkhorn eps), one Sinkhorn iteration; the prefill tiles (300
+tokens: fp32 tl.dot mixes); fp32 and bf16); the slots'
 wiring at model level (use_kernels on/off, hooks and overriding implementations force the
 reference, the CUDA-graph signature sees the slots).
 GPU (@pytest.mark.gpu): V4-Pro shapes (hc 4, D 7168, mix 24, 20 Sinkhorn iterations), B 1 and 4 in
@@ -45,7 +46,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_interp_mhc_kernels_match_reference():
     assert triton_importable(), "triton is part of the test set-up (pip install -e '.[kernels]')"
     res = interp_check_result("mhc_interp_check.py")
-    assert len(res) == 9
+    assert len(res) == 12
     for case, outs in res.items():
         assert set(outs) == {"pre", "post", "comb", "collapsed", "expand", "head_pre", "head_collapsed"}
         for out, v in outs.items():
@@ -181,7 +182,7 @@ def _check_bf16(got, want, atol_rel=1e-5, extra=None):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("B,S", [(1, 1), (4, 1), (64, 1)])
+@pytest.mark.parametrize("B,S", [(1, 1), (4, 1), (64, 1), (1, 4096)])  # (1, 4096): the prefill tiles
 def test_gpu_hc_pre_post_v4_pro_shapes(B, S):
     from dsv4lab.kernels.mhc_fused import hc_head_pre, hc_post, hc_pre
 

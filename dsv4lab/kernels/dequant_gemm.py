@@ -27,19 +27,21 @@ from .launch import launch
 DENSE_MIN_M = 512           # from this many rows on, dequantise + cuBLAS (benchmarks/gemm.py --m sweep)
 SCRATCH_BYTES = 256 << 20   # the dequantised rows held at once (V4-Pro q_b in bf16: 201 MB, one chunk)
 FORMAT_CODES = {"nvfp4": 0, "mxfp4": 1, "fp8_block": 2}
-_BN, _BK = (32, 64) if INTERPRET else (64, 128)
+# the dequantiser's tiles (H200; WORDS: int32 loads of 8 codes, not bytes)
+DEQUANT_TILES = ({"BN": 32, "BK": 64, "WORDS": False, "num_warps": 4} if INTERPRET
+                 else {"BN": 64, "BK": 128, "WORDS": False, "num_warps": 4})
 
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, row0, N, stride_wn, stride_sn, stride_on,
-                    FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WORDS: tl.constexpr):
     """out[r, k0:k0+BK] = W[row0 + r, k0:k0+BK] (times NVFP4's global scale), rounded once to
     out's dtype; rows r of one BN tile, columns of one BK tile."""
     offs = tl.program_id(0) * BN + tl.arange(0, BN)
     ok = offs < N
-    rows = row0 + tl.minimum(offs, N - 1)
+    rows = tl.minimum(offs, N - 1).to(tl.int64) + row0  # int64: a 384-expert stack passes 2^31 bytes
     k0 = tl.program_id(1) * BK
-    w = dequant_tile(w_ptr, s_ptr, rows, ok, k0, stride_wn, stride_sn, BN, BK, FMT, tl.float32)
+    w = dequant_tile(w_ptr, s_ptr, rows, ok, k0, stride_wn, stride_sn, BN, BK, FMT, tl.float32, WORDS)
     if FMT == FMT_NVFP4:
         w = w * tl.load(gs_ptr).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
@@ -48,23 +50,26 @@ def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, row0, N, stride_wn, stride_sn
 
 
 def dequantize_rows(fmt: str, data: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None, row0: int,
-                    rows: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+                    rows: int, dtype: torch.dtype, out: torch.Tensor | None = None, cfg: dict | None = None) -> torch.Tensor:
     """Rows ``row0 .. row0 + rows`` of the stored weight (``data``: packed FP4 bytes [N, K/2] or
     e4m3 [N, K]; ``scale``: e4m3 / E8M0 bytes, or FP8-block fp32 [ceil(N/128), ceil(K/128)]; ``gs``:
-    NVFP4's fp32 global scale, one element) as [rows, K] ``dtype`` (into ``out`` when given)."""
+    NVFP4's fp32 global scale, one element) as [rows, K] ``dtype`` (into ``out`` when given).
+    ``cfg`` overrides the tiles (BN, BK, WORDS, num_warps: ``benchmarks/gemm.py --dequant``)."""
     K = data.shape[1] * (1 if fmt == "fp8_block" else 2)
     if not dense_supported(K):
         raise ValueError(f"dequantize_rows: K = {K} must be a multiple of 32 (the FP4 scale blocks)")
-    bk = next(b for b in (_BK, 64, 32) if K % b == 0)
+    c = {**DEQUANT_TILES, **(cfg or {})}
+    bk = next(b for b in (c["BK"], 64, 32) if K % b == 0 and b <= c["BK"])
+    words = bool(c["WORDS"]) and fmt != "fp8_block" and data.data_ptr() % 4 == 0 and data.stride(0) % 4 == 0
     if out is None:
         out = torch.empty((rows, K), dtype=dtype, device=data.device)
     if rows == 0:
         return out
-    d = data.view(torch.uint8)
+    d = data.view(torch.int32) if words else data.view(torch.uint8)
     s = scale if fmt == "fp8_block" else scale.view(torch.uint8)
     g = gs if gs is not None else s
-    launch(_dequant_kernel, (cdiv(rows, _BN), K // bk), d, s, g, out, row0, rows, d.stride(0), s.stride(0),
-           out.stride(0), FMT=FORMAT_CODES[fmt], BN=_BN, BK=bk, num_warps=4)
+    launch(_dequant_kernel, (cdiv(rows, c["BN"]), K // bk), d, s, g, out, row0, rows, data.view(torch.uint8).stride(0),
+           s.stride(0), out.stride(0), FMT=FORMAT_CODES[fmt], BN=c["BN"], BK=bk, WORDS=words, num_warps=c["num_warps"])
     return out
 
 

@@ -37,6 +37,8 @@ SPLIT_ROWS = 128    # BT * SPLIT: the partials the last program reads at once
 MIN_PROGRAMS = 96   # hc_pre's grid at least this (token blocks x splits) where T allows
 POST_BD = 512       # columns per hc_post program
 COLLAPSE_ELEMS = 2048  # BT * BD: the collapse tile of the last program (T = 1: 4 steps over D = 7168)
+DOT_MIN_T = 256     # from this many tokens hc_pre's mixes are tl.dot tiles (prefill)
+DOT_BT, DOT_BK = 64, 64
 
 
 @triton.jit
@@ -94,10 +96,18 @@ def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t,
 
 
 @triton.jit
+def _fold(acc, BT: tl.constexpr, N: tl.constexpr, W: tl.constexpr):
+    """[BT, N] -> [BT, W]: the sum of its N / W column groups (all but the first are zero)."""
+    if N == W:
+        return acc
+    return tl.sum(tl.reshape(acc, (BT, N // W, W)), axis=1)
+
+
+@triton.jit
 def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, cnt_ptr,
                    T, K, D, CH, iters, hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr,
                    BK: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
-                   HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+                   HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr, DOT: tl.constexpr):
     tb = tl.program_id(0)
     sp = tl.program_id(1)
     t = tb.to(tl.int64) * BT + tl.arange(0, BT)
@@ -107,30 +117,61 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
     cc = tl.arange(0, HCP * HCP)                             # comb row (i, j) = cc // HCP, cc % HCP
     c_row = 2 * HC + (cc // HCP) * HC + cc % HCP
     c_ok = ((cc // HCP) < HC) & ((cc % HCP) < HC)
-    acc_pre = tl.zeros((BT, HCP, BK), dtype=tl.float32)
-    acc_post = tl.zeros((BT, HCP, BK), dtype=tl.float32)
-    acc_comb = tl.zeros((BT, HCP * HCP, BK), dtype=tl.float32)
     acc_ss = tl.zeros((BT, BK), dtype=tl.float32)
     k_lo = sp * CH
-    for k0 in range(0, CH, BK):
-        kk = k0 + tl.arange(0, BK)
-        k = k_lo + kk
-        k_ok = (kk < CH) & (k < K)
-        x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc_ss += x * x
-        w = tl.load(fn_ptr + jj[:, None] * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc_pre += x[:, None, :] * w[None, :, :]
-        if not HEAD:
-            w = tl.load(fn_ptr + (HC + jj[:, None]) * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)
-            acc_post += x[:, None, :] * w[None, :, :]
-            w = tl.load(fn_ptr + c_row[:, None] * K + k[None, :], mask=c_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)
-            acc_comb += x[:, None, :] * w[None, :, :]
+    if DOT:
+        # prefill: x [BT, BK] . fn rows^T as IEEE fp32 dots (FMA, no TF32), each mix group padded to
+        # >= 16 columns (tl.dot's minimum); the padding rows load as 0, so folding the groups of
+        # columns back onto the first one (``_fold``) adds zeros only
+        NP: tl.constexpr = 16 if HCP < 16 else HCP
+        NC: tl.constexpr = 16 if HCP * HCP < 16 else HCP * HCP
+        rp = tl.arange(0, NP)
+        rp_ok = rp < HC
+        rc = tl.arange(0, NC)
+        rc_row = 2 * HC + (rc // HCP) * HC + rc % HCP
+        rc_ok = (rc < HCP * HCP) & ((rc // HCP) < HC) & ((rc % HCP) < HC)
+        d_pre = tl.zeros((BT, NP), dtype=tl.float32)
+        d_post = tl.zeros((BT, NP), dtype=tl.float32)
+        d_comb = tl.zeros((BT, NC), dtype=tl.float32)
+        for k0 in range(0, CH, BK):
+            kk = k0 + tl.arange(0, BK)
+            k = k_lo + kk
+            k_ok = (kk < CH) & (k < K)
+            x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc_ss += x * x
+            w = tl.load(fn_ptr + rp[:, None] * K + k[None, :], mask=rp_ok[:, None] & k_ok[None, :], other=0.0)
+            d_pre = tl.dot(x, tl.trans(w.to(tl.float32)), d_pre, input_precision="ieee")
+            if not HEAD:
+                w = tl.load(fn_ptr + (HC + rp[:, None]) * K + k[None, :], mask=rp_ok[:, None] & k_ok[None, :], other=0.0)
+                d_post = tl.dot(x, tl.trans(w.to(tl.float32)), d_post, input_precision="ieee")
+                w = tl.load(fn_ptr + rc_row[:, None] * K + k[None, :], mask=rc_ok[:, None] & k_ok[None, :], other=0.0)
+                d_comb = tl.dot(x, tl.trans(w.to(tl.float32)), d_comb, input_precision="ieee")
+        p_pre = _fold(d_pre, BT, NP, HCP)
+        p_post = _fold(d_post, BT, NP, HCP)
+        p_comb = _fold(d_comb, BT, NC, HCP * HCP)
+    else:
+        acc_pre = tl.zeros((BT, HCP, BK), dtype=tl.float32)
+        acc_post = tl.zeros((BT, HCP, BK), dtype=tl.float32)
+        acc_comb = tl.zeros((BT, HCP * HCP, BK), dtype=tl.float32)
+        for k0 in range(0, CH, BK):
+            kk = k0 + tl.arange(0, BK)
+            k = k_lo + kk
+            k_ok = (kk < CH) & (k < K)
+            x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc_ss += x * x
+            w = tl.load(fn_ptr + jj[:, None] * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc_pre += x[:, None, :] * w[None, :, :]
+            if not HEAD:
+                w = tl.load(fn_ptr + (HC + jj[:, None]) * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :],
+                            other=0.0).to(tl.float32)
+                acc_post += x[:, None, :] * w[None, :, :]
+                w = tl.load(fn_ptr + c_row[:, None] * K + k[None, :], mask=c_ok[:, None] & k_ok[None, :],
+                            other=0.0).to(tl.float32)
+                acc_comb += x[:, None, :] * w[None, :, :]
+        p_pre = tl.sum(acc_pre, axis=2)
+        p_post = tl.sum(acc_post, axis=2)
+        p_comb = tl.sum(acc_comb, axis=2)
     ss = tl.sum(acc_ss, axis=1)
-    p_pre = tl.sum(acc_pre, axis=2)
-    p_post = tl.sum(acc_post, axis=2)
-    p_comb = tl.sum(acc_comb, axis=2)
     if SPLIT == 1:
         _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
                 K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND)
@@ -184,25 +225,36 @@ def _hc_post_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, D, HC: tl.constexpr
     tl.store(y_ptr + (t * HC + k[:, None]) * D + d[None, :], y, mask=k_ok[:, None] & d_ok[None, :])
 
 
-def pre_split(T: int, K: int, split: int | None = None, block_k: int | None = None) -> tuple[int, int, int, int]:
-    """(BT, BK, CH, SPLIT) for T tokens and K = hc*D: a fixed rule of the shape. Token blocks of up
+def pre_split(T: int, K: int, split: int | None = None, block_k: int | None = None,
+              dot: bool | None = None) -> tuple[int, int, int, int, bool]:
+    """(BT, BK, CH, SPLIT, DOT) for T tokens and K = hc*D: a fixed rule of the shape. Token blocks of up
     to 16 rows, halved until the grid has >= MIN_PROGRAMS programs (a short prefill of 11 tokens in
     one 16-row block ran 8 programs: ~260 us a site on the H200). V4-Pro (K = 28672): T = 1 -> 112
-    splits of 256; T = 11 -> 3 blocks of 4 rows x 32 splits of 896; T = 4096 -> 8 of 3584 per 16 rows."""
+    splits of 256; T = 11 -> 3 blocks of 4 rows x 32 splits of 896. From ``DOT_MIN_T`` tokens
+    (prefill) the mixes are fp32 dots over [DOT_BT, DOT_BK] tiles instead (T = 4096: 64 blocks of 64
+    rows x 2 splits of 14336; the broadcast accumulators of the decode tiles ran ~1 ms a site there)."""
+    if dot if dot is not None else T >= DOT_MIN_T:
+        bt = DOT_BT
+        while bt > 16 and split is None and cdiv(T, bt) * (SPLIT_ROWS // bt) < MIN_PROGRAMS:
+            bt //= 2
+        bk = block_k or DOT_BK
+        want = split or max(1, SPLIT_ROWS // bt)
+        ch = cdiv(cdiv(K, want), bk) * bk
+        return bt, bk, ch, cdiv(K, ch), True
     bt = min(BT_MAX, next_pow2(max(T, 1)))
     while bt > 1 and split is None and cdiv(T, bt) * (SPLIT_ROWS // bt) < MIN_PROGRAMS:
         bt //= 2
     bk = block_k or max(16, ACC_ELEMS // bt)
     want = split or max(1, SPLIT_ROWS // bt)
     ch = cdiv(cdiv(K, want), bk) * bk
-    return bt, bk, ch, cdiv(K, ch)
+    return bt, bk, ch, cdiv(K, ch), False
 
 
 def _bf16_by_hand(x: torch.Tensor) -> bool:
     return INTERPRET and x.dtype == torch.bfloat16
 
 
-def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, block_k):
+def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, block_k, dot):
     B, S, hc, D = streams.shape
     T, K = B * S, hc * D
     x = streams.contiguous()
@@ -213,7 +265,7 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     out = torch.empty(B, S, D, dtype=x.dtype, device=dev)
     if T == 0:
         return pre, post, comb, out
-    bt, bk, ch, n_split = pre_split(T, K, split, block_k)
+    bt, bk, ch, n_split, use_dot = pre_split(T, K, split, block_k, dot)
     hcp = next_pow2(hc)
     n_tb = cdiv(T, bt)
     if n_split > 1:
@@ -225,25 +277,26 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
         x, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,
         T, K, D, ch, int(iters), float(hc_eps), float(norm_eps), HC=hc, HCP=hcp, BT=bt, BK=bk,
         BD=max(64, COLLAPSE_ELEMS // bt), SPLIT=n_split, SPLITP=next_pow2(n_split), HEAD=head,
-        BF16_BY_HAND=_bf16_by_hand(x), num_warps=4)
+        BF16_BY_HAND=_bf16_by_hand(x), DOT=use_dot, num_warps=4)
     return pre, post, comb, out
 
 
 @on_input_device
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-           hc_eps: float, norm_eps: float, *, split: int | None = None,
-           block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           hc_eps: float, norm_eps: float, *, split: int | None = None, block_k: int | None = None,
+           dot: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [B,S,hc,D] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc] fp32, collapsed [B,S,D] in
-    streams.dtype), as ``mix_weights`` + ``collapse``. ``split`` / ``block_k`` override the rule (tests)."""
-    return _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, split, block_k)
+    streams.dtype), as ``mix_weights`` + ``collapse``. ``split`` / ``block_k`` / ``dot`` override the
+    rule (tests)."""
+    return _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, split, block_k, dot)
 
 
 @on_input_device
 def hc_head_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
-                norm_eps: float, *, split: int | None = None,
-                block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                norm_eps: float, *, split: int | None = None, block_k: int | None = None,
+                dot: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """streams [B,S,hc,D] -> (pre [B,S,hc] fp32, collapsed [B,S,D]), as ``head_weights`` + ``collapse``."""
-    pre, _, _, out = _pre_launch(streams, fn, base, scale, 1, eps, norm_eps, True, split, block_k)
+    pre, _, _, out = _pre_launch(streams, fn, base, scale, 1, eps, norm_eps, True, split, block_k, dot)
     return pre, out
 
 
