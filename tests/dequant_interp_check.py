@@ -22,8 +22,9 @@ from dsv4lab.kernels import dequant_gemm  # noqa: E402
 from dsv4lab.kernels.dequant_gemm import dequantize_rows, dense_gemm  # noqa: E402
 from dsv4lab.kernels.linear_nvfp4 import nvfp4_matmul  # noqa: E402
 from dsv4lab.kernels.linear_official import official_matmul  # noqa: E402
-from dsv4lab.kernels.moe_prefill import dense_moe_fits, moe_prefill_triton  # noqa: E402
+from dsv4lab.kernels.moe_prefill import dense_moe_fits, moe_prefill_triton, swiglu  # noqa: E402
 from dsv4lab.kernels.moe_prefill_ref import moe_prefill_ref  # noqa: E402
+from dsv4lab.model.swiglu import clamped_swiglu  # noqa: E402
 from dsv4lab.quant.stacked import StackedMXFP4, StackedNVFP4  # noqa: E402
 from interp_weights import bad, rand_fp8, rand_mxfp4, rand_nvfp4, rand_x  # noqa: E402
 
@@ -91,6 +92,17 @@ for name, mk, S in (("nvfp4", rand_nvfp4, StackedNVFP4), ("mxfp4", rand_mxfp4, S
                 y = moe_prefill_triton(x, ids, wt, w1, w3, w2, lim, before, cfg={"DENSE": True})
                 r = moe_prefill_ref(x, ids, wt, w1, w3, w2, lim, before)
                 res[f"moe_dense_{name}_{str(dtype)[6:]}_lim{lim}_before{before}"] = bad(y, r, rtol)
+# the fused SwiGLU vs the reference's ops (bitwise on the GPU: tests/test_dequant_gemm.py)
+gate = torch.randn(33, 96, generator=g) * 4
+up = torch.randn(33, 96, generator=g) * 4
+rwt = torch.rand(33, generator=g)
+for dtype in (torch.bfloat16, torch.float32):
+    gd, ud = gate.to(dtype), up.to(dtype)
+    for lim in (None, 2.5):
+        ref = clamped_swiglu(gd, ud, lim)
+        res[f"swiglu_{str(dtype)[6:]}_lim{lim}"] = bad(swiglu(gd, ud, lim, None), ref, 1e-2 if dtype == torch.bfloat16 else 1e-6)
+        res[f"swiglu_{str(dtype)[6:]}_lim{lim}_weight"] = bad(swiglu(gd, ud, lim, rwt), ref * rwt[:, None].to(dtype),
+                                                              1e-2 if dtype == torch.bfloat16 else 1e-6)
 res["moe_dense_fits"] = {"few_rows": dense_moe_fits(x, 64.0, H, I), "many_rows": dense_moe_fits(x, 600.0, H, I),
                          "odd_K": dense_moe_fits(x, 600.0, 80, I)}
 print("RESULT" + json.dumps(res))

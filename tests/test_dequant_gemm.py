@@ -46,6 +46,12 @@ def test_interp_dense_moe(interp):
     assert interp["moe_dense_fits"] == {"few_rows": False, "many_rows": True, "odd_K": False}
 
 
+def test_interp_fused_swiglu(interp):
+    r = {k: v for k, v in interp.items() if k.startswith("swiglu_")}
+    assert len(r) == 2 * 2 * 2, sorted(r)
+    assert all(v["bad"] == 0 for v in r.values()), r
+
+
 def test_chunk_rows_bounds_the_scratch():
     from dsv4lab.kernels.dequant_gemm import SCRATCH_BYTES, chunk_rows
 
@@ -110,3 +116,21 @@ def test_gpu_dense_moe(fmt):
         bad = (a.float() - b.float()).abs() > 2e-2 * (b.float().abs() + b.float().abs().amax(-1, keepdim=True))
         assert int(bad.sum()) == 0
     assert torch.equal(moe_prefill_triton(x, ids, wt, w1, w3, w2, 10.0), y)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("limit", [None, 10.0])
+def test_gpu_fused_swiglu_is_the_reference(limit):
+    """The dense MoE's one-launch SwiGLU: bitwise ``clamped_swiglu`` (libdevice expf, IEEE division,
+    the reference's roundings), and times the routing weight bitwise the reference's product."""
+    from dsv4lab.kernels.moe_prefill import swiglu
+    from dsv4lab.model.swiglu import clamped_swiglu
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    gate = (torch.randn(3000, 3072, device="cuda", generator=g) * 6).bfloat16()
+    up = (torch.randn(3000, 3072, device="cuda", generator=g) * 6).bfloat16()
+    rw = torch.rand(3000, device="cuda", generator=g)
+    ref = clamped_swiglu(gate, up, limit)
+    assert torch.equal(swiglu(gate, up, limit, None), ref)
+    assert torch.equal(swiglu(gate, up, limit, rw), ref * rw[:, None].to(ref.dtype))

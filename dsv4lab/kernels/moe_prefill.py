@@ -22,7 +22,8 @@ average, so BM = 64.
 
 Where the experts average >= ``DENSE_MIN_M`` rows (few experts, or long chunks), the GEMMs are
 compute-bound and ``moe_prefill_dense`` runs instead: per hit expert its weights dequantised into
-one bounded scratch (``dequant_gemm``) and cuBLAS, the reference's SwiGLU, then the same unpermute.
+one bounded scratch (``dequant_gemm``) and cuBLAS, the reference's SwiGLU in one launch
+(``_swiglu_kernel``), then the same unpermute.
 It reads the per-expert counts on the host (one sync a layer), so a CUDA-graph capture keeps the
 grouped kernels.
 """
@@ -31,8 +32,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from ..model.swiglu import clamped_swiglu
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
 from .common import cdiv, device_capability, FMT_NVFP4, INTERPRET, dequant_tile, dot_dtype, round_to
 from .dequant_gemm import DENSE_MIN_M, dense_supported, dequantize_rows
@@ -109,6 +110,30 @@ def _unpermute_kernel(y_ptr, pos_ptr, rw_ptr, out_ptr, H, KTOP: tl.constexpr, BH
             v = round_to(v * round_to(tl.load(rw_ptr + t * KTOP + j), out_ty), out_ty)
         acc += v
     tl.store(out_ptr + t * H + offs, acc.to(out_ty), mask=ok)
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, rw_ptr, h_ptr, n, I, limit, CLAMP: tl.constexpr, WEIGHT: tl.constexpr,
+                   PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+    """h = clamped_swiglu(g, u) (* routing weight per row), one pass, with the reference's
+    roundings: silu in fp32 by libdevice's expf and IEEE division (what torch's CUDA silu runs),
+    rounded to h's dtype, times up, rounded; the weight cast to h's dtype, the product rounded."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    out_ty = h_ptr.dtype.element_ty
+    if PRECISE:
+        s = libdevice.div_rn(g, 1.0 + libdevice.exp(-g))
+    else:  # the interpreter has no libdevice
+        s = g / (1.0 + tl.exp(-g))
+    h = round_to(round_to(s, out_ty) * u, out_ty)
+    if WEIGHT:
+        h = round_to(h * round_to(tl.load(rw_ptr + offs // I, mask=ok, other=0.0), out_ty), out_ty)
+    tl.store(h_ptr + offs, h.to(out_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -253,12 +278,28 @@ def dense_moe_fits(x: torch.Tensor, rows_per_expert: float, H: int, I: int) -> b
     return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None, row_weight: torch.Tensor | None) -> torch.Tensor:
+    """``clamped_swiglu(gate, up, limit)`` (times ``row_weight`` [rows] cast to its dtype) for
+    [rows, I] tensors in one launch (the four torch ops of the reference: ~4x the bytes)."""
+    h = torch.empty_like(gate)
+    n = gate.numel()
+    if n == 0:
+        return h
+    clamp = limit is not None and limit > 0
+    block = 1024
+    _swiglu_kernel[(cdiv(n, block),)](gate, up, row_weight if row_weight is not None else gate, h, n, gate.shape[-1],
+                                      float(limit) if clamp else 0.0, CLAMP=clamp, WEIGHT=row_weight is not None,
+                                      PRECISE=not INTERPRET, BLOCK=block, num_warps=4)
+    return h
+
+
 @on_input_device
 def moe_prefill_dense(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3, w2,
                       limit: float | None, weight_before_w2: bool = False) -> torch.Tensor:
     """``moe_prefill_triton``'s result by dequantise + cuBLAS per hit expert, in the reference's
-    order of operations (``moe_prefill_ref``: linears in x.dtype, ``clamped_swiglu``, the routing
-    weight), summed per token by ``unpermute`` (fp32, slot order, one rounding). Transient: one
+    order of operations (``moe_prefill_ref``: linears in x.dtype, ``clamped_swiglu`` with its
+    roundings (``swiglu``), the routing weight), summed per token by ``unpermute`` (fp32, slot
+    order, one rounding). Transient: one
     expert's three dequantised matrices, its rows' activations, and y [T*k, H]."""
     T, k = ids.shape
     E, I, H = w1.shape
@@ -284,9 +325,8 @@ def moe_prefill_dense(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         w1e, w3e, w2e = (dequantize_rows(fmt, p, s, None if gs is None else gs[e:e + 1], e * buf.shape[0],
                                          buf.shape[0], dt, out=buf) for (fmt, p, s, gs), buf in zip(views, scratch))
         xe = x.index_select(0, src[r0:r0 + c])
-        h = clamped_swiglu(torch.mm(xe, w1e.t()), torch.mm(xe, w3e.t()), limit)
-        if weight_before_w2:
-            h = h * rw[order[r0:r0 + c], None].to(h.dtype)
+        h = swiglu(torch.mm(xe, w1e.t()), torch.mm(xe, w3e.t()), limit,
+                   rw[order[r0:r0 + c]] if weight_before_w2 else None)
         torch.mm(h, w2e.t(), out=y[r0:r0 + c])
         r0 += c
     return unpermute(y, pos, rw, out, k, weight=not weight_before_w2)
