@@ -4,7 +4,7 @@ machine: the PyTorch reference vs the fused kernels of dsv4lab/kernels/mhc_fused
 and as CUDA-graph replays over COPIES sites with their own parameters (2.75 MB of fp32 ``fn`` each,
 so the working set exceeds the 50 MB L2 as in a real decode step). Prints JSON; ratios, not asserts.
 
-    python3 benchmarks/mhc.py --json $OUT/mhc.json [--batches 1,4]
+    python3 benchmarks/mhc.py --json $OUT/mhc.json [--batches 1,4] [--prefill 4096]
 
 ``bench_mhc(dev, batches)`` is the entry point other benchmarks (benchmarks/decode.py) can call.
 """
@@ -81,14 +81,38 @@ def bench_mhc(dev: torch.device, batches=(1, 4)) -> list[dict]:
     return rows
 
 
+@torch.no_grad()
+def bench_prefill_pre(dev: torch.device, tokens: int) -> dict:
+    """``hc_pre`` at ``tokens`` prefill tokens of one V4-Pro site: the decode tiles (``dot=False``)
+    vs the prefill tiles (tensor-core mixes) vs the reference, us per call (eager: these calls are
+    long), each tiling's max |pre - ref| and the bytes-read floor (x read twice: mixes, collapse)."""
+    from dsv4lab.kernels.mhc_fused import hc_pre  # lazy: imports triton
+
+    cfg = preset_config("v4-pro")
+    site = _sites(cfg, dev, 1)[0][0]
+    x = torch.randn(1, tokens, cfg.hc_mult, cfg.hidden_size, device=dev).bfloat16()
+    args = (site.fn, site.base, site.scale, site.iters, site.hc_eps, site.norm_eps)
+    ref = site.mixes(x)
+    row = {"tokens": tokens, "ref_us": eager_us(lambda: site(x)), "x_bytes": x.numel() * x.element_size()}
+    for name, dot in (("decode_tiles", False), ("prefill_tiles", True)):
+        out = hc_pre(x, *args, dot=dot)
+        row[f"{name}_us"] = eager_us(lambda dot=dot: hc_pre(x, *args, dot=dot))
+        row[f"{name}_pre_max_abs"] = (out[0] - ref[0]).abs().max().item()
+    row["speedup_prefill_over_decode_tiles"] = row["decode_tiles_us"] / row["prefill_tiles_us"]
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--batches", default="1,4", help="comma list of decode batch sizes")
+    ap.add_argument("--prefill", type=int, default=0, help="also time hc_pre at this many prefill tokens, both tilings")
     args = ap.parse_args()
     dev = torch.device("cuda")
     res = {"device": torch.cuda.get_device_name(dev), "copies": COPIES,
-           "rows": bench_mhc(dev, tuple(int(b) for b in args.batches.split(",")))}
+           "rows": bench_mhc(dev, tuple(int(b) for b in args.batches.split(",") if b))}
+    if args.prefill:
+        res["prefill_pre"] = bench_prefill_pre(dev, args.prefill)
     text = json.dumps(res, indent=1)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

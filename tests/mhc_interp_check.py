@@ -49,10 +49,11 @@ CASES = {
     "eps_zero_streams": (4, 64, 2, 1, torch.float32, 20, 1e-6, (4, 32), "zeros", 1.0),  # rms eps path
     "eps_saturated": (4, 64, 2, 1, torch.float32, 20, 1e-2, None, "randn", 400.0),      # softmax 0s: Sinkhorn eps
     "iters1_bf16": (4, 64, 1, 1, torch.bfloat16, 1, 1e-3, (2, 64), "randn", 1.0),
-    # prefill (T >= DOT_MIN_T): the mixes as fp32 tl.dot tiles; several splits, ragged token blocks
+    # prefill (T >= DOT_MIN_T, bf16): the mixes as tl.dot tiles against fn in three bf16 parts;
+    # several splits, ragged token blocks; fp32 streams keep the decode tiles at any T
     "prefill_dot_bf16": (4, 64, 2, 150, torch.bfloat16, 20, 1e-6, None, "randn", 1.0),
-    "prefill_dot_f32": (4, 64, 1, 300, torch.float32, 20, 1e-6, None, "randn", 1.0),
-    "hc3_dot_f32": (3, 40, 1, 40, torch.float32, 7, 1e-6, (1, 32, True), "randn", 1.0),  # one split, padded hc
+    "prefill_f32": (4, 64, 1, 300, torch.float32, 20, 1e-6, None, "randn", 1.0),
+    "hc3_dot_bf16": (3, 40, 1, 40, torch.bfloat16, 7, 1e-6, (1, 32, True), "randn", 1.0),  # one split, padded hc
 }
 for name, (hc, D, B, S, dtype, iters, hc_eps, over, kind, lscale) in CASES.items():
     kw = dict(zip(("split", "block_k", "dot"), over)) if over else {}

@@ -190,8 +190,11 @@ def test_gpu_hc_pre_post_v4_pro_shapes(B, S):
     args = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
     pre, post, comb = mix_weights(streams, fn, base, scale, *args)
     k_pre, k_post, k_comb, k_col = hc_pre(streams, fn, base, scale, *args)
+    # 4096 tokens: the max over ~98k mixes of two fp32 orders of a 28672-term dot (and, on the
+    # prefill tiles, tensor-core sums of fn's three bf16 parts); <= 2.5e-5 of the [0, 2] range
+    tol = 2e-5 if B * S <= 64 else 5e-5
     for a, b in ((k_pre, pre), (k_post, post), (k_comb, comb)):
-        assert (a - b).abs().max().item() <= 2e-5
+        assert (a - b).abs().max().item() <= tol
     frac = {"collapsed": _check_bf16(k_col, collapse(pre, streams))}
     again = hc_pre(streams, fn, base, scale, *args)
     assert all(torch.equal(a, b) for a, b in zip(again, (k_pre, k_post, k_comb, k_col)))  # deterministic
@@ -204,10 +207,13 @@ def test_gpu_hc_pre_post_v4_pro_shapes(B, S):
     hc = cfg.hc_mult
     h_pre = head_weights(streams, fn[:hc], base[:hc], scale[:1], cfg.hc_eps, cfg.rms_norm_eps)
     k_hp, k_hcol = hc_head_pre(streams, fn[:hc], base[:hc], scale[:1], cfg.hc_eps, cfg.rms_norm_eps)
-    assert (k_hp - h_pre).abs().max().item() <= 2e-5
+    assert (k_hp - h_pre).abs().max().item() <= tol
     frac["head_collapsed"] = _check_bf16(k_hcol, collapse(h_pre, streams))
     print(f"B={B}: fraction of bf16 elements not bitwise equal to the reference {frac}; max |pre/post/comb diff| "
           f"{max((a - b).abs().max().item() for a, b in ((k_pre, pre), (k_post, post), (k_comb, comb))):.2e}")
+    if B * S > 64:  # the decode tiles at the same shape: both tilings within the tolerance
+        d_pre = hc_pre(streams, fn, base, scale, *args, dot=False)[0]
+        assert (d_pre - pre).abs().max().item() <= tol
 
 
 @pytest.mark.gpu
