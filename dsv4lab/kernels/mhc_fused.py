@@ -108,7 +108,7 @@ def _hc_pre_kernel(x_ptr, fn_ptr, parts_ptr, base_ptr, scale_ptr, pre_ptr, post_
                    T, K, D, CH, iters, hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr,
                    BK: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
                    HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr, DOT: tl.constexpr, RP: tl.constexpr,
-                   DOT_TY: tl.constexpr):
+                   DOT_TY: tl.constexpr, ATOMIC_FINISH: tl.constexpr):
     tb = tl.program_id(0)
     sp = tl.program_id(1)
     t = tb.to(tl.int64) * BT + tl.arange(0, BT)
@@ -176,23 +176,50 @@ def _hc_pre_kernel(x_ptr, fn_ptr, parts_ptr, base_ptr, scale_ptr, pre_ptr, post_
         tl.store(row[:, None] + HCP + jj[None, :], p_post)
         tl.store(row[:, None] + 2 * HCP + cc[None, :], p_comb)
         tl.store(row + 2 * HCP + HCP * HCP, ss)
-        tl.debug_barrier()
-        old = tl.atomic_add(cnt_ptr + tb, 1, sem="acq_rel")
-        if old == SPLIT - 1:
-            s = tl.arange(0, SPLITP)
-            rows = ws_ptr + ((tb * SPLIT + s[:, None]) * BT + tt[None, :]) * W   # [SPLITP, BT]
-            s_ok = (s < SPLIT)[:, None, None]
-            ss = tl.sum(tl.load(rows + 2 * HCP + HCP * HCP, mask=(s < SPLIT)[:, None], other=0.0,
-                                cache_modifier=".cg"), axis=0)
-            p_pre = tl.sum(tl.load(rows[:, :, None] + jj[None, None, :], mask=s_ok, other=0.0, cache_modifier=".cg"),
-                           axis=0)
-            p_post = tl.sum(tl.load(rows[:, :, None] + HCP + jj[None, None, :], mask=s_ok, other=0.0,
-                                    cache_modifier=".cg"), axis=0)
-            p_comb = tl.sum(tl.load(rows[:, :, None] + 2 * HCP + cc[None, None, :], mask=s_ok, other=0.0,
-                                    cache_modifier=".cg"), axis=0)
-            _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post,
-                    p_comb, K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND)
-            tl.atomic_xchg(cnt_ptr + tb, 0, sem="relaxed")  # next use is a later launch: no fence
+        if ATOMIC_FINISH:
+            tl.debug_barrier()
+            old = tl.atomic_add(cnt_ptr + tb, 1, sem="acq_rel")
+            if old == SPLIT - 1:
+                _reduce_finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, tb, t, t_ok,
+                               K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, SPLIT, SPLITP, HEAD, BF16_BY_HAND)
+                tl.atomic_xchg(cnt_ptr + tb, 0, sem="relaxed")  # next use is a later launch: no fence
+
+
+@triton.jit
+def _reduce_finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, tb, t, t_ok,
+                   K, D, iters, hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr,
+                   BD: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr, HEAD: tl.constexpr,
+                   BF16_BY_HAND: tl.constexpr):
+    """Token block ``tb``: its SPLIT partial rows summed in split order, then ``_finish``."""
+    W = 2 * HCP + HCP * HCP + 1
+    tt = tl.arange(0, BT)
+    jj = tl.arange(0, HCP)
+    cc = tl.arange(0, HCP * HCP)
+    s = tl.arange(0, SPLITP)
+    rows = ws_ptr + ((tb * SPLIT + s[:, None]) * BT + tt[None, :]) * W   # [SPLITP, BT]
+    s_ok = (s < SPLIT)[:, None, None]
+    ss = tl.sum(tl.load(rows + 2 * HCP + HCP * HCP, mask=(s < SPLIT)[:, None], other=0.0,
+                        cache_modifier=".cg"), axis=0)
+    p_pre = tl.sum(tl.load(rows[:, :, None] + jj[None, None, :], mask=s_ok, other=0.0, cache_modifier=".cg"),
+                   axis=0)
+    p_post = tl.sum(tl.load(rows[:, :, None] + HCP + jj[None, None, :], mask=s_ok, other=0.0,
+                            cache_modifier=".cg"), axis=0)
+    p_comb = tl.sum(tl.load(rows[:, :, None] + 2 * HCP + cc[None, None, :], mask=s_ok, other=0.0,
+                            cache_modifier=".cg"), axis=0)
+    _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post,
+            p_comb, K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND)
+
+
+@triton.jit
+def _hc_pre_finish_kernel(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, T, K, D, iters,
+                          hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                          SPLIT: tl.constexpr, SPLITP: tl.constexpr, HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """The prefill tiles' second launch: one program per token block reduces its partials (written
+    by ``_hc_pre_kernel`` with ATOMIC_FINISH off) and finishes; no cross-program ordering needed."""
+    tb = tl.program_id(0)
+    t = tb.to(tl.int64) * BT + tl.arange(0, BT)
+    _reduce_finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, tb, t, t < T,
+                   K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, SPLIT, SPLITP, HEAD, BF16_BY_HAND)
 
 
 @triton.jit
@@ -297,7 +324,12 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
         T, K, D, ch, int(iters), float(hc_eps), float(norm_eps), HC=hc, HCP=hcp, BT=bt, BK=bk,
         BD=max(64, COLLAPSE_ELEMS // bt), SPLIT=n_split, SPLITP=next_pow2(n_split), HEAD=head,
         BF16_BY_HAND=_bf16_by_hand(x), DOT=use_dot, RP=rp, DOT_TY=tl.float32 if INTERPRET else tl.bfloat16,
-        num_warps=4)
+        ATOMIC_FINISH=not use_dot, num_warps=4)
+    if use_dot and n_split > 1:  # prefill: the finish as its own launch (a 4096-token call ran non-deterministic
+        launch(_hc_pre_finish_kernel, (n_tb,),  # with the last-arriving program finishing; decode keeps that)
+            x, base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, T, K, D, int(iters), float(hc_eps),
+            float(norm_eps), HC=hc, HCP=hcp, BT=bt, BD=max(64, COLLAPSE_ELEMS // bt), SPLIT=n_split,
+            SPLITP=next_pow2(n_split), HEAD=head, BF16_BY_HAND=_bf16_by_hand(x), num_warps=4)
     return pre, post, comb, out
 
 
