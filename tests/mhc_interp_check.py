@@ -38,7 +38,7 @@ def params(hc, D, head, logit_scale):
     return fn, base, scale
 
 
-# name: (hc, D, B, S, dtype, iters, hc_eps, split/block_k/dot override, streams kind, logit scale)
+# name: (hc, D, B, S, dtype, iters, hc_eps, split/block_k override, streams kind, logit scale)
 CASES = {
     "b1_f32": (4, 64, 1, 1, torch.float32, 20, 1e-6, None, "randn", 1.0),
     "b2_f32_split": (4, 64, 2, 1, torch.float32, 20, 1e-6, (4, 32), "randn", 1.0),
@@ -49,14 +49,9 @@ CASES = {
     "eps_zero_streams": (4, 64, 2, 1, torch.float32, 20, 1e-6, (4, 32), "zeros", 1.0),  # rms eps path
     "eps_saturated": (4, 64, 2, 1, torch.float32, 20, 1e-2, None, "randn", 400.0),      # softmax 0s: Sinkhorn eps
     "iters1_bf16": (4, 64, 1, 1, torch.bfloat16, 1, 1e-3, (2, 64), "randn", 1.0),
-    # prefill (T >= DOT_MIN_T, bf16): the mixes as tl.dot tiles against fn in three bf16 parts;
-    # several splits, ragged token blocks; fp32 streams keep the decode tiles at any T
-    "prefill_dot_bf16": (4, 64, 2, 150, torch.bfloat16, 20, 1e-6, None, "randn", 1.0),
-    "prefill_f32": (4, 64, 1, 300, torch.float32, 20, 1e-6, None, "randn", 1.0),
-    "hc3_dot_bf16": (3, 40, 1, 40, torch.bfloat16, 7, 1e-6, (1, 32, True), "randn", 1.0),  # one split, padded hc
 }
 for name, (hc, D, B, S, dtype, iters, hc_eps, over, kind, lscale) in CASES.items():
-    kw = dict(zip(("split", "block_k", "dot"), over)) if over else {}
+    kw = dict(zip(("split", "block_k"), over)) if over else {}
     streams = (torch.randn(B, S, hc, D, generator=g) if kind == "randn" else torch.zeros(B, S, hc, D)).to(dtype)
     fn, base, scale = params(hc, D, False, lscale)
     pre, post, comb = mix_weights(streams, fn, base, scale, iters, hc_eps, 1e-6)

@@ -3,8 +3,7 @@ and the ``HyperConnection.kernel`` / ``.post_kernel`` / ``HyperHead.kernel`` slo
 
 CPU: the kernels through Triton's interpreter in a subprocess (tests/mhc_interp_check.py: hc 4, D 64,
 B 1..3, one and several splits of hc*D, two token blocks, hc 3 with a ragged D, zero streams (the
-RMS eps), saturated logits (the Sinkhorn eps), one Sinkhorn iteration; the prefill tiles (300
-tokens: fp32 tl.dot mixes); fp32 and bf16); the slots'
+RMS eps), saturated logits (the Sinkhorn eps), one Sinkhorn iteration; fp32 and bf16); the slots'
 wiring at model level (use_kernels on/off, hooks and overriding implementations force the
 reference, the CUDA-graph signature sees the slots).
 GPU (@pytest.mark.gpu): V4-Pro shapes (hc 4, D 7168, mix 24, 20 Sinkhorn iterations), B 1 and 4 in
@@ -46,7 +45,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_interp_mhc_kernels_match_reference():
     assert triton_importable(), "triton is part of the test set-up (pip install -e '.[kernels]')"
     res = interp_check_result("mhc_interp_check.py")
-    assert len(res) == 12
+    assert len(res) == 9
     for case, outs in res.items():
         assert set(outs) == {"pre", "post", "comb", "collapsed", "expand", "head_pre", "head_collapsed"}
         for out, v in outs.items():
@@ -182,7 +181,7 @@ def _check_bf16(got, want, atol_rel=1e-5, extra=None):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("B,S", [(1, 1), (4, 1), (64, 1), (1, 4096)])  # (1, 4096): the prefill tiles
+@pytest.mark.parametrize("B,S", [(1, 1), (4, 1), (64, 1), (1, 4096)])  # (1, 4096): a prefill chunk
 def test_gpu_hc_pre_post_v4_pro_shapes(B, S):
     from dsv4lab.kernels.mhc_fused import hc_head_pre, hc_post, hc_pre
 
@@ -190,11 +189,8 @@ def test_gpu_hc_pre_post_v4_pro_shapes(B, S):
     args = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
     pre, post, comb = mix_weights(streams, fn, base, scale, *args)
     k_pre, k_post, k_comb, k_col = hc_pre(streams, fn, base, scale, *args)
-    # 4096 tokens: the max over ~98k mixes of two fp32 orders of a 28672-term dot (and, on the
-    # prefill tiles, tensor-core sums of fn's three bf16 parts); <= 2.5e-5 of the [0, 2] range
-    tol = 2e-5 if B * S <= 64 else 5e-5
     for a, b in ((k_pre, pre), (k_post, post), (k_comb, comb)):
-        assert (a - b).abs().max().item() <= tol
+        assert (a - b).abs().max().item() <= 2e-5
     frac = {"collapsed": _check_bf16(k_col, collapse(pre, streams))}
     again = hc_pre(streams, fn, base, scale, *args)
     assert all(torch.equal(a, b) for a, b in zip(again, (k_pre, k_post, k_comb, k_col)))  # deterministic
@@ -207,13 +203,10 @@ def test_gpu_hc_pre_post_v4_pro_shapes(B, S):
     hc = cfg.hc_mult
     h_pre = head_weights(streams, fn[:hc], base[:hc], scale[:1], cfg.hc_eps, cfg.rms_norm_eps)
     k_hp, k_hcol = hc_head_pre(streams, fn[:hc], base[:hc], scale[:1], cfg.hc_eps, cfg.rms_norm_eps)
-    assert (k_hp - h_pre).abs().max().item() <= tol
+    assert (k_hp - h_pre).abs().max().item() <= 2e-5
     frac["head_collapsed"] = _check_bf16(k_hcol, collapse(h_pre, streams))
     print(f"B={B}: fraction of bf16 elements not bitwise equal to the reference {frac}; max |pre/post/comb diff| "
           f"{max((a - b).abs().max().item() for a, b in ((k_pre, pre), (k_post, post), (k_comb, comb))):.2e}")
-    if B * S > 64:  # the decode tiles at the same shape: both tilings within the tolerance
-        d_pre = hc_pre(streams, fn, base, scale, *args, dot=False)[0]
-        assert (d_pre - pre).abs().max().item() <= tol
 
 
 @pytest.mark.gpu

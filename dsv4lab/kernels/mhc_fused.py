@@ -37,8 +37,6 @@ SPLIT_ROWS = 128    # BT * SPLIT: the partials the last program reads at once
 MIN_PROGRAMS = 96   # hc_pre's grid at least this (token blocks x splits) where T allows
 POST_BD = 512       # columns per hc_post program
 COLLAPSE_ELEMS = 2048  # BT * BD: the collapse tile of the last program (T = 1: 4 steps over D = 7168)
-DOT_MIN_T = 256     # from this many bf16 tokens hc_pre's mixes run on tensor cores (prefill)
-DOT_BT, DOT_BK, DOT_SPLIT_ROWS = 64, 64, 512  # T = 4096: 64 blocks of 64 rows x 8 splits of 3584
 
 
 @triton.jit
@@ -96,19 +94,10 @@ def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t,
 
 
 @triton.jit
-def _fold(acc, BT: tl.constexpr, N: tl.constexpr, W: tl.constexpr):
-    """[BT, N] -> [BT, W]: the sum of its N / W column groups (all but one are zero)."""
-    if N == W:
-        return acc
-    return tl.sum(tl.reshape(acc, (BT, N // W, W)), axis=1)
-
-
-@triton.jit
-def _hc_pre_kernel(x_ptr, fn_ptr, parts_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, cnt_ptr,
+def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, cnt_ptr,
                    T, K, D, CH, iters, hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr,
                    BK: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
-                   HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr, DOT: tl.constexpr, RP: tl.constexpr,
-                   DOT_TY: tl.constexpr, ATOMIC_FINISH: tl.constexpr):
+                   HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr):
     tb = tl.program_id(0)
     sp = tl.program_id(1)
     t = tb.to(tl.int64) * BT + tl.arange(0, BT)
@@ -118,52 +107,30 @@ def _hc_pre_kernel(x_ptr, fn_ptr, parts_ptr, base_ptr, scale_ptr, pre_ptr, post_
     cc = tl.arange(0, HCP * HCP)                             # comb row (i, j) = cc // HCP, cc % HCP
     c_row = 2 * HC + (cc // HCP) * HC + cc % HCP
     c_ok = ((cc // HCP) < HC) & ((cc % HCP) < HC)
+    acc_pre = tl.zeros((BT, HCP, BK), dtype=tl.float32)
+    acc_post = tl.zeros((BT, HCP, BK), dtype=tl.float32)
+    acc_comb = tl.zeros((BT, HCP * HCP, BK), dtype=tl.float32)
     acc_ss = tl.zeros((BT, BK), dtype=tl.float32)
     k_lo = sp * CH
-    if DOT:
-        # prefill: x [BT, BK] (bf16) . the packed fn rows [RP, BK] on tensor cores, fn as the sum of
-        # three bf16 parts (hi + mid + lo = fn's 24 mantissa bits: each product exact, fp32 sums).
-        # Packed rows: comb (HCP x HCP layout) at 0.., pre at NC.., post at NC + HCP.., the rest zero
-        NC: tl.constexpr = 16 if HCP * HCP < 16 else HCP * HCP
-        r = tl.arange(0, RP)
-        acc = tl.zeros((BT, RP), dtype=tl.float32)
-        for k0 in range(0, CH, BK):
-            kk = k0 + tl.arange(0, BK)
-            k = k_lo + kk
-            k_ok = (kk < CH) & (k < K)
-            x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-            xf = x.to(tl.float32)
-            acc_ss += xf * xf
-            for part in tl.static_range(3):
-                w = tl.load(parts_ptr + (part * RP + r[:, None]) * K + k[None, :], mask=k_ok[None, :], other=0.0)
-                acc = tl.dot(x.to(DOT_TY), tl.trans(w.to(DOT_TY)), acc)
-        cols = r[None, :]
-        p_comb = _fold(tl.where(cols < NC, acc, 0.0), BT, RP, HCP * HCP)
-        p_pre = _fold(tl.where((cols >= NC) & (cols < NC + HCP), acc, 0.0), BT, RP, HCP)
-        p_post = _fold(tl.where((cols >= NC + HCP) & (cols < NC + 2 * HCP), acc, 0.0), BT, RP, HCP)
-    else:
-        acc_pre = tl.zeros((BT, HCP, BK), dtype=tl.float32)
-        acc_post = tl.zeros((BT, HCP, BK), dtype=tl.float32)
-        acc_comb = tl.zeros((BT, HCP * HCP, BK), dtype=tl.float32)
-        for k0 in range(0, CH, BK):
-            kk = k0 + tl.arange(0, BK)
-            k = k_lo + kk
-            k_ok = (kk < CH) & (k < K)
-            x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc_ss += x * x
-            w = tl.load(fn_ptr + jj[:, None] * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc_pre += x[:, None, :] * w[None, :, :]
-            if not HEAD:
-                w = tl.load(fn_ptr + (HC + jj[:, None]) * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :],
-                            other=0.0).to(tl.float32)
-                acc_post += x[:, None, :] * w[None, :, :]
-                w = tl.load(fn_ptr + c_row[:, None] * K + k[None, :], mask=c_ok[:, None] & k_ok[None, :],
-                            other=0.0).to(tl.float32)
-                acc_comb += x[:, None, :] * w[None, :, :]
-        p_pre = tl.sum(acc_pre, axis=2)
-        p_post = tl.sum(acc_post, axis=2)
-        p_comb = tl.sum(acc_comb, axis=2)
+    for k0 in range(0, CH, BK):
+        kk = k0 + tl.arange(0, BK)
+        k = k_lo + kk
+        k_ok = (kk < CH) & (k < K)
+        x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc_ss += x * x
+        w = tl.load(fn_ptr + jj[:, None] * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc_pre += x[:, None, :] * w[None, :, :]
+        if not HEAD:
+            w = tl.load(fn_ptr + (HC + jj[:, None]) * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc_post += x[:, None, :] * w[None, :, :]
+            w = tl.load(fn_ptr + c_row[:, None] * K + k[None, :], mask=c_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc_comb += x[:, None, :] * w[None, :, :]
     ss = tl.sum(acc_ss, axis=1)
+    p_pre = tl.sum(acc_pre, axis=2)
+    p_post = tl.sum(acc_post, axis=2)
+    p_comb = tl.sum(acc_comb, axis=2)
     if SPLIT == 1:
         _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
                 K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND)
@@ -176,50 +143,23 @@ def _hc_pre_kernel(x_ptr, fn_ptr, parts_ptr, base_ptr, scale_ptr, pre_ptr, post_
         tl.store(row[:, None] + HCP + jj[None, :], p_post)
         tl.store(row[:, None] + 2 * HCP + cc[None, :], p_comb)
         tl.store(row + 2 * HCP + HCP * HCP, ss)
-        if ATOMIC_FINISH:
-            tl.debug_barrier()
-            old = tl.atomic_add(cnt_ptr + tb, 1, sem="acq_rel")
-            if old == SPLIT - 1:
-                _reduce_finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, tb, t, t_ok,
-                               K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, SPLIT, SPLITP, HEAD, BF16_BY_HAND)
-                tl.atomic_xchg(cnt_ptr + tb, 0, sem="relaxed")  # next use is a later launch: no fence
-
-
-@triton.jit
-def _reduce_finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, tb, t, t_ok,
-                   K, D, iters, hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr,
-                   BD: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr, HEAD: tl.constexpr,
-                   BF16_BY_HAND: tl.constexpr):
-    """Token block ``tb``: its SPLIT partial rows summed in split order, then ``_finish``."""
-    W = 2 * HCP + HCP * HCP + 1
-    tt = tl.arange(0, BT)
-    jj = tl.arange(0, HCP)
-    cc = tl.arange(0, HCP * HCP)
-    s = tl.arange(0, SPLITP)
-    rows = ws_ptr + ((tb * SPLIT + s[:, None]) * BT + tt[None, :]) * W   # [SPLITP, BT]
-    s_ok = (s < SPLIT)[:, None, None]
-    ss = tl.sum(tl.load(rows + 2 * HCP + HCP * HCP, mask=(s < SPLIT)[:, None], other=0.0,
-                        cache_modifier=".cg"), axis=0)
-    p_pre = tl.sum(tl.load(rows[:, :, None] + jj[None, None, :], mask=s_ok, other=0.0, cache_modifier=".cg"),
-                   axis=0)
-    p_post = tl.sum(tl.load(rows[:, :, None] + HCP + jj[None, None, :], mask=s_ok, other=0.0,
-                            cache_modifier=".cg"), axis=0)
-    p_comb = tl.sum(tl.load(rows[:, :, None] + 2 * HCP + cc[None, None, :], mask=s_ok, other=0.0,
-                            cache_modifier=".cg"), axis=0)
-    _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post,
-            p_comb, K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND)
-
-
-@triton.jit
-def _hc_pre_finish_kernel(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, T, K, D, iters,
-                          hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                          SPLIT: tl.constexpr, SPLITP: tl.constexpr, HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr):
-    """The prefill tiles' second launch: one program per token block reduces its partials (written
-    by ``_hc_pre_kernel`` with ATOMIC_FINISH off) and finishes; no cross-program ordering needed."""
-    tb = tl.program_id(0)
-    t = tb.to(tl.int64) * BT + tl.arange(0, BT)
-    _reduce_finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, tb, t, t < T,
-                   K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, SPLIT, SPLITP, HEAD, BF16_BY_HAND)
+        tl.debug_barrier()
+        old = tl.atomic_add(cnt_ptr + tb, 1, sem="acq_rel")
+        if old == SPLIT - 1:
+            s = tl.arange(0, SPLITP)
+            rows = ws_ptr + ((tb * SPLIT + s[:, None]) * BT + tt[None, :]) * W   # [SPLITP, BT]
+            s_ok = (s < SPLIT)[:, None, None]
+            ss = tl.sum(tl.load(rows + 2 * HCP + HCP * HCP, mask=(s < SPLIT)[:, None], other=0.0,
+                                cache_modifier=".cg"), axis=0)
+            p_pre = tl.sum(tl.load(rows[:, :, None] + jj[None, None, :], mask=s_ok, other=0.0, cache_modifier=".cg"),
+                           axis=0)
+            p_post = tl.sum(tl.load(rows[:, :, None] + HCP + jj[None, None, :], mask=s_ok, other=0.0,
+                                    cache_modifier=".cg"), axis=0)
+            p_comb = tl.sum(tl.load(rows[:, :, None] + 2 * HCP + cc[None, None, :], mask=s_ok, other=0.0,
+                                    cache_modifier=".cg"), axis=0)
+            _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post,
+                    p_comb, K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND)
+            tl.atomic_xchg(cnt_ptr + tb, 0, sem="relaxed")  # next use is a later launch: no fence
 
 
 @triton.jit
@@ -244,62 +184,25 @@ def _hc_post_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, D, HC: tl.constexpr
     tl.store(y_ptr + (t * HC + k[:, None]) * D + d[None, :], y, mask=k_ok[:, None] & d_ok[None, :])
 
 
-def pre_split(T: int, K: int, split: int | None = None, block_k: int | None = None,
-              dot: bool | None = None) -> tuple[int, int, int, int, bool]:
-    """(BT, BK, CH, SPLIT, DOT) for T tokens and K = hc*D: a fixed rule of the shape. Token blocks of up
+def pre_split(T: int, K: int, split: int | None = None, block_k: int | None = None) -> tuple[int, int, int, int]:
+    """(BT, BK, CH, SPLIT) for T tokens and K = hc*D: a fixed rule of the shape. Token blocks of up
     to 16 rows, halved until the grid has >= MIN_PROGRAMS programs (a short prefill of 11 tokens in
     one 16-row block ran 8 programs: ~260 us a site on the H200). V4-Pro (K = 28672): T = 1 -> 112
-    splits of 256; T = 11 -> 3 blocks of 4 rows x 32 splits of 896. From ``DOT_MIN_T`` bf16 tokens
-    (prefill) the mixes run on tensor cores over [DOT_BT, DOT_BK] tiles (``fn_parts``; T = 4096: 64
-    blocks of 64 rows x 8 splits of 3584; the broadcast accumulators of the decode tiles ran ~1 ms a
-    site there, fp32 FMA dots ~1.8 ms)."""
-    if dot if dot is not None else T >= DOT_MIN_T:
-        bt = DOT_BT
-        while bt > 16 and split is None and cdiv(T, bt) * (DOT_SPLIT_ROWS // bt) < MIN_PROGRAMS:
-            bt //= 2
-        bk = block_k or DOT_BK
-        want = split or max(1, DOT_SPLIT_ROWS // bt)
-        ch = cdiv(cdiv(K, want), bk) * bk
-        return bt, bk, ch, cdiv(K, ch), True
+    splits of 256; T = 11 -> 3 blocks of 4 rows x 32 splits of 896; T = 4096 -> 8 of 3584 per 16 rows."""
     bt = min(BT_MAX, next_pow2(max(T, 1)))
     while bt > 1 and split is None and cdiv(T, bt) * (SPLIT_ROWS // bt) < MIN_PROGRAMS:
         bt //= 2
     bk = block_k or max(16, ACC_ELEMS // bt)
     want = split or max(1, SPLIT_ROWS // bt)
     ch = cdiv(cdiv(K, want), bk) * bk
-    return bt, bk, ch, cdiv(K, ch), False
-
-
-def fn_parts(fn: torch.Tensor, hc: int, head: bool) -> tuple[torch.Tensor, int]:
-    """The prefill tiles' packed fn: rows [comb in the HCP x HCP layout | pre | post | zeros] (RP
-    rows, a power of two) as three bf16 parts [3, RP, hc*D] whose sum is fn to within ~2^-24 of it
-    (8 + 8 + 8 mantissa bits), so each bf16 x times a part is an exact product. Built per call: three
-    small passes over the [mix, hc*D] fn (2.75 MB at V4-Pro), against a 4096-token x of 235 MB."""
-    hcp = next_pow2(hc)
-    nc = max(16, hcp * hcp)
-    rp = next_pow2(nc + 2 * hcp)
-    rows = torch.full((rp,), -1, dtype=torch.long)
-    if not head:
-        for i in range(hc):
-            for j in range(hc):
-                rows[i * hcp + j] = 2 * hc + i * hc + j
-        rows[nc + hcp:nc + hcp + hc] = torch.arange(hc, 2 * hc)
-    rows[nc:nc + hc] = torch.arange(hc)
-    packed = torch.zeros(rp, fn.shape[-1], dtype=torch.float32, device=fn.device)
-    valid = rows >= 0
-    packed[valid.to(fn.device)] = fn.float()[rows[valid].to(fn.device)]
-    hi = packed.to(torch.bfloat16)
-    rest = packed - hi.float()
-    mid = rest.to(torch.bfloat16)
-    lo = (rest - mid.float()).to(torch.bfloat16)
-    return torch.stack([hi, mid, lo]).contiguous(), rp
+    return bt, bk, ch, cdiv(K, ch)
 
 
 def _bf16_by_hand(x: torch.Tensor) -> bool:
     return INTERPRET and x.dtype == torch.bfloat16
 
 
-def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, block_k, dot):
+def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, block_k):
     B, S, hc, D = streams.shape
     T, K = B * S, hc * D
     x = streams.contiguous()
@@ -310,7 +213,7 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     out = torch.empty(B, S, D, dtype=x.dtype, device=dev)
     if T == 0:
         return pre, post, comb, out
-    bt, bk, ch, n_split, use_dot = pre_split(T, K, split, block_k, dot if x.dtype == torch.bfloat16 else False)
+    bt, bk, ch, n_split = pre_split(T, K, split, block_k)
     hcp = next_pow2(hc)
     n_tb = cdiv(T, bt)
     if n_split > 1:
@@ -318,37 +221,29 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
         cnt = counters(dev, n_tb)
     else:
         ws = cnt = pre  # unused
-    parts, rp = fn_parts(fn, hc, head) if use_dot else (x, 1)
     launch(_hc_pre_kernel, (n_tb, n_split),
-        x, fn.contiguous(), parts, base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,
+        x, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,
         T, K, D, ch, int(iters), float(hc_eps), float(norm_eps), HC=hc, HCP=hcp, BT=bt, BK=bk,
         BD=max(64, COLLAPSE_ELEMS // bt), SPLIT=n_split, SPLITP=next_pow2(n_split), HEAD=head,
-        BF16_BY_HAND=_bf16_by_hand(x), DOT=use_dot, RP=rp, DOT_TY=tl.float32 if INTERPRET else tl.bfloat16,
-        ATOMIC_FINISH=not use_dot, num_warps=4)
-    if use_dot and n_split > 1:  # prefill: the finish as its own launch (a 4096-token call ran non-deterministic
-        launch(_hc_pre_finish_kernel, (n_tb,),  # with the last-arriving program finishing; decode keeps that)
-            x, base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, T, K, D, int(iters), float(hc_eps),
-            float(norm_eps), HC=hc, HCP=hcp, BT=bt, BD=max(64, COLLAPSE_ELEMS // bt), SPLIT=n_split,
-            SPLITP=next_pow2(n_split), HEAD=head, BF16_BY_HAND=_bf16_by_hand(x), num_warps=4)
+        BF16_BY_HAND=_bf16_by_hand(x), num_warps=4)
     return pre, post, comb, out
 
 
 @on_input_device
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-           hc_eps: float, norm_eps: float, *, split: int | None = None, block_k: int | None = None,
-           dot: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           hc_eps: float, norm_eps: float, *, split: int | None = None,
+           block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [B,S,hc,D] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc] fp32, collapsed [B,S,D] in
-    streams.dtype), as ``mix_weights`` + ``collapse``. ``split`` / ``block_k`` / ``dot`` override the
-    rule (tests)."""
-    return _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, split, block_k, dot)
+    streams.dtype), as ``mix_weights`` + ``collapse``. ``split`` / ``block_k`` override the rule (tests)."""
+    return _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, split, block_k)
 
 
 @on_input_device
 def hc_head_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
-                norm_eps: float, *, split: int | None = None, block_k: int | None = None,
-                dot: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                norm_eps: float, *, split: int | None = None,
+                block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """streams [B,S,hc,D] -> (pre [B,S,hc] fp32, collapsed [B,S,D]), as ``head_weights`` + ``collapse``."""
-    pre, _, _, out = _pre_launch(streams, fn, base, scale, 1, eps, norm_eps, True, split, block_k, dot)
+    pre, _, _, out = _pre_launch(streams, fn, base, scale, 1, eps, norm_eps, True, split, block_k)
     return pre, out
 
 
