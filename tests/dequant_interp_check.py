@@ -75,6 +75,13 @@ for mk in (rand_nvfp4, rand_mxfp4, rand_fp8):
     yd = (nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config={"DENSE": True}) if fmt == "nvfp4"
           else official_matmul(x, w, config={"DENSE": True}))
     res[f"dense_{fmt}_dispatch_equal"] = bool(torch.equal(yd, ref))
+    # the dispatchers' own choice at M = DENSE_MIN_M: the dense tier (bitwise the reference), and
+    # one row fewer: the Triton GEMM (within its tolerance, not bitwise: another summation order)
+    for m in (dequant_gemm.DENSE_MIN_M, dequant_gemm.DENSE_MIN_M - 1):
+        xm = rand_x(m, K, torch.bfloat16)
+        refm = F.linear(xm, w.dequantize(torch.bfloat16))
+        ym = nvfp4_matmul(xm, w.packed, w.block_scale, w.global_scale) if fmt == "nvfp4" else official_matmul(xm, w)
+        res[f"auto_{fmt}_M{m}"] = {"equal": bool(torch.equal(ym, refm)), **bad(ym, refm, 1e-2)}
 
 # the dense MoE prefill vs the per-expert reference: both formats, clamp or not, the routing weight
 # before w2 or on the output, bf16 and fp32; an expert with no tokens

@@ -37,6 +37,10 @@ def test_interp_dequantise_is_the_reference(interp, fmt):
     assert interp[f"dense_{fmt}_one_chunk_equal"]
     assert interp[f"dense_{fmt}_dispatch_equal"]
     assert interp[f"dense_{fmt}_chunked"]["bad"] == 0
+    # unforced: DENSE_MIN_M rows take the dense tier (bitwise), one row fewer the Triton GEMM
+    at, below = interp[f"auto_{fmt}_M512"], interp[f"auto_{fmt}_M511"]
+    assert at["equal"] and at["bad"] == 0
+    assert below["bad"] == 0 and not below["equal"]
 
 
 def test_interp_dense_moe(interp):
