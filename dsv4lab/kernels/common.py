@@ -186,6 +186,7 @@ def round_to(v, OUT_TY: tl.constexpr):
 FMT_NVFP4 = tl.constexpr(0)
 FMT_MXFP4 = tl.constexpr(1)
 FMT_FP8 = tl.constexpr(2)
+FORMAT_CODES = {"nvfp4": 0, "mxfp4": 1, "fp8_block": 2}  # weight format name -> the FMT constexpr
 
 
 @triton.jit

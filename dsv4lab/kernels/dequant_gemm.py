@@ -21,12 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, FMT_FP8, FMT_NVFP4, INTERPRET, dequant_tile, round_to
+from .common import cdiv, FMT_NVFP4, FORMAT_CODES, INTERPRET, dequant_tile, round_to
 from .launch import launch
 
 DENSE_MIN_M = 512           # from this many rows on, dequantise + cuBLAS (benchmarks/gemm.py --m sweep)
 SCRATCH_BYTES = 256 << 20   # the dequantised rows held at once (V4-Pro q_b in bf16: 201 MB, one chunk)
-FORMAT_CODES = {"nvfp4": 0, "mxfp4": 1, "fp8_block": 2}
 # the dequantiser's tiles (H200; WORDS: int32 loads of 8 codes, not bytes)
 DEQUANT_TILES = ({"BN": 32, "BK": 64, "WORDS": False, "num_warps": 4} if INTERPRET
                  else {"BN": 64, "BK": 128, "WORDS": False, "num_warps": 4})

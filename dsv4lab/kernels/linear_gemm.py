@@ -31,13 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, device_capability, FMT_FP8, FMT_MXFP4, FMT_NVFP4, INTERPRET, counters, dequant_tile, dot_dtype, num_sms, \
+from .common import cdiv, device_capability, FMT_FP8, FMT_MXFP4, FMT_NVFP4, FORMAT_CODES, INTERPRET, counters, dequant_tile, dot_dtype, num_sms, \
     store_or_fix_up
 from .dequant_gemm import DENSE_MIN_M, dense_gemm, dense_supported
 from .launch import launch
 
 GEMM_MIN_M = 64  # from this batch on, the prefill GEMM (below: the GEMV / older tiled kernels)
-FORMAT_CODES = {"nvfp4": 0, "mxfp4": 1, "fp8_block": 2}
 
 
 @triton.jit

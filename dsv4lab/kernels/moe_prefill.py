@@ -307,17 +307,13 @@ def moe_prefill_dense(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if T == 0:
         return out
     dt = x.dtype
-    flat = ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    R = flat.numel()
-    pos = torch.empty(R, dtype=torch.int32, device=x.device)
-    pos[order] = torch.arange(R, dtype=torch.int32, device=x.device)
-    counts = torch.bincount(flat, minlength=E).tolist()  # the one host sync: prefill, never captured
-    src = order // k
+    sched = expert_schedule(ids, E, DENSE_MIN_M)  # its rows sorted by expert; its tiles go unused
+    order, src = sched["order"], sched["src"]
+    counts = torch.bincount(ids.reshape(-1), minlength=E).tolist()  # the one host sync: prefill, never captured
     rw = weights.reshape(-1).float().contiguous()
     views = [_stack_views(w) for w in (w1, w3, w2)]
     scratch = [torch.empty(shape, dtype=dt, device=x.device) for shape in ((I, H), (I, H), (H, I))]
-    y = torch.empty((R, H), dtype=dt, device=x.device)
+    y = torch.empty((order.numel(), H), dtype=dt, device=x.device)
     r0 = 0
     for e, c in enumerate(counts):
         if not c:
@@ -329,4 +325,4 @@ def moe_prefill_dense(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                    rw[order[r0:r0 + c]] if weight_before_w2 else None)
         torch.mm(h, w2e.t(), out=y[r0:r0 + c])
         r0 += c
-    return unpermute(y, pos, rw, out, k, weight=not weight_before_w2)
+    return unpermute(y, sched["pos"], rw, out, k, weight=not weight_before_w2)
