@@ -166,6 +166,34 @@ def test_gpu_gemm_v4_pro(fmt, name, M):
     assert torch.equal(quant_linear(x, w), y)
 
 
+def _moe_inputs(fmt, E, T=4096, k=6, H=7168, I=3072):
+    """Stacks of E V4-Pro-sized experts, bf16 tokens, top-k ids and weights (CUDA)."""
+    from dsv4lab.quant.stacked import stack_experts
+
+    w1 = stack_experts([_rand_weight(fmt, I, H, 10 + e) for e in range(E)])
+    w3 = stack_experts([_rand_weight(fmt, I, H, 100 + e) for e in range(E)])
+    w2 = stack_experts([_rand_weight(fmt, H, I, 200 + e) for e in range(E)])
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(T, H, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+    ids = torch.rand(T, E, device="cuda", generator=gen).topk(k, dim=-1).indices
+    return w1, w3, w2, x, ids, torch.rand(T, k, device="cuda", generator=gen)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_dense_moe(fmt):
+    """4096 tokens, top-6 of 8 V4-Pro-sized experts (3072 rows each: ``moe_prefill_dense`` by
+    default) against the reference and the grouped kernels; bitwise equal on a second call."""
+    from dsv4lab.kernels.moe_prefill import moe_prefill_triton
+
+    w1, w3, w2, x, ids, wt = _moe_inputs(fmt, 8)
+    y = moe_prefill_triton(x, ids, wt, w1, w3, w2, 10.0)
+    _row_close(y, moe_prefill_ref(x, ids, wt, w1, w3, w2, 10.0), 2e-2)
+    _row_close(moe_prefill_triton(x, ids, wt, w1, w3, w2, 10.0, cfg={"DENSE": False}), y, 2e-2)
+    assert torch.equal(moe_prefill_triton(x, ids, wt, w1, w3, w2, 10.0), y)
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -174,16 +202,8 @@ def test_gpu_moe_prefill(fmt, before):
     """4096 tokens, top-6 of 32 V4-Pro-sized experts (7168 -> 3072 -> 7168), clamp 10: the grouped
     prefill vs the per-expert reference, and bitwise equal on a second call and under a CUDA graph."""
     from dsv4lab.kernels.moe_prefill import moe_prefill_triton
-    from dsv4lab.quant.stacked import stack_experts
 
-    E, H, I, T, k = 32, 7168, 3072, 4096, 6
-    w1 = stack_experts([_rand_weight(fmt, I, H, 10 + e) for e in range(E)])
-    w3 = stack_experts([_rand_weight(fmt, I, H, 100 + e) for e in range(E)])
-    w2 = stack_experts([_rand_weight(fmt, H, I, 200 + e) for e in range(E)])
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = (torch.randn(T, H, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
-    ids = torch.rand(T, E, device="cuda", generator=gen).topk(k, dim=-1).indices
-    wt = torch.rand(T, k, device="cuda", generator=gen)
+    w1, w3, w2, x, ids, wt = _moe_inputs(fmt, 32)
     grouped = {"DENSE": False}  # 768 rows an expert: the dense tier's by default (tests/test_dequant_gemm.py)
     y = moe_prefill_triton(x, ids, wt, w1, w3, w2, 10.0, before, cfg=grouped)
     _row_close(y, moe_prefill_ref(x, ids, wt, w1, w3, w2, 10.0, before), 2e-2)
