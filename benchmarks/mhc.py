@@ -83,18 +83,23 @@ def bench_mhc(dev: torch.device, batches=(1, 4)) -> list[dict]:
 
 @torch.no_grad()
 def bench_prefill_pre(dev: torch.device, tokens: int) -> dict:
-    """``hc_pre`` at ``tokens`` prefill tokens of one V4-Pro site against the reference: us per call
-    (eager: these calls are long), max |pre - ref|, and the bytes of x it reads twice (mixes, collapse)."""
-    from dsv4lab.kernels.mhc_fused import hc_pre  # lazy: imports triton
+    """``hc_pre`` at ``tokens`` prefill tokens of one V4-Pro site against the reference, on the tiles
+    and on the dense tier: us per call (eager: these calls are long), max |pre - ref|, and the bytes
+    of x (the tiles read it twice, the dense tier three times) with the copy time of those bytes."""
+    from dsv4lab.kernels.mhc_fused import hc_pre, use_dense  # lazy: imports triton
 
     cfg = preset_config("v4-pro")
     site = _sites(cfg, dev, 1)[0][0]
     x = torch.randn(1, tokens, cfg.hc_mult, cfg.hidden_size, device=dev).bfloat16()
     args = (site.fn, site.base, site.scale, site.iters, site.hc_eps, site.norm_eps)
-    row = {"tokens": tokens, "ref_us": eager_us(lambda: site(x)), "kernel_us": eager_us(lambda: hc_pre(x, *args)),
-           "pre_max_abs": (hc_pre(x, *args)[0] - site.mixes(x)[0]).abs().max().item(),
-           "x_bytes": x.numel() * x.element_size()}
-    row["speedup"] = row["ref_us"] / row["kernel_us"]
+    ref_pre = site.mixes(x)[0]
+    y = torch.empty_like(x)
+    row = {"tokens": tokens, "rule_picks_dense": use_dense(tokens, x.dtype), "ref_us": eager_us(lambda: site(x)),
+           "x_bytes": x.numel() * x.element_size(), "copy_x_us": eager_us(lambda: y.copy_(x))}
+    for tier, dense in (("tiles", False), ("dense", True)):
+        row[f"{tier}_us"] = eager_us(lambda d=dense: hc_pre(x, *args, dense=d))
+        row[f"{tier}_pre_max_abs"] = (hc_pre(x, *args, dense=dense)[0] - ref_pre).abs().max().item()
+        row[f"{tier}_speedup"] = row["ref_us"] / row[f"{tier}_us"]
     return row
 
 
@@ -102,13 +107,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--batches", default="1,4", help="comma list of decode batch sizes")
-    ap.add_argument("--prefill", type=int, default=0, help="also time hc_pre at this many prefill tokens")
+    ap.add_argument("--prefill", default="", help="also time hc_pre at these prefill token counts (comma list)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     res = {"device": torch.cuda.get_device_name(dev), "copies": COPIES,
            "rows": bench_mhc(dev, tuple(int(b) for b in args.batches.split(",") if b))}
     if args.prefill:
-        res["prefill_pre"] = bench_prefill_pre(dev, args.prefill)
+        res["prefill_pre"] = [bench_prefill_pre(dev, int(t)) for t in args.prefill.split(",") if t]
     text = json.dumps(res, indent=1)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -15,11 +15,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from dsv4lab.kernels import mhc_fused  # noqa: E402
 from dsv4lab.kernels.mhc_fused import hc_head_pre, hc_post, hc_pre  # noqa: E402
 from dsv4lab.model.mhc import HyperConnection, collapse, head_weights, mix_weights  # noqa: E402
 
 g = torch.Generator().manual_seed(0)
 res = {}
+mhc_fused.DENSE_CHUNK_K = 64  # the dense cases' products in several K chunks (hc*D = 256: 4, 120: 2)
 
 
 def diff(got, want):
@@ -38,20 +40,24 @@ def params(hc, D, head, logit_scale):
     return fn, base, scale
 
 
-# name: (hc, D, B, S, dtype, iters, hc_eps, split/block_k override, streams kind, logit scale)
+# name: (hc, D, B, S, dtype, iters, hc_eps, hc_pre keywords (split / block_k / dense), streams kind, logit scale)
 CASES = {
-    "b1_f32": (4, 64, 1, 1, torch.float32, 20, 1e-6, None, "randn", 1.0),
-    "b2_f32_split": (4, 64, 2, 1, torch.float32, 20, 1e-6, (4, 32), "randn", 1.0),
-    "b3_bf16": (4, 64, 3, 1, torch.bfloat16, 20, 1e-6, None, "randn", 1.0),
-    "b3_bf16_split": (4, 64, 3, 1, torch.bfloat16, 20, 1e-6, (3, 16), "randn", 1.0),
-    "b2s3_bf16_blocks": (4, 64, 2, 9, torch.bfloat16, 20, 1e-6, (2, 32), "randn", 1.0),  # 18 tokens: 2 blocks
-    "hc3_d40_f32": (3, 40, 2, 1, torch.float32, 7, 1e-6, (5, 16), "randn", 1.0),        # padded hc, ragged D
-    "eps_zero_streams": (4, 64, 2, 1, torch.float32, 20, 1e-6, (4, 32), "zeros", 1.0),  # rms eps path
-    "eps_saturated": (4, 64, 2, 1, torch.float32, 20, 1e-2, None, "randn", 400.0),      # softmax 0s: Sinkhorn eps
-    "iters1_bf16": (4, 64, 1, 1, torch.bfloat16, 1, 1e-3, (2, 64), "randn", 1.0),
+    "b1_f32": (4, 64, 1, 1, torch.float32, 20, 1e-6, {}, "randn", 1.0),
+    "b2_f32_split": (4, 64, 2, 1, torch.float32, 20, 1e-6, {"split": 4, "block_k": 32}, "randn", 1.0),
+    "b3_bf16": (4, 64, 3, 1, torch.bfloat16, 20, 1e-6, {}, "randn", 1.0),
+    "b3_bf16_split": (4, 64, 3, 1, torch.bfloat16, 20, 1e-6, {"split": 3, "block_k": 16}, "randn", 1.0),
+    "b2s3_bf16_blocks": (4, 64, 2, 9, torch.bfloat16, 20, 1e-6, {"split": 2, "block_k": 32}, "randn", 1.0),  # 2 blocks
+    "hc3_d40_f32": (3, 40, 2, 1, torch.float32, 7, 1e-6, {"split": 5, "block_k": 16}, "randn", 1.0),  # padded hc
+    "eps_zero_streams": (4, 64, 2, 1, torch.float32, 20, 1e-6, {"split": 4, "block_k": 32}, "zeros", 1.0),  # rms eps
+    "eps_saturated": (4, 64, 2, 1, torch.float32, 20, 1e-2, {}, "randn", 400.0),      # softmax 0s: Sinkhorn eps
+    "iters1_bf16": (4, 64, 1, 1, torch.bfloat16, 1, 1e-3, {"split": 2, "block_k": 64}, "randn", 1.0),
+    # the dense tier (cuBLAS products of fn's bf16 parts on the GPU; an fp32 matmul here): 18 tokens in
+    # blocks of 4 (a ragged last block), hc 3 with a ragged D, zero streams
+    "b2s9_bf16_dense": (4, 64, 2, 9, torch.bfloat16, 20, 1e-6, {"dense": True}, "randn", 1.0),
+    "hc3_d40_bf16_dense": (3, 40, 1, 5, torch.bfloat16, 7, 1e-6, {"dense": True}, "randn", 1.0),
+    "eps_zero_bf16_dense": (4, 64, 1, 3, torch.bfloat16, 20, 1e-6, {"dense": True}, "zeros", 1.0),
 }
-for name, (hc, D, B, S, dtype, iters, hc_eps, over, kind, lscale) in CASES.items():
-    kw = dict(zip(("split", "block_k"), over)) if over else {}
+for name, (hc, D, B, S, dtype, iters, hc_eps, kw, kind, lscale) in CASES.items():
     streams = (torch.randn(B, S, hc, D, generator=g) if kind == "randn" else torch.zeros(B, S, hc, D)).to(dtype)
     fn, base, scale = params(hc, D, False, lscale)
     pre, post, comb = mix_weights(streams, fn, base, scale, iters, hc_eps, 1e-6)

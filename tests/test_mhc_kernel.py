@@ -45,7 +45,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_interp_mhc_kernels_match_reference():
     assert triton_importable(), "triton is part of the test set-up (pip install -e '.[kernels]')"
     res = interp_check_result("mhc_interp_check.py")
-    assert len(res) == 9
+    assert len(res) == 12
     for case, outs in res.items():
         assert set(outs) == {"pre", "post", "comb", "collapsed", "expand", "head_pre", "head_collapsed"}
         for out, v in outs.items():
@@ -58,6 +58,7 @@ def test_interp_mhc_kernels_match_reference():
             assert ok, (case, out, v)
     # the eps paths did something: zero streams collapse to exactly zero, saturated rows stay finite
     assert res["eps_zero_streams"]["collapsed"]["ref_max"] == 0.0
+    assert res["eps_zero_bf16_dense"]["collapsed"]["max_abs"] == 0.0
     assert res["eps_saturated"]["comb"]["max_abs"] <= 1e-5
 
 
@@ -172,40 +173,48 @@ def _v4_pro_site(B, S=1, seed=0):
     return cfg, streams, fn, base, scale
 
 
-def _check_bf16(got, want, atol_rel=1e-5, extra=None):
+def _check_bf16(got, want, atol_rel=1e-5, extra=None, name=""):
     d = (got.float() - want.float()).abs()
     bound = BF16_STEP * (want.float().abs() + (0 if extra is None else extra.float().abs())) + atol_rel * want.float().abs().max()
-    assert bool((d <= bound).all()), (d.max().item(), (d > bound).sum().item())
+    if not bool((d <= bound).all()):
+        i = int((d - bound).flatten().argmax())
+        at = {"got": got.flatten()[i].item(), "want": want.flatten()[i].item(), "bound": bound.flatten()[i].item(),
+              "extra": None if extra is None else extra.flatten()[i].item(), "index": i}
+        raise AssertionError(f"{name}: {(d > bound).sum().item()} elements over the bound; worst {at}")
     return (got != want).float().mean().item()
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("B,S", [(1, 1), (4, 1), (64, 1), (1, 4096)])  # (1, 4096): a prefill chunk
-def test_gpu_hc_pre_post_v4_pro_shapes(B, S):
-    from dsv4lab.kernels.mhc_fused import hc_head_pre, hc_post, hc_pre
+@pytest.mark.parametrize("B,S,dense", [(1, 1, None), (4, 1, None), (64, 1, None), (1, 4096, False), (1, 4096, None)])
+def test_gpu_hc_pre_post_v4_pro_shapes(B, S, dense):
+    """(1, 4096): a prefill chunk, on the tiles (dense False) and on the tier the rule picks there
+    (the dense tier: cuBLAS products of fn's bf16 parts)."""
+    from dsv4lab.kernels.mhc_fused import hc_head_pre, hc_post, hc_pre, use_dense
 
+    assert use_dense(B * S, torch.bfloat16) == (B * S >= 512)
     cfg, streams, fn, base, scale = _v4_pro_site(B, S)
     args = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
     pre, post, comb = mix_weights(streams, fn, base, scale, *args)
-    k_pre, k_post, k_comb, k_col = hc_pre(streams, fn, base, scale, *args)
+    k_pre, k_post, k_comb, k_col = hc_pre(streams, fn, base, scale, *args, dense=dense)
     for a, b in ((k_pre, pre), (k_post, post), (k_comb, comb)):
         assert (a - b).abs().max().item() <= 2e-5
-    frac = {"collapsed": _check_bf16(k_col, collapse(pre, streams))}
-    again = hc_pre(streams, fn, base, scale, *args)
-    assert all(torch.equal(a, b) for a, b in zip(again, (k_pre, k_post, k_comb, k_col)))  # deterministic
+    frac = {"collapsed": _check_bf16(k_col, collapse(pre, streams), name="collapsed")}
+    for _ in range(3):  # deterministic
+        again = hc_pre(streams, fn, base, scale, *args, dense=dense)
+        assert all(torch.equal(a, b) for a, b in zip(again, (k_pre, k_post, k_comb, k_col)))
 
     out = torch.randn(B, S, cfg.hidden_size, device="cuda").bfloat16()
     mixed = torch.matmul(comb.bfloat16().transpose(-1, -2), streams)
     frac["new_streams"] = _check_bf16(hc_post(streams, out, post, comb), HyperConnection.expand(streams, out, post, comb),
-                                      0.0, mixed)
+                                      0.0, mixed, name="new_streams")
 
     hc = cfg.hc_mult
     h_pre = head_weights(streams, fn[:hc], base[:hc], scale[:1], cfg.hc_eps, cfg.rms_norm_eps)
-    k_hp, k_hcol = hc_head_pre(streams, fn[:hc], base[:hc], scale[:1], cfg.hc_eps, cfg.rms_norm_eps)
+    k_hp, k_hcol = hc_head_pre(streams, fn[:hc], base[:hc], scale[:1], cfg.hc_eps, cfg.rms_norm_eps, dense=dense)
     assert (k_hp - h_pre).abs().max().item() <= 2e-5
-    frac["head_collapsed"] = _check_bf16(k_hcol, collapse(h_pre, streams))
-    print(f"B={B}: fraction of bf16 elements not bitwise equal to the reference {frac}; max |pre/post/comb diff| "
+    frac["head_collapsed"] = _check_bf16(k_hcol, collapse(h_pre, streams), name="head_collapsed")
+    print(f"B={B} S={S} dense={dense}: fraction of bf16 elements not bitwise equal to the reference {frac}; max |pre/post/comb diff| "
           f"{max((a - b).abs().max().item() for a, b in ((k_pre, pre), (k_post, post), (k_comb, comb))):.2e}")
 
 

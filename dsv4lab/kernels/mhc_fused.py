@@ -15,6 +15,16 @@ dtype), then resets the counter: one launch, deterministic, CUDA-graph safe. The
 rule of the shape (no SM count, no tuning), so the order is the same on every GPU. F.linear(x*r, fn)
 is computed as r * (x·fn): the same value up to fp32 rounding.
 
+Pre, dense tier (prefill: T >= ``DENSE_MIN_T`` bf16 tokens): the [T, hc*D] x [hc*D, mix] products
+run on cuBLAS (``torch.bmm`` with fp32 output) against ``fn`` split into three bf16 parts (hi + mid +
+lo carry fn's 24 mantissa bits, so each bf16 x part product is exact and the sums are fp32, as in the
+tiles), batched over K chunks of ``DENSE_CHUNK_K``: Hopper's tensor cores add into fp32 with
+truncation, which over one 28672-long sum moved the mixes by ~4e-5 relative (pre by 3.5e-5); the
+chunks' partials are added in IEEE fp32 by the second launch (one program per BT tokens), which
+also sums x^2, adds the parts in a fixed order and finishes as above. Deterministic by construction (no cross-program ordering; cuBLAS is run-to-run
+deterministic on one GPU). Why: the tiles ran ~1 ms a site at 4096 tokens (4x-18x what their
+bytes need); tensor-core tiles in Triton were faster but not deterministic (docs/kernels.md).
+
 Post: one program per (token, BD columns); the rounding points are the reference's in the
 streams' dtype: post and comb cast to it, post*out rounded, the comb^T·streams sum of hc exact
 products in fp32 (stream order) rounded, the sum of both rounded.
@@ -37,6 +47,9 @@ SPLIT_ROWS = 128    # BT * SPLIT: the partials the last program reads at once
 MIN_PROGRAMS = 96   # hc_pre's grid at least this (token blocks x splits) where T allows
 POST_BD = 512       # columns per hc_post program
 COLLAPSE_ELEMS = 2048  # BT * BD: the collapse tile of the last program (T = 1: 4 steps over D = 7168)
+DENSE_MIN_T = 512   # hc_pre tokens (bf16 streams) from which the mix products run on cuBLAS
+DENSE_BT = 4        # tokens per program of the dense tier's finish (x is read twice: keep it in L2)
+DENSE_CHUNK_K = 1024  # K per batch of the dense tier's products (fp32 partials summed in the finish)
 
 
 @triton.jit
@@ -163,6 +176,52 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
 
 
 @triton.jit
+def _parts_sum(prod_ptr, t, t_ok, col, col_ok, T, MIX, CHUNKS):
+    """[BT, len(col)] fp32 x . fn of the mix columns ``col`` from the products [CHUNKS, T, 3 * MIX]:
+    per K chunk the three parts added (hi + mid) + lo, the chunks added in order."""
+    m = t_ok[:, None] & col_ok[None, :]
+    total = tl.zeros((t.shape[0], col.shape[0]), dtype=tl.float32)
+    for c in range(CHUNKS):
+        row = prod_ptr + (c * T + t[:, None]) * (3 * MIX) + col[None, :]
+        hi = tl.load(row, mask=m, other=0.0)
+        mid = tl.load(row + MIX, mask=m, other=0.0)
+        lo = tl.load(row + 2 * MIX, mask=m, other=0.0)
+        total += (hi + mid) + lo
+    return total
+
+
+@triton.jit
+def _hc_pre_dense_finish_kernel(x_ptr, prod_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr,
+                                T, K, D, MIX, CHUNKS, iters, hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr,
+                                BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, HEAD: tl.constexpr,
+                                BF16_BY_HAND: tl.constexpr):
+    """The dense tier's second launch: sum x^2 of BT tokens, their mixes from the parts' products
+    [CHUNKS, T, 3 * MIX] (cuBLAS), then ``_finish``."""
+    t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    t_ok = t < T
+    acc_ss = tl.zeros((BT, BK), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=t_ok[:, None] & (k < K)[None, :], other=0.0)
+        x = x.to(tl.float32)
+        acc_ss += x * x
+    ss = tl.sum(acc_ss, axis=1)
+    jj = tl.arange(0, HCP)
+    j_ok = jj < HC
+    p_pre = _parts_sum(prod_ptr, t, t_ok, jj, j_ok, T, MIX, CHUNKS)
+    if HEAD:
+        p_post = p_pre
+        p_comb = tl.zeros((BT, HCP * HCP), dtype=tl.float32)
+    else:
+        cc = tl.arange(0, HCP * HCP)                         # comb (i, j) = cc // HCP, cc % HCP
+        p_post = _parts_sum(prod_ptr, t, t_ok, HC + jj, j_ok, T, MIX, CHUNKS)
+        p_comb = _parts_sum(prod_ptr, t, t_ok, 2 * HC + (cc // HCP) * HC + cc % HCP,
+                            ((cc // HCP) < HC) & ((cc % HCP) < HC), T, MIX, CHUNKS)
+    _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
+            K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND)
+
+
+@triton.jit
 def _hc_post_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, D, HC: tl.constexpr, HCP: tl.constexpr,
                     BD: tl.constexpr, BF16_BY_HAND: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -202,7 +261,60 @@ def _bf16_by_hand(x: torch.Tensor) -> bool:
     return INTERPRET and x.dtype == torch.bfloat16
 
 
-def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, block_k):
+def fn_parts(fn: torch.Tensor) -> torch.Tensor:
+    """fn [mix, K] -> [3 * mix, K] bf16: hi, mid, lo with hi + mid + lo == fn (fp32's 24 mantissa
+    bits in three 8-bit parts; exact for normal fp32 values), so x . part is exact per product."""
+    f = fn.float()
+    hi = f.to(torch.bfloat16)
+    rest = f - hi.float()
+    mid = rest.to(torch.bfloat16)
+    return torch.cat([hi, mid, (rest - mid.float()).to(torch.bfloat16)])
+
+
+def k_chunks(K: int, chunk: int | None = None) -> int:
+    """How many equal K chunks the dense tier's products use: the fewest of at most ``chunk``
+    (DENSE_CHUNK_K) elements that divide K (V4-Pro: 28672 = 28 x 1024)."""
+    c = cdiv(K, chunk or DENSE_CHUNK_K)
+    while K % c:
+        c += 1
+    return c
+
+
+def _mix_products(x2d: torch.Tensor, parts: torch.Tensor, chunks: int) -> torch.Tensor:
+    """[chunks, T, 3 * mix] fp32: per K chunk x [T, K] bf16 . parts^T, on cuBLAS on CUDA (bf16 in,
+    fp32 out); on CPU (interpreter tests) an fp32 bmm of the same exact products."""
+    T, K = x2d.shape
+    kc = K // chunks
+    xb = x2d.view(T, chunks, kc).transpose(0, 1)                        # [chunks, T, kc], no copy
+    pb = parts.view(parts.shape[0], chunks, kc).permute(1, 2, 0)         # [chunks, kc, 3 * mix]
+    if x2d.is_cuda:
+        return torch.bmm(xb, pb, out_dtype=torch.float32)
+    return torch.bmm(xb.float(), pb.float())
+
+
+def use_dense(T: int, dtype: torch.dtype, dense: bool | None = None) -> bool:
+    """The dense tier for T tokens of ``dtype`` streams: from DENSE_MIN_T bf16 tokens (its products
+    are exact only for bf16 x), unless ``dense`` forces it (bf16 only) or forbids it."""
+    if dtype != torch.bfloat16:
+        return False
+    return T >= DENSE_MIN_T if dense is None else dense
+
+
+def _pre_dense(x, fn, base, scale, iters, hc_eps, norm_eps, head, pre, post, comb, out):
+    """The dense tier: cuBLAS products of x and fn's parts (transient: chunks x T x 3 * mix fp32,
+    33 MB for a 4096-token V4-Pro chunk; fn's parts 4 MB), then one finish launch."""
+    B, S, hc, D = x.shape
+    T = B * S
+    chunks = k_chunks(hc * D)
+    prod = _mix_products(x.view(T, hc * D), fn_parts(fn), chunks)
+    hcp = next_pow2(hc)
+    launch(_hc_pre_dense_finish_kernel, (cdiv(T, DENSE_BT),),
+        x, prod, base.contiguous(), scale.contiguous(), pre, post, comb, out, T, hc * D, D, fn.shape[0], chunks, int(iters),
+        float(hc_eps), float(norm_eps), HC=hc, HCP=hcp, BT=DENSE_BT, BK=COLLAPSE_ELEMS // DENSE_BT,
+        BD=COLLAPSE_ELEMS // DENSE_BT, HEAD=head, BF16_BY_HAND=_bf16_by_hand(x), num_warps=4)
+
+
+def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, block_k, dense):
     B, S, hc, D = streams.shape
     T, K = B * S, hc * D
     x = streams.contiguous()
@@ -212,6 +324,9 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     comb = pre if head else torch.empty(B, S, hc, hc, dtype=torch.float32, device=dev)
     out = torch.empty(B, S, D, dtype=x.dtype, device=dev)
     if T == 0:
+        return pre, post, comb, out
+    if use_dense(T, x.dtype, dense):
+        _pre_dense(x, fn, base, scale, iters, hc_eps, norm_eps, head, pre, post, comb, out)
         return pre, post, comb, out
     bt, bk, ch, n_split = pre_split(T, K, split, block_k)
     hcp = next_pow2(hc)
@@ -231,19 +346,20 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
 
 @on_input_device
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-           hc_eps: float, norm_eps: float, *, split: int | None = None,
-           block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           hc_eps: float, norm_eps: float, *, split: int | None = None, block_k: int | None = None,
+           dense: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [B,S,hc,D] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc] fp32, collapsed [B,S,D] in
-    streams.dtype), as ``mix_weights`` + ``collapse``. ``split`` / ``block_k`` override the rule (tests)."""
-    return _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, split, block_k)
+    streams.dtype), as ``mix_weights`` + ``collapse``. ``split`` / ``block_k`` override the tiles'
+    rule, ``dense`` the tier (``use_dense``; tests and benchmarks)."""
+    return _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, split, block_k, dense)
 
 
 @on_input_device
 def hc_head_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
-                norm_eps: float, *, split: int | None = None,
-                block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                norm_eps: float, *, split: int | None = None, block_k: int | None = None,
+                dense: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """streams [B,S,hc,D] -> (pre [B,S,hc] fp32, collapsed [B,S,D]), as ``head_weights`` + ``collapse``."""
-    pre, _, _, out = _pre_launch(streams, fn, base, scale, 1, eps, norm_eps, True, split, block_k)
+    pre, _, _, out = _pre_launch(streams, fn, base, scale, 1, eps, norm_eps, True, split, block_k, dense)
     return pre, out
 
 
