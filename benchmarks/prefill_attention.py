@@ -24,7 +24,8 @@ from benchmarks.measure import timed  # noqa: E402
 from dsv4lab.model.bounded_attention import bounded_attention  # noqa: E402
 
 TILES = [(32, 32, 8), (16, 32, 4), (16, 64, 4), (32, 64, 8), (32, 16, 4), (16, 16, 4), (64, 32, 8), (64, 16, 8), (32, 32, 4),
-         (64, 32, 4), (64, 64, 8), (128, 32, 8), (128, 16, 8), (64, 32, 16), (128, 32, 16), (128, 64, 16)]
+         (64, 32, 4), (64, 64, 8), (128, 32, 8), (128, 16, 8), (64, 32, 16), (128, 32, 16), (128, 64, 16),
+         (64, 32, 8, 1), (64, 32, 8, 2), (64, 32, 8, 4), (64, 16, 8, 1), (64, 16, 8, 2), (64, 64, 8, 1)]  # + num_stages
 SHAPES = ("sliding", "hca", "csa")
 
 
@@ -52,21 +53,25 @@ def inputs(shape: str, dev, S: int = 4096, H: int = 128, D: int = 512, window: i
     return (q, sink, D ** -0.5, window, keys, start, k_start), kw, flops
 
 
-def sweep(dev, shapes: list[str], iters: int, tiles: list[tuple[int, int, int]]) -> list[dict]:
+def sweep(dev, shapes: list[str], iters: int, tiles: list[tuple[int, ...]]) -> list[dict]:
+    """Per shape and tile (heads per program, keys per tile, warps[, pipeline stages]): ms, TFLOP/s."""
     from dsv4lab.kernels.attention_bounded import bounded_attention_triton  # lazy: imports triton
 
     rows = []
     for shape in shapes:
         args, kw, flops = inputs(shape, dev)
         ref = bounded_attention_triton(*args, **kw)
-        for bh, bn, nw in tiles:
+        for tile in tiles:
+            bh, bn, nw = tile[:3]
+            tkw = {"block_h": bh, "block_n": bn, "num_warps": nw, "num_stages": tile[3] if len(tile) > 3 else None}
+            r = {"shape": shape, **tkw}
             try:
-                out = bounded_attention_triton(*args, **kw, block_h=bh, block_n=bn, num_warps=nw)
-                s = timed(lambda: bounded_attention_triton(*args, **kw, block_h=bh, block_n=bn, num_warps=nw), iters, [dev])
-                r = {"shape": shape, "block_h": bh, "block_n": bn, "num_warps": nw, "ms": s * 1e3,
-                     "TFLOPs": flops / s / 1e12, "max_abs_diff_vs_default": float((out.float() - ref.float()).abs().max())}
+                out = bounded_attention_triton(*args, **kw, **tkw)
+                s = timed(lambda: bounded_attention_triton(*args, **kw, **tkw), iters, [dev])
+                r.update({"ms": s * 1e3, "TFLOPs": flops / s / 1e12,
+                          "max_abs_diff_vs_default": float((out.float() - ref.float()).abs().max())})
             except Exception as e:  # a tile that does not compile (shared memory) must not lose the others
-                r = {"shape": shape, "block_h": bh, "block_n": bn, "num_warps": nw, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             print(json.dumps(r), flush=True)
             rows.append(r)
         torch.cuda.empty_cache()

@@ -68,9 +68,11 @@ def bounded_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, 
                              entries: torch.Tensor | None = None, ratio: int = 0,
                              selected: torch.Tensor | None = None,
                              q_block: int | None = None, k_block: int | None = None,
-                             block_bytes: int = 0, block_h: int = 64, block_n: int = 32, num_warps: int = 8) -> torch.Tensor:
+                             block_bytes: int = 0, block_h: int = 64, block_n: int = 32, num_warps: int = 8,
+                             num_stages: int | None = None) -> torch.Tensor:
     """``bounded_attention`` as one Triton launch (``q_block`` / ``k_block`` / ``block_bytes``
-    are the reference's tiling and ignored here). Returns [B,S,H,Dh] in the keys' dtype.
+    are the reference's tiling and ignored here; ``num_stages`` None is Triton's default). Returns
+    [B,S,H,Dh] in the keys' dtype.
 
     Tiles from ``benchmarks/prefill_attention.py`` on the H200 (V4-Pro shapes, a 4k chunk): 64 heads
     x 32 keys, 8 warps took CSA (1024 selected) 14.4 -> 7.1 ms, HCA 2.2 -> 1.2, window-only
@@ -92,5 +94,6 @@ def bounded_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, 
         q.stride(0), q.stride(1), q.stride(2), wk.stride(0), wk.stride(1), ent.stride(0), ent.stride(1),
         sel_arg.stride(0), sel_arg.stride(1), out.stride(0), out.stride(1), out.stride(2),
         HAS_ENT=entries is not None, HAS_SEL=sel is not None, DOT=dot, IEEE=dot == tl.float32,
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=next_pow2(max(D, 16)), num_warps=num_warps)
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=next_pow2(max(D, 16)), num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}))
     return out
