@@ -58,8 +58,14 @@ for dt in (torch.float32, torch.bfloat16):
     res[f"fp8_{str(dt)[6:]}"] = err(launch_norm_rope(kv, dt, norm=NORM_NONE, positions=p0, inv_freq=inv, fp8_nope=True),
                                     norm_rope_ref(kv, p0, inv, fp8_nope=True))
     # inverse RoPE of the attention output (no norm)
-    res[f"unrope_{str(dt)[6:]}"] = err(launch_norm_rope(q, dt, norm=NORM_NONE, positions=pos, inv_freq=inv, inverse=True),
-                                       norm_rope_ref(q, pos, inv, inverse=True))
+    unrope = launch_norm_rope(q, dt, norm=NORM_NONE, positions=pos, inv_freq=inv, inverse=True)
+    res[f"unrope_{str(dt)[6:]}"] = err(unrope, norm_rope_ref(q, pos, inv, inverse=True))
+    # ... in place (only the RoPE channels read and rewritten, in x's storage): the same bits
+    xq = q.clone()
+    got = launch_norm_rope(xq, dt, norm=NORM_NONE, positions=pos, inv_freq=inv, inverse=True, inplace=True)
+    res[f"unrope_inplace_{str(dt)[6:]}"] = {**err(got, norm_rope_ref(q, pos, inv, inverse=True)),
+                                            "equal_out_of_place": torch.equal(got, unrope),
+                                            "in_x": got.data_ptr() == xq.data_ptr() and torch.equal(xq, got)}
     # q_norm: weighted RMSNorm over 40 channels, weight in fp32 with bf16 x (promoted output)
     x = (torch.randn(2, 3, 40, generator=g) * 4).to(dt)
     for wdt in (dt, torch.float32):

@@ -49,11 +49,13 @@ def test_interp_glue_kernels_match_reference():
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT"):])
     norm_cases = [k for k in res if "bad" in res[k]]
-    assert len(norm_cases) == 13  # 2 dtypes x (q, kv, kv+fp8, fp8, unrope) + 3 q_norm
+    assert len(norm_cases) == 15  # 2 dtypes x (q, kv, kv+fp8, fp8, unrope, unrope in place) + 3 q_norm
     for case in norm_cases:
         assert res[case]["bad"] == 0, (case, res[case])
         assert res[case].get("dtype_ok", True), case
     assert res["fp8_float32"]["exact"] and res["fp8_bfloat16"]["exact"]  # the e4m3 bit arithmetic
+    for dt in ("float32", "bfloat16"):  # the in-place inverse RoPE: bitwise the copy, written into x
+        assert res[f"unrope_inplace_{dt}"]["equal_out_of_place"] and res[f"unrope_inplace_{dt}"]["in_x"], dt
     route_cases = [k for k in res if k.startswith(("topk_", "hash_"))]
     assert len(route_cases) == 12
     for case in route_cases:
@@ -203,6 +205,7 @@ def test_gpu_norm_rope_v4_pro_shapes(pos):
     # (asserted within 1 ulp; the message says whether it was exact)
     got, ref = norm_rope(q, positions, inv, inverse=True), norm_rope_ref(q, positions, inv, inverse=True)
     assert _within(got, ref, u), (got.float() - ref.float()).abs().max().item()
+    assert torch.equal(norm_rope(q.clone(), positions, inv, inverse=True, inplace=True), got)
     assert torch.equal(norm_rope(kv, positions[:1] * 0, inv, fp8_nope=True),
                        norm_rope_ref(kv, positions[:1] * 0, inv, fp8_nope=True))
     assert _graph_equals_eager(lambda: norm_rope(q, positions, inv, 1e-6))

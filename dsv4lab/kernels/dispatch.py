@@ -286,9 +286,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def norm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float | None = None,
-              weight: torch.Tensor | None = None, inverse: bool = False, fp8_nope: bool = False) -> torch.Tensor:
+              weight: torch.Tensor | None = None, inverse: bool = False, fp8_nope: bool = False,
+              inplace: bool = False) -> torch.Tensor:
     """``norm_rope_ref`` (same signature; x [..., S, H, D], positions [S] on the device): one Triton
-    launch on CUDA, the angles computed from the positions there (no tables, no host sync)."""
+    launch on CUDA, the angles computed from the positions there (no tables, no host sync).
+    ``inplace`` (RoPE alone): the kernel may rewrite x's RoPE channels in place (the caller no
+    longer needs x) and reads / writes only those."""
     if x.dim() < 3 or x.shape[-3] != positions.numel() or 2 * inv_freq.shape[-1] > x.shape[-1]:
         raise ValueError(f"norm_rope: x must be [..., S, H, D] with S = len(positions) and D >= 2 * len(inv_freq); "
                          f"got x {tuple(x.shape)}, {positions.numel()} positions, {inv_freq.shape[-1]} frequencies "
@@ -299,8 +302,8 @@ def norm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, 
         norm = NORM_NONE if eps is None else NORM_PLAIN if weight is None else NORM_WEIGHTED
         out_dtype = x.dtype if norm != NORM_WEIGHTED else torch.promote_types(weight.dtype, x.dtype)
         return launch_norm_rope(x, out_dtype, norm=norm, eps=eps or 0.0, weight=weight, positions=positions,
-                                inv_freq=inv_freq, inverse=inverse, fp8_nope=fp8_nope)
-    return norm_rope_ref(x, positions, inv_freq, eps, weight, inverse, fp8_nope)
+                                inv_freq=inv_freq, inverse=inverse, fp8_nope=fp8_nope, inplace=inplace)
+    return norm_rope_ref(x, positions, inv_freq, eps, weight, inverse, fp8_nope, inplace)
 
 
 def route(logits: torch.Tensor, top_k: int, scoring: str, scale: float, bias: torch.Tensor | None = None,

@@ -26,6 +26,7 @@ NORM_NONE, NORM_PLAIN, NORM_WEIGHTED = 0, 1, 2  # NORM constexpr: none, unweight
 E4M3_MAX = tl.constexpr(448.0)
 KV_FP8_BLOCK_PAIRS = tl.constexpr(32)  # 64 channels per kv_fp8 block = 32 RoPE pairs
 RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2^23: (r + M) - M rounds 0 <= r < 2^22 to the nearest even integer
+INPLACE_HEADS = 16  # heads per program of the in-place RoPE (64 channels a head: one 2 KB tile)
 
 
 @triton.jit
@@ -77,10 +78,10 @@ def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, S, H, eps,
     P: tl.constexpr = D // 2
     heads = h0 + tl.arange(0, HB)
     pairs = tl.arange(0, BP)
-    ok = (heads < H)[:, None] & (pairs < P)[None, :]
-    xe_ptrs = x_ptr + t * stride_xt + heads[:, None] * stride_xh + 2 * pairs[None, :]
-    xe = tl.load(xe_ptrs, mask=ok, other=0.0)
-    xo = tl.load(xe_ptrs + 1, mask=ok, other=0.0)
+    chans = tl.arange(0, 2 * BP)   # whole rows, loaded and stored contiguously, split into pairs in registers
+    ok = (heads < H)[:, None] & (chans < D)[None, :]
+    xx = tl.load(x_ptr + t * stride_xt + heads[:, None] * stride_xh + chans[None, :], mask=ok, other=0.0)
+    xe, xo = tl.split(tl.reshape(xx, [HB, BP, 2]))
     xdt = xe.dtype
     ve, vo = xe.to(tl.float32), xo.to(tl.float32)
     if NORM != 0:
@@ -116,24 +117,35 @@ def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, S, H, eps,
     if FP8:
         nope = (heads >= 0)[:, None] & (pairs < P - RD // 2)[None, :]
         ve, vo = _fp8_nope(ve, vo, nope, HB, BP)
-    ye_ptrs = y_ptr + t * stride_yt + heads[:, None] * stride_yh + 2 * pairs[None, :]
-    tl.store(ye_ptrs, ve.to(y_ptr.dtype.element_ty), mask=ok)
-    tl.store(ye_ptrs + 1, vo.to(y_ptr.dtype.element_ty), mask=ok)
+    yy = tl.reshape(tl.join(ve.to(y_ptr.dtype.element_ty), vo.to(y_ptr.dtype.element_ty)), [HB, 2 * BP])
+    tl.store(y_ptr + t * stride_yt + heads[:, None] * stride_yh + chans[None, :], yy, mask=ok)
 
 
 @on_input_device
 def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps: float = 0.0,
                      weight: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                      inv_freq: torch.Tensor | None = None, inverse: bool = False, fp8_nope: bool = False,
-                     heads_per_program: int | None = None) -> torch.Tensor:
+                     heads_per_program: int | None = None, inplace: bool = False) -> torch.Tensor:
     """x [..., S, H, D] -> y of x's shape in ``out_dtype``: the norm (``NORM_*``), then RoPE on the
     last 2 * len(inv_freq) channels at ``positions`` [S] (``inverse``: at -pos; none without
     positions), then ``fp8_nope`` (kv_fp8 on the other channels). Positions broadcast over the
-    leading dims, as the reference's cos/sin [S, rd/2] do."""
+    leading dims, as the reference's cos/sin [S, rd/2] do. ``inplace`` (RoPE alone, x's dtype):
+    only the RoPE channels are read and rewritten, in x's storage where x is a view of it (the
+    inverse RoPE of the attention output: 64 of 512 channels, 1/8 of the copy's bytes)."""
     x3 = x.reshape(-1, x.shape[-2], x.shape[-1])
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
     T, H, D = x3.shape
+    if inplace and norm == NORM_NONE and not fp8_nope and positions is not None and out_dtype == x.dtype:
+        rd = 2 * inv_freq.shape[-1]
+        xr = x3[..., D - rd:]                      # the RoPE channels, row strides of the whole tensor
+        hb = heads_per_program or min(next_pow2(H), INPLACE_HEADS)
+        launch(_norm_rope_kernel, (T, cdiv(H, hb)),
+            xr, xr, xr, positions, inv_freq, positions.numel(), H, 0.0, xr.stride(0), xr.stride(1), xr.stride(0),
+            xr.stride(1), D=rd, RD=rd, NORM=NORM_NONE, ROPE=-1 if inverse else 1, FP8=False, HB=hb,
+            BP=next_pow2(rd // 2), PRECISE=not INTERPRET,
+            num_warps=1 if INTERPRET else max(1, min(8, hb * next_pow2(rd // 2) // 128)), enable_fp_fusion=False)
+        return x3.view(x.shape)
     y = torch.empty(T, H, D, device=x.device, dtype=out_dtype)
     rope = positions is not None
     BP = max(next_pow2(D // 2), KV_FP8_BLOCK_PAIRS.value if fp8_nope else 1)

@@ -159,7 +159,7 @@ class Attention(Component):
         """Inverse RoPE (``rope_kernel`` when ``_q_kv`` handed over positions: ``sin`` is None),
         the grouped wo_a, wo_b."""
         if sin is None:
-            out = self.rope_kernel(out, cos, self.rotary.inv_freq, inverse=True)
+            out = self.rope_kernel(out, cos, self.rotary.inv_freq, inverse=True, inplace=True)  # out is ours
         else:
             out = apply_rope(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))
         B, S = out.shape[:2]
