@@ -206,6 +206,13 @@ def test_gpu_norm_rope_v4_pro_shapes(pos):
     got, ref = norm_rope(q, positions, inv, inverse=True), norm_rope_ref(q, positions, inv, inverse=True)
     assert _within(got, ref, u), (got.float() - ref.float()).abs().max().item()
     assert torch.equal(norm_rope(q.clone(), positions, inv, inverse=True, inplace=True), got)
+    # a prefill chunk: the rule's 16 heads a program give the same bits as 2 (whole-row loads)
+    from dsv4lab.kernels.norm_rope import NORM_PLAIN, WIDE_ROWS, launch_norm_rope
+    qp = torch.randn(1, WIDE_ROWS, H, D, device=dev, generator=g).to(bf)
+    pp = torch.arange(WIDE_ROWS, device=dev) + pos
+    assert torch.equal(launch_norm_rope(qp, bf, norm=NORM_PLAIN, eps=1e-6, positions=pp, inv_freq=inv),
+                       launch_norm_rope(qp, bf, norm=NORM_PLAIN, eps=1e-6, positions=pp, inv_freq=inv,
+                                        heads_per_program=2))
     assert torch.equal(norm_rope(kv, positions[:1] * 0, inv, fp8_nope=True),
                        norm_rope_ref(kv, positions[:1] * 0, inv, fp8_nope=True))
     assert _graph_equals_eager(lambda: norm_rope(q, positions, inv, 1e-6))

@@ -192,7 +192,7 @@ def test_gpu_hc_pre_post_v4_pro_shapes(B, S, dense):
     (the dense tier: cuBLAS products of fn's bf16 parts)."""
     from dsv4lab.kernels.mhc_fused import hc_head_pre, hc_post, hc_pre, use_dense
 
-    assert use_dense(B * S, torch.bfloat16) == (B * S >= 512)
+    assert use_dense(B * S, torch.bfloat16) == (B * S >= 1024)
     cfg, streams, fn, base, scale = _v4_pro_site(B, S)
     args = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
     pre, post, comb = mix_weights(streams, fn, base, scale, *args)

@@ -5,6 +5,8 @@ are imported inside the calls that use them (lazily, for that reason).
 * ``quant_linear(x, w)`` (alias ``nvfp4_linear``): ``QLinear.kernel``-compatible ``f(x, qweight) -> y``
   for NVFP4, MXFP4 and FP8-block weights; other formats, CPU tensors or unsupported dtypes take the
   reference (``w.dequantize`` + ``F.linear``).
+* ``dense_linear(x, w)``: ``QLinear.dense_kernel``, unquantised (bf16 / fp16) weights at decode
+  rows in one Triton GEMV launch; ``F.linear`` elsewhere.
 * ``grouped_quant_linear(x, w, groups)``: ``QLinear.grouped_kernel``, the block-diagonal use (wo_a)
   in one GEMV for one NVFP4 token.
 * ``act_quant_nvfp4(x, global_scale)``: NVFP4 fake quant of activations (``QLinear.act_kernel``,
@@ -60,8 +62,11 @@ from .norm_rope_ref import norm_rope_ref
 
 KERNEL_FORMATS = ("nvfp4", "mxfp4", "fp8_block")
 ROUTE_MAX_EXPERTS = 4096  # the router kernel holds one token's scores in registers
+DENSE_GEMV_ROWS = 4  # x rows up to which dense_linear takes the Triton GEMV (linear_dense.MAX_ROWS)
+DENSE_GEMV_MAX_N = 512  # output rows up to which it does (1024 rows: cuBLAS measured faster on the H200)
 
-__all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "grouped_quant_linear",
+__all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "dense_linear",
+           "grouped_quant_linear",
            "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention",
            "index_scores_decode", "index_scores_prefill", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "route"]
 
@@ -90,6 +95,20 @@ def quant_linear(x: torch.Tensor, w) -> torch.Tensor:
 
 
 nvfp4_linear = quant_linear  # the name QLinear.kernel had when only NVFP4 had a kernel
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``QLinear.dense_kernel``: y = x @ w^T for an unquantised weight: ``linear_dense.dense_gemv``
+    (one launch) on CUDA for bf16 / fp16 decode rows (at most ``DENSE_GEMV_ROWS``) and at most
+    ``DENSE_GEMV_MAX_N`` outputs; ``F.linear`` otherwise (fp32; prefill, where cuBLAS runs at its
+    floor; wide weights, where its GEMV + reduce measured faster)."""
+    if (kernel_can_take(x) and x.dtype != torch.float32 and w.dtype == x.dtype and w.is_cuda
+            and x.numel() <= DENSE_GEMV_ROWS * x.shape[-1] and w.shape[0] <= DENSE_GEMV_MAX_N):
+        from .linear_dense import dense_gemv, dense_supported  # lazy: imports triton
+
+        if dense_supported(x, w):
+            return dense_gemv(x, w)
+    return F.linear(x, w)
 
 
 def grouped_quant_linear(x: torch.Tensor, w, groups: int) -> torch.Tensor:

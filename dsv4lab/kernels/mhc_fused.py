@@ -47,7 +47,8 @@ SPLIT_ROWS = 128    # BT * SPLIT: the partials the last program reads at once
 MIN_PROGRAMS = 96   # hc_pre's grid at least this (token blocks x splits) where T allows
 POST_BD = 512       # columns per hc_post program
 COLLAPSE_ELEMS = 2048  # BT * BD: the collapse tile of the last program (T = 1: 4 steps over D = 7168)
-DENSE_MIN_T = 512   # hc_pre tokens (bf16 streams) from which the mix products run on cuBLAS
+DENSE_MIN_T = 1024  # hc_pre tokens (bf16 streams) from which the mix products run on cuBLAS (H200, V4-Pro
+                    # site, tiles / dense us: 512 231 / 315, 1024 273 / 139, 2048 505 / 165, 4096 966 / 288)
 DENSE_BT = 4        # tokens per program of the dense tier's finish (x is read twice: keep it in L2)
 DENSE_CHUNK_K = 1024  # K per batch of the dense tier's products (fp32 partials summed in the finish)
 

@@ -51,6 +51,8 @@ class QLinear(Component):
         self.act_kernel: Callable | None = None  # optional NVFP4 activation fake quant f(x, gs), bit-exact
         # optional grouped fast path f(x [..., G, in], qweight, G) -> [..., G, out/G] (``grouped``)
         self.grouped_kernel: Callable | None = None
+        # optional fast path f(x, weight) -> y for an unquantised weight (the bf16 decode GEMVs)
+        self.dense_kernel: Callable | None = None
         # streamed precision (dsv4lab.precision.streaming): f(dtype) -> this call's dense weight, never kept
         self.weight_source: Callable[[torch.dtype], torch.Tensor] | None = None
 
@@ -141,7 +143,16 @@ class QLinear(Component):
         x = self.quantize_input(x)
         if self.uses_kernel():
             return self.kernel(x, self.qweight)
-        return F.linear(x, self.dense_weight(x.dtype))
+        w = self.dense_weight(x.dtype)
+        if self.uses_dense_kernel(x, w):
+            return self.dense_kernel(x, w)
+        return F.linear(x, w)
+
+    def uses_dense_kernel(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Does this call run ``self.dense_kernel``? Installed, an unquantised weight, ``dense_weight``
+        not overridden, and no autograd graph to build (the kernel has no backward)."""
+        return (self.dense_kernel is not None and self.qweight is None and type(self).dense_weight is QLinear.dense_weight
+                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
     def uses_kernel(self) -> bool:
         """Does a call run ``self.kernel``? Installed, a quantised weight, not ``bf16`` mode, and

@@ -1,0 +1,111 @@
+"""The unquantised (bf16 / fp16) decode GEMV ``QLinear.dense_kernel`` (dsv4lab/kernels/linear_dense.py,
+dispatched by ``dense_linear``) against ``F.linear``.
+
+CPU: the kernel through Triton's interpreter (tests/dense_gemv_interp_check.py): ragged N and K,
+one and several K splits, 1..4 rows, bf16 / fp16 / fp32; ``dense_linear`` on CPU is ``F.linear``
+bit for bit; ``QLinear`` takes the slot only where no autograd graph is built.
+GPU (@pytest.mark.gpu): V4-Pro's bf16 decode shapes (K = 7168; N = 1024 compressor, 256 indexer
+compressor, 64 weights_proj, 384 router), deterministic, CUDA-graph replay equal to eager, and the
+installed slot on a bf16 QLinear.
+
+Tolerance: the kernel sums the exact products in fp32 in its own order, then rounds once to x's
+dtype, so |kernel - fp64| <= one step of the output dtype (2^-7 relative in bf16: the interpreter's
+fp32 -> bf16 cast truncates; 2^-11 in fp16, 2^-24 in fp32) of max|fp64| plus the fp32 sum's error
+(about K * 2^-24 of the products' magnitude, bounded here by 1e-5 of max|fp64|).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv4lab.kernels.device import triton_importable
+from dsv4lab.kernels.dispatch import DENSE_GEMV_MAX_N, dense_linear
+from dsv4lab.model.linear import QLinear
+from oracle_util import interp_check_result
+
+UNIT = {"bf16": 2.0 ** -7, "f16": 2.0 ** -11, "f32": 2.0 ** -24}
+gpu = pytest.mark.skipif(not (torch.cuda.is_available() and triton_importable()), reason="needs CUDA + triton")
+
+
+def test_interp_dense_gemv_matches_fp64():
+    res = interp_check_result("dense_gemv_interp_check.py")
+    assert len(res) == 6
+    for case, v in res.items():
+        unit = next(u for k, u in UNIT.items() if f"_{k}" in case)
+        assert v["rel"] <= unit + 1e-5, (case, v)
+        assert v["deterministic"] and v["shape_ok"] and v["dtype_ok"], (case, v)
+    assert res["m1_bf16_split"]["splits"] == 3 and res["m4_f16_one_split"]["splits"] == 1
+    assert res["m1_bf16_rule"]["splits"] == 1 and res["m1_bf16_long_k"]["splits"] > 1
+
+
+def test_dense_linear_on_cpu_is_f_linear_and_slot_respects_autograd():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 1, 64, generator=g).bfloat16()
+    w = torch.randn(24, 64, generator=g).bfloat16()
+    assert torch.equal(dense_linear(x, w), F.linear(x, w))
+    lin = QLinear(64, 24)
+    lin.set_weight(w)
+    calls = []
+    lin.dense_kernel = lambda xx, ww: calls.append(1) or F.linear(xx, ww)
+    with torch.no_grad():
+        lin(x)
+    assert calls == [1]
+    lin.weight.requires_grad_(True)
+    y = lin(x)                       # grad mode, a trainable weight: the reference, differentiable
+    assert calls == [1] and y.requires_grad
+
+
+def _v4_pro_weights(dev, g):
+    return {n: (torch.randn(n, 7168, device=dev, generator=g) * 7168 ** -0.5).bfloat16() for n in (1024, 256, 64, 384)}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("M", [1, 4])
+def test_gpu_dense_gemv_v4_pro_shapes(M):
+    from dsv4lab.kernels.linear_dense import dense_gemv
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(M)
+    x = torch.randn(M, 1, 7168, device=dev, generator=g).bfloat16()
+    for n, w in _v4_pro_weights(dev, g).items():
+        want = F.linear(x.double(), w.double())
+        got = dense_gemv(x, w)
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() <= UNIT["bf16"] + 1e-5, n
+        assert torch.equal(dense_gemv(x, w), got), n             # deterministic
+        if n <= DENSE_GEMV_MAX_N:                                 # the dispatcher takes it at decode rows
+            assert torch.equal(dense_linear(x, w), got), n
+        else:                                                     # wide weights stay on cuBLAS
+            assert torch.equal(dense_linear(x, w), F.linear(x, w)), n
+    s = torch.cuda.Stream()
+    w = _v4_pro_weights(dev, g)[1024]
+    eager = dense_gemv(x, w)
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        dense_gemv(x, w)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = dense_gemv(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, eager)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_bf16_qlinear_gets_dense_slot():
+    from dsv4lab.analysis.components import impl_label
+    from dsv4lab.kernels.install import install_kernels
+
+    lin = QLinear(7168, 64)
+    lin.set_weight(torch.randn(64, 7168).bfloat16())
+    lin = lin.cuda()
+    assert install_kernels(lin) == 1 and lin.dense_kernel is dense_linear
+    assert impl_label(lin) == "kernel:dense_linear"
+    x = torch.randn(1, 1, 7168, device="cuda").bfloat16()
+    with torch.no_grad():
+        assert (lin(x).float() - F.linear(x, lin.weight).float()).abs().max().item() <= 2 ** -7 * lin(x).float().abs().max().item()
+        xp = torch.randn(1, 600, 7168, device="cuda").bfloat16()
+        assert torch.equal(lin(xp), F.linear(xp, lin.weight))   # prefill rows stay on cuBLAS
