@@ -15,3 +15,9 @@ for hb in (2, 4, 8, 16, 32):
 b = torch.empty_like(x)
 res["copy_us"] = do_bench(lambda: b.copy_(x)) * 1e3
 print("NR" + json.dumps(res))
+xi = x.clone()
+res["inplace_inverse_us"] = do_bench(lambda: launch_norm_rope(xi, torch.bfloat16, norm=NORM_NONE, positions=pos, inv_freq=inv, inverse=True, inplace=True)) * 1e3
+y1 = launch_norm_rope(x, torch.bfloat16, norm=NORM_NONE, positions=pos, inv_freq=inv, inverse=True)
+x2 = x.clone(); y2 = launch_norm_rope(x2, torch.bfloat16, norm=NORM_NONE, positions=pos, inv_freq=inv, inverse=True, inplace=True)
+res["inplace_equal"] = bool(torch.equal(y1, y2))
+print("NR2" + json.dumps(res))
