@@ -21,9 +21,10 @@ lo carry fn's 24 mantissa bits, so each bf16 x part product is exact and the sum
 tiles), batched over K chunks of ``DENSE_CHUNK_K``: Hopper's tensor cores add into fp32 with
 truncation, which over one 28672-long sum moved the mixes by ~4e-5 relative (pre by 3.5e-5); the
 chunks' partials are added in IEEE fp32 by the second launch (one program per BT tokens), which
-also sums x^2, adds the parts in a fixed order and finishes as above. Deterministic by construction (no cross-program ordering; cuBLAS is run-to-run
-deterministic on one GPU). Why: the tiles ran ~1 ms a site at 4096 tokens (4x-18x what their
-bytes need); tensor-core tiles in Triton were faster but not deterministic (docs/kernels.md).
+also sums x^2, adds the parts in a fixed order and finishes as above. Deterministic by construction
+(no cross-program ordering; cuBLAS is run-to-run deterministic on one GPU). Why: the tiles ran ~1 ms
+a site at 4096 tokens (8x a copy of x); tensor-core tiles in Triton were faster but not
+deterministic (docs/kernels.md). Graph-safe (no host sync).
 
 Post: one program per (token, BD columns); the rounding points are the reference's in the
 streams' dtype: post and comb cast to it, post*out rounded, the comb^T·streams sum of hc exact
