@@ -18,7 +18,7 @@
 | Router scores + top-k / hash + weights | `router_topk.route_triton` | `dsv4lab.model.moe.route` | tests/test_glue_kernels.py |
 | Attention prefill (bounded) | `attention_bounded.bounded_attention_triton` | `dsv4lab.model.bounded_attention.bounded_attention` | tests/test_attention_kernel.py |
 | HyperConnection mixes + collapse / expansion, HyperHead (prefill from 1024 bf16 tokens: the dense tier, cuBLAS products of fn's parts + one finish) | `mhc_fused.hc_pre` / `hc_post` / `hc_head_pre` | `dsv4lab.model.mhc.mix_weights` + `collapse` / `HyperConnection.expand` / `head_weights` + `collapse` | tests/test_mhc_kernel.py |
-| QLinear unquantised bf16 / fp16, <= 4 rows, <= 512 outputs (`dense_kernel`) | `linear_dense.dense_gemv` | `F.linear` | tests/test_linear_dense.py |
+| QLinear unquantised bf16 / fp16, <= 4 rows, <= 384 outputs (`dense_kernel`) | `linear_dense.dense_gemv` | `F.linear` | tests/test_linear_dense.py |
 | Attention decode (window ring + entries / top-k, sink) | `attention_decode.decode_attention_triton` | `dsv4lab.model.decode_attention.decode_attention` | tests/test_attention_decode_kernel.py |
 | Indexer decode scores | `indexer_decode.index_scores_decode_triton` | `dsv4lab.model.indexer.index_scores_decode` | tests/test_attention_decode_kernel.py |
 | Indexer prefill scores | `indexer_prefill.index_scores_prefill_triton` | `dsv4lab.model.indexer.index_scores_prefill` | tests/test_indexer_prefill_kernel.py |

@@ -63,7 +63,8 @@ from .norm_rope_ref import norm_rope_ref
 KERNEL_FORMATS = ("nvfp4", "mxfp4", "fp8_block")
 ROUTE_MAX_EXPERTS = 4096  # the router kernel holds one token's scores in registers
 DENSE_GEMV_ROWS = 4  # x rows up to which dense_linear takes the Triton GEMV (linear_dense.MAX_ROWS)
-DENSE_GEMV_MAX_N = 512  # output rows up to which it does (1024 rows: cuBLAS measured faster on the H200)
+DENSE_GEMV_MAX_N = 384  # output rows up to which it does: the widest measured faster on the H200
+                        # (1024 rows: cuBLAS faster; 512, HCA's compressor, not measured with these tiles)
 
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "dense_linear",
            "grouped_quant_linear",

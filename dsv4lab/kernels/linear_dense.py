@@ -4,9 +4,10 @@ in one launch (``QLinear.dense_kernel``).
 Why: V4-Pro keeps several decode projections in bf16 (the compressors' wkv / wgate, the indexer's
 weights_proj, the router). cuBLAS runs each as a split-K GEMV plus a separate reduce kernel: 5-8 us
 for 0.9-15 MB of weight, 20-40 % of the copy rate (H200 graph trace of one CSA layer, 12 such
-launches, ~41 us of its ~340). For the small ones (N < 1024) one launch is faster; the wide ones
-(the CSA compressor's 1024 rows) stay on cuBLAS (``dispatch.DENSE_GEMV_MAX_N``). Here: grid = row tiles of ``BN`` x K splits, each program streams its
-[BN, CH] slab of W against x's chunk with fp32 FMAs (bf16 products are exact in fp32), and the split
+launches, ~41 us of its ~340). For the small ones (N <= 384) one launch is faster; the wide ones
+(the compressors' 512 and 1024 rows) stay on cuBLAS (``dispatch.DENSE_GEMV_MAX_N``). Here: grid =
+row tiles of ``BN`` x K splits, each program streams its [BN, CH] slab of W against x's chunk with
+fp32 FMAs (bf16 products are exact in fp32), and the split
 partials are summed by the last program of the tile in split order (``store_or_fix_up``: one
 launch, deterministic, CUDA-graph safe). The split is a fixed rule of the shape (no SM count), so
 the order is the same on every GPU. The result differs from cuBLAS only in the fp32 summation order
