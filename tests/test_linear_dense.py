@@ -56,6 +56,35 @@ def test_dense_linear_on_cpu_is_f_linear_and_slot_respects_autograd():
     assert calls == [1] and y.requires_grad
 
 
+def test_install_puts_dense_linear_on_plain_linears(monkeypatch):
+    """With CUDA faked, install_kernels gives every unquantised QLinear (a Router too) the
+    ``dense_kernel`` slot; components() labels a plain one ``kernel:dense_linear`` and a router by its
+    route kernel; on CPU the slot is F.linear, so the model is bitwise unchanged; uninstall clears it."""
+    from dsv4lab.analysis.components import impl_label
+    from dsv4lab.kernels import install
+    from dsv4lab.model.moe import Router
+    from dsv4lab.workbench import random_model
+    from oracle_util import random_ids, tiny_config
+
+    cfg = tiny_config()
+    m = random_model(cfg, seed=2)
+    ids = random_ids(cfg, n=8, b=1)
+    with torch.no_grad():
+        ref = m(ids)
+    monkeypatch.setattr(install, "have_triton_cuda", lambda: True)
+    monkeypatch.setattr(install, "_on_cuda", lambda t: t is not None)
+    plain = [mod for mod in m.modules() if isinstance(mod, QLinear) and mod.qweight is None]
+    assert plain and install.install_kernels(m, "**") > 0
+    assert all(mod.dense_kernel is dense_linear for mod in plain)
+    routers = [mod for mod in plain if isinstance(mod, Router)]
+    assert routers and all(impl_label(r) == "kernel:route" for r in routers)
+    assert any(impl_label(mod) == "kernel:dense_linear" for mod in plain if not isinstance(mod, Router))
+    with torch.no_grad():
+        assert torch.equal(m(ids), ref)
+    install.install_kernels(m, "**", enable=False)
+    assert all(mod.dense_kernel is None for mod in plain)
+
+
 def _v4_pro_weights(dev, g):
     return {n: (torch.randn(n, 7168, device=dev, generator=g) * 7168 ** -0.5).bfloat16() for n in (1024, 256, 64, 384)}
 
