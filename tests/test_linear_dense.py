@@ -39,6 +39,15 @@ def test_interp_dense_gemv_matches_fp64():
     assert res["m1_bf16_rule"]["splits"] == 1 and res["m1_bf16_long_k"]["splits"] > 1
 
 
+def test_dense_gemv_refuses_what_it_cannot_take():
+    from dsv4lab.kernels.linear_dense import dense_gemv
+
+    with pytest.raises(ValueError, match="dense_gemv: needs x.*got x \\(1, 64\\)"):
+        dense_gemv(torch.zeros(1, 64), torch.zeros(8, 32))            # K mismatch
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        dense_gemv(torch.zeros(5, 64), torch.zeros(8, 64))
+
+
 def test_dense_linear_on_cpu_is_f_linear_and_slot_respects_autograd():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 1, 64, generator=g).bfloat16()

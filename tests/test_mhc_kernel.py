@@ -63,6 +63,16 @@ def test_interp_mhc_kernels_match_reference():
     assert res["eps_saturated"]["comb"]["max_abs"] <= 1e-5
 
 
+def test_dense_tier_rule_and_its_error():
+    from dsv4lab.kernels.mhc_fused import DENSE_MIN_T, use_dense
+
+    assert use_dense(DENSE_MIN_T, torch.bfloat16) and not use_dense(DENSE_MIN_T - 1, torch.bfloat16)
+    assert not use_dense(10 ** 6, torch.float32) and use_dense(1, torch.bfloat16, True)
+    assert not use_dense(10 ** 6, torch.bfloat16, False)
+    with pytest.raises(ValueError, match="dense=True needs bfloat16 streams.*float32"):
+        use_dense(4096, torch.float32, True)
+
+
 # ----------------------------------------------------------------------------- model-level wiring
 def _sites(m):
     return [mod for mod in m.modules() if isinstance(mod, HyperConnection)], m.hc_head

@@ -78,6 +78,10 @@ def dense_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, *, split: int | None = None, config: dict | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ w^T for at most MAX_ROWS rows (``dense_supported``), in x's dtype;
     ``split`` overrides the rule, ``config`` the tile (BN, BK, PROGRAMS, WARPS; tests, sweeps)."""
+    if not dense_supported(x, w):
+        raise ValueError(f"dense_gemv: needs x [..., K] with at most {MAX_ROWS} rows and w [N, K] (unit inner stride) "
+                         f"of x's dtype on x's device; got x {tuple(x.shape)} {x.dtype} on {x.device}, w "
+                         f"{tuple(w.shape)} {w.dtype} on {w.device}. Use dispatch.dense_linear, which falls back to F.linear")
     cfg = config or {}
     bn, bk = cfg.get("BN", BN), cfg.get("BK", BK)
     N, K = w.shape

@@ -297,6 +297,9 @@ def _mix_products(x2d: torch.Tensor, parts: torch.Tensor, chunks: int) -> torch.
 def use_dense(T: int, dtype: torch.dtype, dense: bool | None = None) -> bool:
     """The dense tier for T tokens of ``dtype`` streams: from DENSE_MIN_T bf16 tokens (its products
     are exact only for bf16 x), unless ``dense`` forces it (bf16 only) or forbids it."""
+    if dense and dtype != torch.bfloat16:
+        raise ValueError(f"hc_pre: dense=True needs bfloat16 streams (the tier's products are exact only for "
+                         f"bf16 x); got {dtype}. Pass dense=None (the rule) or dense=False")
     if dtype != torch.bfloat16:
         return False
     return T >= DENSE_MIN_T if dense is None else dense
