@@ -19,6 +19,8 @@ import triton.language as tl
 from .common import cdiv, next_pow2, dot_dtype, head_block_query, online_softmax_tile
 from .device import on_input_device
 
+CSA_STAGES = 2  # pipeline stages of the CSA case (gathered keys); the window-only and HCA cases keep Triton's
+
 
 @triton.jit
 def _bounded_attention_kernel(q_ptr, wk_ptr, ent_ptr, sel_ptr, sink_ptr, out_ptr,
@@ -87,6 +89,7 @@ def bounded_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, 
     out = torch.empty(B, S, H, D, dtype=wk.dtype, device=q.device)
     sel_arg = sel if sel is not None else torch.empty(1, 1, 1, dtype=torch.int32, device=q.device)
     grid = (S, cdiv(H, block_h), B)
+    stages = num_stages if num_stages is not None else CSA_STAGES if sel is not None else None
     dot = tl.float32 if wk.dtype == torch.float32 else dot_dtype(wk)  # fp32 under the interpreter
     _bounded_attention_kernel[grid](
         q, wk, ent, sel_arg, sink.float().contiguous(), out,
@@ -96,5 +99,5 @@ def bounded_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, 
         sel_arg.stride(0), sel_arg.stride(1), out.stride(0), out.stride(1), out.stride(2),
         HAS_ENT=entries is not None, HAS_SEL=sel is not None, DOT=dot, IEEE=dot == tl.float32,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=next_pow2(max(D, 16)), num_warps=num_warps,
-        **({"num_stages": num_stages} if num_stages is not None else {"num_stages": 2} if sel is not None else {}))
+        **({} if stages is None else {"num_stages": stages}))
     return out

@@ -26,7 +26,6 @@ NORM_NONE, NORM_PLAIN, NORM_WEIGHTED = 0, 1, 2  # NORM constexpr: none, unweight
 E4M3_MAX = tl.constexpr(448.0)
 KV_FP8_BLOCK_PAIRS = tl.constexpr(32)  # 64 channels per kv_fp8 block = 32 RoPE pairs
 RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2^23: (r + M) - M rounds 0 <= r < 2^22 to the nearest even integer
-INPLACE_HEADS = 16  # heads per program of the in-place RoPE (64 channels a head: one 2 KB tile)
 WIDE_ROWS = 64      # rows (tokens) from which a program takes 16 heads instead of 2
 
 
@@ -137,18 +136,13 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
     T, H, D = x3.shape
-    if inplace and norm == NORM_NONE and not fp8_nope and positions is not None and out_dtype == x.dtype:
-        rd = 2 * inv_freq.shape[-1]
-        xr = x3[..., D - rd:]                      # the RoPE channels, row strides of the whole tensor
-        hb = heads_per_program or min(next_pow2(H), INPLACE_HEADS)
-        launch(_norm_rope_kernel, (T, cdiv(H, hb)),
-            xr, xr, xr, positions, inv_freq, positions.numel(), H, 0.0, xr.stride(0), xr.stride(1), xr.stride(0),
-            xr.stride(1), D=rd, RD=rd, NORM=NORM_NONE, ROPE=-1 if inverse else 1, FP8=False, HB=hb,
-            BP=next_pow2(rd // 2), PRECISE=not INTERPRET,
-            num_warps=1 if INTERPRET else max(1, min(8, hb * next_pow2(rd // 2) // 128)), enable_fp_fusion=False)
-        return x3.view(x.shape)
-    y = torch.empty(T, H, D, device=x.device, dtype=out_dtype)
     rope = positions is not None
+    whole = x3
+    if inplace and norm == NORM_NONE and not fp8_nope and rope and out_dtype == x.dtype:
+        x3 = y = x3[..., D - 2 * inv_freq.shape[-1]:]  # the RoPE channels, row strides of the whole tensor
+        D = x3.shape[-1]
+    else:
+        whole = y = torch.empty(T, H, D, device=x.device, dtype=out_dtype)
     BP = max(next_pow2(D // 2), KV_FP8_BLOCK_PAIRS.value if fp8_nope else 1)
     # heads per program: 2 at decode (H = 128: 64 programs a row), 16 from WIDE_ROWS rows (whole-row
     # loads make the result independent of it: H200, 4096 x 128 x 512 q, 2 -> 16 heads 388 -> 288 us)
@@ -159,4 +153,4 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
         D=D, RD=2 * inv_freq.shape[-1] if rope else 0, NORM=norm, ROPE=(-1 if inverse else 1) if rope else 0,
         FP8=fp8_nope, HB=HB, BP=BP, PRECISE=not INTERPRET,
         num_warps=1 if INTERPRET else max(1, min(8, HB * BP // 128)), enable_fp_fusion=False)
-    return y.view(x.shape)
+    return whole.view(x.shape)
