@@ -1,5 +1,5 @@
-"""The unquantised decode GEMV (dsv4lab/kernels/linear_dense.py) through Triton's interpreter on CPU
-tensors against F.linear of the same operands in fp64 (run by tests/test_linear_dense.py in a
+"""The unquantised decode GEMV (dsv4lab/kernels/linear_plain.py) through Triton's interpreter on CPU
+tensors against F.linear of the same operands in fp64 (run by tests/test_linear_plain.py in a
 subprocess with TRITON_INTERPRET=1). Prints one line ``RESULT{json}``: per case the max |kernel -
 fp64| over the fp64 result's max |value| ("rel"), and whether two calls agree bit for bit.
 """
@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from dsv4lab.kernels.linear_dense import BK, BN, dense_gemv, dense_split  # noqa: E402
+from dsv4lab.kernels.linear_plain import BK, BN, plain_gemv, plain_split  # noqa: E402
 
 g = torch.Generator().manual_seed(0)
 res = {}
@@ -33,11 +33,11 @@ for name, (M, N, K, dt, split, cfg) in CASES.items():
     x = torch.randn(M, 1, K, generator=g).to(dt)
     w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dt)
     want = torch.nn.functional.linear(x.double(), w.double())
-    got = dense_gemv(x, w, split=split, config=cfg)
-    again = dense_gemv(x, w, split=split, config=cfg)
+    got = plain_gemv(x, w, split=split, config=cfg)
+    again = plain_gemv(x, w, split=split, config=cfg)
     d = (got.double() - want).abs()
     bn, bk = (cfg or {}).get("BN", BN), (cfg or {}).get("BK", BK)
     res[name] = {"rel": (d.max() / want.abs().max()).item(), "max_abs": d.max().item(),
                  "deterministic": bool(torch.equal(got, again)), "shape_ok": list(got.shape) == [M, 1, N],
-                 "dtype_ok": got.dtype == dt, "splits": dense_split(N, K, split, bn, bk)[1]}
+                 "dtype_ok": got.dtype == dt, "splits": plain_split(N, K, split, bn, bk)[1]}
 print("RESULT" + json.dumps(res))

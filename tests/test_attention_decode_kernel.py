@@ -130,7 +130,7 @@ def test_replaced_attention_math_keeps_the_reference():
 
 
 def _plain_linears(mod) -> int:
-    """Unquantised QLinears other than routers (those count once as routers): each takes ``dense_kernel``."""
+    """Unquantised QLinears other than routers (those count once as routers): each takes ``plain_kernel``."""
     return sum(isinstance(q, QLinear) and q.qweight is None and not isinstance(q, Router) for q in mod.modules())
 
 
@@ -147,7 +147,7 @@ def test_use_kernels_installs_and_removes_the_decode_slots(tiny, monkeypatch):
     monkeypatch.setattr(install_mod.pool_cute, "have_cute", lambda: False)
     try:
         # attn (prefill + decode + glue slots), its indexer, their two compressors, the router, the two mHC
-        # sites, the two layer norms, and every other unquantised linear (``dense_kernel``)
+        # sites, the two layer norms, and every other unquantised linear (``plain_kernel``)
         assert m.use_kernels("layers.1") == 9 + _plain_linears(m.layers[1])
         attn, ix = m.layers[1].attn, m.layers[1].attn.indexer
         assert attn.decode_kernel is dispatch_decode and ix.decode_kernel is dispatch_scores

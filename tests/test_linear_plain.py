@@ -1,8 +1,8 @@
-"""The unquantised (bf16 / fp16) decode GEMV ``QLinear.dense_kernel`` (dsv4lab/kernels/linear_dense.py,
-dispatched by ``dense_linear``) against ``F.linear``.
+"""The unquantised (bf16 / fp16) decode GEMV ``QLinear.plain_kernel`` (dsv4lab/kernels/linear_plain.py,
+dispatched by ``plain_linear``) against ``F.linear``.
 
-CPU: the kernel through Triton's interpreter (tests/dense_gemv_interp_check.py): ragged N and K,
-one and several K splits, 1..4 rows, bf16 / fp16 / fp32; ``dense_linear`` on CPU is ``F.linear``
+CPU: the kernel through Triton's interpreter (tests/plain_gemv_interp_check.py): ragged N and K,
+one and several K splits, 1..4 rows, bf16 / fp16 / fp32; ``plain_linear`` on CPU is ``F.linear``
 bit for bit; ``QLinear`` takes the slot only where no autograd graph is built.
 GPU (@pytest.mark.gpu): V4-Pro's bf16 decode shapes (K = 7168; N = 1024 compressor, 256 indexer
 compressor, 64 weights_proj, 384 router), deterministic, CUDA-graph replay equal to eager, and the
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4lab.kernels.device import triton_importable
-from dsv4lab.kernels.dispatch import DENSE_GEMV_MAX_N, dense_linear
+from dsv4lab.kernels.dispatch import PLAIN_GEMV_MAX_N, plain_linear
 from dsv4lab.model.linear import QLinear
 from oracle_util import interp_check_result
 
@@ -28,8 +28,8 @@ UNIT = {"bf16": 2.0 ** -7, "f16": 2.0 ** -11, "f32": 2.0 ** -24}
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and triton_importable()), reason="needs CUDA + triton")
 
 
-def test_interp_dense_gemv_matches_fp64():
-    res = interp_check_result("dense_gemv_interp_check.py")
+def test_interp_plain_gemv_matches_fp64():
+    res = interp_check_result("plain_gemv_interp_check.py")
     assert len(res) == 6
     for case, v in res.items():
         unit = next(u for k, u in UNIT.items() if f"_{k}" in case)
@@ -39,24 +39,24 @@ def test_interp_dense_gemv_matches_fp64():
     assert res["m1_bf16_rule"]["splits"] == 1 and res["m1_bf16_long_k"]["splits"] > 1
 
 
-def test_dense_gemv_refuses_what_it_cannot_take():
-    from dsv4lab.kernels.linear_dense import dense_gemv
+def test_plain_gemv_refuses_what_it_cannot_take():
+    from dsv4lab.kernels.linear_plain import plain_gemv
 
-    with pytest.raises(ValueError, match="dense_gemv: needs x.*got x \\(1, 64\\)"):
-        dense_gemv(torch.zeros(1, 64), torch.zeros(8, 32))            # K mismatch
+    with pytest.raises(ValueError, match="plain_gemv: needs x.*got x \\(1, 64\\)"):
+        plain_gemv(torch.zeros(1, 64), torch.zeros(8, 32))            # K mismatch
     with pytest.raises(ValueError, match="at most 4 rows"):
-        dense_gemv(torch.zeros(5, 64), torch.zeros(8, 64))
+        plain_gemv(torch.zeros(5, 64), torch.zeros(8, 64))
 
 
-def test_dense_linear_on_cpu_is_f_linear_and_slot_respects_autograd():
+def test_plain_linear_on_cpu_is_f_linear_and_slot_respects_autograd():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 1, 64, generator=g).bfloat16()
     w = torch.randn(24, 64, generator=g).bfloat16()
-    assert torch.equal(dense_linear(x, w), F.linear(x, w))
+    assert torch.equal(plain_linear(x, w), F.linear(x, w))
     lin = QLinear(64, 24)
     lin.set_weight(w)
     calls = []
-    lin.dense_kernel = lambda xx, ww: calls.append(1) or F.linear(xx, ww)
+    lin.plain_kernel = lambda xx, ww: calls.append(1) or F.linear(xx, ww)
     with torch.no_grad():
         lin(x)
     assert calls == [1]
@@ -65,9 +65,9 @@ def test_dense_linear_on_cpu_is_f_linear_and_slot_respects_autograd():
     assert calls == [1] and y.requires_grad
 
 
-def test_install_puts_dense_linear_on_plain_linears(monkeypatch):
+def test_install_puts_plain_linear_on_plain_linears(monkeypatch):
     """With CUDA faked, install_kernels gives every unquantised QLinear (a Router too) the
-    ``dense_kernel`` slot; components() labels a plain one ``kernel:dense_linear`` and a router by its
+    ``plain_kernel`` slot; components() labels a plain one ``kernel:plain_linear`` and a router by its
     route kernel; on CPU the slot is F.linear, so the model is bitwise unchanged; uninstall clears it."""
     from dsv4lab.analysis.components import impl_label
     from dsv4lab.kernels import install
@@ -84,14 +84,14 @@ def test_install_puts_dense_linear_on_plain_linears(monkeypatch):
     monkeypatch.setattr(install, "_on_cuda", lambda t: t is not None)
     plain = [mod for mod in m.modules() if isinstance(mod, QLinear) and mod.qweight is None]
     assert plain and install.install_kernels(m, "**") > 0
-    assert all(mod.dense_kernel is dense_linear for mod in plain)
+    assert all(mod.plain_kernel is plain_linear for mod in plain)
     routers = [mod for mod in plain if isinstance(mod, Router)]
     assert routers and all(impl_label(r) == "kernel:route" for r in routers)
-    assert any(impl_label(mod) == "kernel:dense_linear" for mod in plain if not isinstance(mod, Router))
+    assert any(impl_label(mod) == "kernel:plain_linear" for mod in plain if not isinstance(mod, Router))
     with torch.no_grad():
         assert torch.equal(m(ids), ref)
     install.install_kernels(m, "**", enable=False)
-    assert all(mod.dense_kernel is None for mod in plain)
+    assert all(mod.plain_kernel is None for mod in plain)
 
 
 def _v4_pro_weights(dev, g):
@@ -101,31 +101,31 @@ def _v4_pro_weights(dev, g):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("M", [1, 4])
-def test_gpu_dense_gemv_v4_pro_shapes(M):
-    from dsv4lab.kernels.linear_dense import dense_gemv
+def test_gpu_plain_gemv_v4_pro_shapes(M):
+    from dsv4lab.kernels.linear_plain import plain_gemv
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(M)
     x = torch.randn(M, 1, 7168, device=dev, generator=g).bfloat16()
     for n, w in _v4_pro_weights(dev, g).items():
         want = F.linear(x.double(), w.double())
-        got = dense_gemv(x, w)
+        got = plain_gemv(x, w)
         assert ((got.double() - want).abs().max() / want.abs().max()).item() <= UNIT["bf16"] + 1e-5, n
-        assert torch.equal(dense_gemv(x, w), got), n             # deterministic
-        if n <= DENSE_GEMV_MAX_N:                                 # the dispatcher takes it at decode rows
-            assert torch.equal(dense_linear(x, w), got), n
+        assert torch.equal(plain_gemv(x, w), got), n             # deterministic
+        if n <= PLAIN_GEMV_MAX_N:                                 # the dispatcher takes it at decode rows
+            assert torch.equal(plain_linear(x, w), got), n
         else:                                                     # wide weights stay on cuBLAS
-            assert torch.equal(dense_linear(x, w), F.linear(x, w)), n
+            assert torch.equal(plain_linear(x, w), F.linear(x, w)), n
     s = torch.cuda.Stream()
     w = _v4_pro_weights(dev, g)[1024]
-    eager = dense_gemv(x, w)
+    eager = plain_gemv(x, w)
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        dense_gemv(x, w)
+        plain_gemv(x, w)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static = dense_gemv(x, w)
+        static = plain_gemv(x, w)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, eager)
@@ -133,15 +133,15 @@ def test_gpu_dense_gemv_v4_pro_shapes(M):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_bf16_qlinear_gets_dense_slot():
+def test_gpu_bf16_qlinear_gets_plain_slot():
     from dsv4lab.analysis.components import impl_label
     from dsv4lab.kernels.install import install_kernels
 
     lin = QLinear(7168, 64)
     lin.set_weight(torch.randn(64, 7168).bfloat16())
     lin = lin.cuda()
-    assert install_kernels(lin) == 1 and lin.dense_kernel is dense_linear
-    assert impl_label(lin) == "kernel:dense_linear"
+    assert install_kernels(lin) == 1 and lin.plain_kernel is plain_linear
+    assert impl_label(lin) == "kernel:plain_linear"
     x = torch.randn(1, 1, 7168, device="cuda").bfloat16()
     with torch.no_grad():
         assert (lin(x).float() - F.linear(x, lin.weight).float()).abs().max().item() <= 2 ** -7 * lin(x).float().abs().max().item()

@@ -78,10 +78,10 @@ def impl_label(mod: nn.Module) -> str:
     if lab:
         return lab
     # the main slots (Attention: "kernel:prefill_attention+decode_attention"), else another installed
-    # ``*_kernel`` slot (a Router on a plain gate: route_kernel; a plain QLinear: dense_kernel)
+    # ``*_kernel`` slot (a Router on a plain gate: route_kernel; a plain QLinear: plain_kernel)
     fns = [fn for fn in (getattr(mod, "kernel", None), getattr(mod, "decode_kernel", None)) if fn is not None]
     if not fns:
-        slots = sorted((k == "dense_kernel", k) for k, v in vars(mod).items() if k.endswith("_kernel") and v is not None)
+        slots = sorted((k == "plain_kernel", k) for k, v in vars(mod).items() if k.endswith("_kernel") and v is not None)
         fns = [getattr(mod, k) for _, k in slots[:1]]
     if fns:  # Attention, Compressor: prefill and decode kernels; glue-only slots: the first
         return "kernel:" + "+".join(getattr(fn, "__name__", type(fn).__name__) for fn in fns)

@@ -18,14 +18,14 @@
 | Router scores + top-k / hash + weights | `router_topk.route_triton` | `dsv4lab.model.moe.route` | tests/test_glue_kernels.py |
 | Attention prefill (bounded) | `attention_bounded.bounded_attention_triton` | `dsv4lab.model.bounded_attention.bounded_attention` | tests/test_attention_kernel.py |
 | HyperConnection mixes + collapse / expansion, HyperHead (prefill from 1024 bf16 tokens: the dense tier, cuBLAS products of fn's parts + one finish) | `mhc_fused.hc_pre` / `hc_post` / `hc_head_pre` | `dsv4lab.model.mhc.mix_weights` + `collapse` / `HyperConnection.expand` / `head_weights` + `collapse` | tests/test_mhc_kernel.py |
-| QLinear unquantised bf16 / fp16, <= 4 rows, <= 384 outputs (`dense_kernel`) | `linear_dense.dense_gemv` | `F.linear` | tests/test_linear_dense.py |
+| QLinear unquantised bf16 / fp16, <= 4 rows, <= 384 outputs (`plain_kernel`) | `linear_plain.plain_gemv` | `F.linear` | tests/test_linear_plain.py |
 | Attention decode (window ring + entries / top-k, sink) | `attention_decode.decode_attention_triton` | `dsv4lab.model.decode_attention.decode_attention` | tests/test_attention_decode_kernel.py |
 | Indexer decode scores | `indexer_decode.index_scores_decode_triton` | `dsv4lab.model.indexer.index_scores_decode` | tests/test_attention_decode_kernel.py |
 | Indexer prefill scores | `indexer_prefill.index_scores_prefill_triton` | `dsv4lab.model.indexer.index_scores_prefill` | tests/test_indexer_prefill_kernel.py |
 
 
 Entry points (``dispatch``: kernel where it runs, reference elsewhere): ``quant_linear``,
-``dense_linear``, ``grouped_quant_linear``, ``act_quant_nvfp4``, ``moe_decode``, ``moe_prefill``, ``compressor_pool``,
+``plain_linear``, ``grouped_quant_linear``, ``act_quant_nvfp4``, ``moe_decode``, ``moe_prefill``, ``compressor_pool``,
 ``compressor_decode``, ``prefill_attention``, ``decode_attention``, ``index_scores_decode``, ``index_scores_prefill``, ``mhc_pre``, ``mhc_post``, ``mhc_head_pre``,
 ``rms_norm``, ``norm_rope``, ``route``. Installing them on a model:
 ``install.install_kernels(model, pattern, enable)``. Shared Triton helpers: ``common``; the
@@ -36,13 +36,13 @@ See docs/kernels.md for layouts, tolerances and measured numbers.
 from __future__ import annotations
 
 from .device import have_triton_cuda
-from .dispatch import (act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention, dense_linear, grouped_quant_linear,
+from .dispatch import (act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention, plain_linear, grouped_quant_linear,
                        index_scores_decode, index_scores_prefill,
                        mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill, norm_rope, nvfp4_linear,
                        prefill_attention, quant_linear, rms_norm, route)
 from .install import install_kernels, kernel_state, kernel_targets, restore_kernels
 
-__all__ = ["have_triton_cuda", "quant_linear", "nvfp4_linear", "dense_linear", "grouped_quant_linear", "moe_decode", "moe_prefill",
+__all__ = ["have_triton_cuda", "quant_linear", "nvfp4_linear", "plain_linear", "grouped_quant_linear", "moe_decode", "moe_prefill",
            "act_quant_nvfp4", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention", "index_scores_decode", "index_scores_prefill",
            "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "route",
            "install_kernels", "kernel_state", "kernel_targets", "restore_kernels"]

@@ -5,7 +5,7 @@ are imported inside the calls that use them (lazily, for that reason).
 * ``quant_linear(x, w)`` (alias ``nvfp4_linear``): ``QLinear.kernel``-compatible ``f(x, qweight) -> y``
   for NVFP4, MXFP4 and FP8-block weights; other formats, CPU tensors or unsupported dtypes take the
   reference (``w.dequantize`` + ``F.linear``).
-* ``dense_linear(x, w)``: ``QLinear.dense_kernel``, unquantised (bf16 / fp16) weights at decode
+* ``plain_linear(x, w)``: ``QLinear.plain_kernel``, unquantised (bf16 / fp16) weights at decode
   rows in one Triton GEMV launch; ``F.linear`` elsewhere.
 * ``grouped_quant_linear(x, w, groups)``: ``QLinear.grouped_kernel``, the block-diagonal use (wo_a)
   in one GEMV for one NVFP4 token.
@@ -62,11 +62,10 @@ from .norm_rope_ref import norm_rope_ref
 
 KERNEL_FORMATS = ("nvfp4", "mxfp4", "fp8_block")
 ROUTE_MAX_EXPERTS = 4096  # the router kernel holds one token's scores in registers
-DENSE_GEMV_ROWS = 4  # x rows up to which dense_linear takes the Triton GEMV (linear_dense.MAX_ROWS)
-DENSE_GEMV_MAX_N = 384  # output rows up to which it does: the widest measured faster on the H200
+PLAIN_GEMV_MAX_N = 384  # output rows up to which it does: the widest measured faster on the H200
                         # (1024 rows: cuBLAS faster; 512, HCA's compressor, not measured with these tiles)
 
-__all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "dense_linear",
+__all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "plain_linear",
            "grouped_quant_linear",
            "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention",
            "index_scores_decode", "index_scores_prefill", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "route"]
@@ -98,17 +97,16 @@ def quant_linear(x: torch.Tensor, w) -> torch.Tensor:
 nvfp4_linear = quant_linear  # the name QLinear.kernel had when only NVFP4 had a kernel
 
 
-def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``QLinear.dense_kernel``: y = x @ w^T for an unquantised weight: ``linear_dense.dense_gemv``
-    (one launch) on CUDA for bf16 / fp16 decode rows (at most ``DENSE_GEMV_ROWS``) and at most
-    ``DENSE_GEMV_MAX_N`` outputs; ``F.linear`` otherwise (fp32; prefill, where cuBLAS runs at its
-    floor; wide weights, where its GEMV + reduce measured faster)."""
-    if (kernel_can_take(x) and x.dtype != torch.float32 and w.dtype == x.dtype and w.is_cuda
-            and x.numel() <= DENSE_GEMV_ROWS * x.shape[-1] and w.shape[0] <= DENSE_GEMV_MAX_N):
-        from .linear_dense import dense_gemv, dense_supported  # lazy: imports triton
+def plain_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``QLinear.plain_kernel``: y = x @ w^T for an unquantised weight: ``linear_plain.plain_gemv``
+    (one launch) on CUDA for bf16 / fp16 decode rows (``linear_plain.plain_gemv_takes``) and at
+    most ``PLAIN_GEMV_MAX_N`` outputs; ``F.linear`` otherwise (fp32; prefill, where cuBLAS runs at
+    its floor; wide weights, where its GEMV + reduce measured faster)."""
+    if kernel_can_take(x) and x.dtype != torch.float32 and w.shape[0] <= PLAIN_GEMV_MAX_N:
+        from .linear_plain import launch_plain_gemv, plain_gemv_takes  # lazy: imports triton
 
-        if dense_supported(x, w):
-            return dense_gemv(x, w)
+        if plain_gemv_takes(x, w):
+            return launch_plain_gemv(x, w)
     return F.linear(x, w)
 
 

@@ -31,7 +31,7 @@ from ..model.norms import RMSNorm
 from ..patterns import component_matcher, no_match_error, unmatched
 from . import compressor_pool_cute as pool_cute
 from .device import have_triton_cuda
-from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention, dense_linear,
+from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention, plain_linear,
                        grouped_quant_linear,
                        index_scores_decode, index_scores_prefill, index_top_k_decode, mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill,
                        norm_rope, prefill_attention, quant_linear, rms_norm, route, weight_on_cuda)
@@ -74,8 +74,8 @@ def experts_fp4_on_cuda(experts: Experts) -> bool:
 
 # the kernel attributes of each target class (every other target has one: ``kernel``)
 KERNEL_SLOTS: dict[type, tuple[str, ...]] = {  # the first class that matches (Router before QLinear)
-    Router: ("kernel", "act_kernel", "grouped_kernel", "dense_kernel", "route_kernel"),
-    QLinear: ("kernel", "act_kernel", "grouped_kernel", "dense_kernel"),
+    Router: ("kernel", "act_kernel", "grouped_kernel", "plain_kernel", "route_kernel"),
+    QLinear: ("kernel", "act_kernel", "grouped_kernel", "plain_kernel"),
     Experts: ("kernel", "prefill_kernel"),
     HyperConnection: ("kernel", "post_kernel"),
     Attention: ("kernel", "decode_kernel", "norm_kernel", "rope_kernel"),
@@ -97,7 +97,7 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
             routed = True
         qw = mod.qweight
         if qw is None and have_triton and mod.weight is not None and _on_cuda(mod.weight):
-            mod.dense_kernel = dense_linear  # the bf16 decode GEMVs (F.linear for other rows / dtypes)
+            mod.plain_kernel = plain_linear  # the bf16 decode GEMVs (F.linear for other rows / dtypes)
             return True
         if qw is None or not have_triton or qw.format not in KERNEL_FORMATS or not weight_on_cuda(qw):
             return routed

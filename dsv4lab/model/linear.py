@@ -52,7 +52,7 @@ class QLinear(Component):
         # optional grouped fast path f(x [..., G, in], qweight, G) -> [..., G, out/G] (``grouped``)
         self.grouped_kernel: Callable | None = None
         # optional fast path f(x, weight) -> y for an unquantised weight (the bf16 decode GEMVs)
-        self.dense_kernel: Callable | None = None
+        self.plain_kernel: Callable | None = None
         # streamed precision (dsv4lab.precision.streaming): f(dtype) -> this call's dense weight, never kept
         self.weight_source: Callable[[torch.dtype], torch.Tensor] | None = None
 
@@ -144,14 +144,14 @@ class QLinear(Component):
         if self.uses_kernel():
             return self.kernel(x, self.qweight)
         w = self.dense_weight(x.dtype)
-        if self.uses_dense_kernel(x, w):
-            return self.dense_kernel(x, w)
+        if self.uses_plain_kernel(x, w):
+            return self.plain_kernel(x, w)
         return F.linear(x, w)
 
-    def uses_dense_kernel(self, x: torch.Tensor, w: torch.Tensor) -> bool:
-        """Does this call run ``self.dense_kernel``? Installed, an unquantised weight, ``dense_weight``
+    def uses_plain_kernel(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Does this call run ``self.plain_kernel``? Installed, an unquantised weight, ``dense_weight``
         not overridden, and no autograd graph to build (the kernel has no backward)."""
-        return (self.dense_kernel is not None and self.qweight is None and type(self).dense_weight is QLinear.dense_weight
+        return (self.plain_kernel is not None and self.qweight is None and type(self).dense_weight is QLinear.dense_weight
                 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
     def uses_kernel(self) -> bool:
