@@ -73,6 +73,7 @@ def kernels_per_call(fn: Callable[[], object], reps: int = 3, top: int = 12, dev
     n_kernels = n_copies = 0
     device_us = 0.0
     by_name: Counter = Counter()
+    spans = []
     for e in prof.events():
         if e.device_type.name != "CUDA":
             continue
@@ -83,8 +84,32 @@ def kernels_per_call(fn: Callable[[], object], reps: int = 3, top: int = 12, dev
             n_kernels += 1
         device_us += e.device_time
         by_name[name[:60]] += e.device_time
+        spans.append((e.device_index, e.time_range.start, e.time_range.end, name[:60]))
+    idle = idle_gaps(spans, top)
     return {"kernels": n_kernels / reps, "copies": n_copies / reps, "device_us": device_us / reps,
-            "top_us": {k: round(v / reps, 2) for k, v in by_name.most_common(top)}}
+            "span_us": idle["span_us"] / reps, "idle_us": idle["idle_us"] / reps,
+            "top_us": {k: round(v / reps, 2) for k, v in by_name.most_common(top)},
+            "top_idle_us": {k: round(v / reps, 2) for k, v in idle["by_pair"].items()}}
+
+
+def idle_gaps(spans: list[tuple[int, float, float, str]], top: int = 12) -> dict:
+    """Where each device sat idle between its kernels: ``spans`` = (device, start us, end us, name);
+    returns the summed span (first start to last end per device), the idle time inside it, and the
+    ``top`` (kernel before -> kernel after) pairs by idle time. A host sync, or host work slower
+    than the kernels it launches, shows up here and not in the kernels' device time."""
+    span = idle = 0.0
+    by_pair: Counter = Counter()
+    for dev in {s[0] for s in spans}:
+        mine = sorted(s[1:] for s in spans if s[0] == dev)
+        span += mine[-1][1] - mine[0][0]
+        end, before = mine[0][1], mine[0][2]
+        for start, stop, name in mine[1:]:
+            if start > end:
+                idle += start - end
+                by_pair[f"{before} -> {name}"] += start - end
+            if stop > end:
+                end, before = stop, name
+    return {"span_us": span, "idle_us": idle, "by_pair": dict(by_pair.most_common(top))}
 
 
 def peak_extra_bytes(fn: Callable[[], object], dev) -> tuple[object, int]:

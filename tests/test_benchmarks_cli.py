@@ -222,3 +222,14 @@ def test_gpu_full_model_placed_by_plan(tmp_path):
     assert res["floor_ms"] >= res["floor_ms_pipelined"] > 0
     assert [x["tokens"] for x in res["prefill_by_context"]] == [256, 512]
     assert all(x["logits_finite"] for x in res["prefill_by_context"])
+
+
+def test_idle_gaps_per_device():
+    """The prefill profile's idle time: gaps between one device's kernels (overlaps merged), summed
+    over devices, attributed to the (before -> after) kernel pair."""
+    idle_gaps = benchmark_module("measure").idle_gaps
+    spans = [(0, 0, 10, "a"), (0, 12, 20, "b"), (0, 15, 18, "c"), (0, 30, 31, "d"), (1, 100, 105, "x"), (1, 107, 109, "y")]
+    r = idle_gaps(spans)
+    assert r["span_us"] == 31 + 9 and r["idle_us"] == 2 + 10 + 2
+    assert r["by_pair"] == {"b -> d": 10, "a -> b": 2, "x -> y": 2}
+    assert idle_gaps(spans, top=1)["by_pair"] == {"b -> d": 10}

@@ -63,3 +63,23 @@ def on_input_device(fn):
     guarded = torch.compiler.disable(run)
     guarded.launch_guard = True  # what tests look for on every public launcher
     return guarded
+
+
+def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """Start copying ``t`` to the host without waiting (pinned memory, an event after the copy),
+    so the caller can queue more GPU work before it waits: a plain ``.tolist()`` would drain the
+    stream first. CPU tensors come back as they are, with no event."""
+    if not t.is_cuda:
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def wait_for_host(host: torch.Tensor, ready: "torch.cuda.Event | None") -> torch.Tensor:
+    """``host`` once the copy ``copy_to_host`` started has landed (waits for that copy only)."""
+    if ready is not None:
+        ready.synchronize()
+    return host
