@@ -261,4 +261,34 @@ try:  # MXFP4 has no pointer-load variant
     res["moetma_mx_rejects_pointer"] = False
 except ValueError:
     res["moetma_mx_rejects_pointer"] = True
+# the shared expert folded into the same two launches (shared=): bitwise the routed call plus a
+# one-expert call added in bf16 (the model's routed + shared), near the reference; both formats
+from dsv4lab.quant.stacked import stack_one
+from dsv4lab.kernels.moe_decode_tma import moe_decode_tma
+for fmt, ws, sh in (("nvfp4", (mk(256, 256), mk(256, 256), mk(256, 256)),
+                     tuple(stack_one(quantize_nvfp4(rnd(256, 256) * 2)) for _ in range(3))),
+                    ("mxfp4", (m1, m3, m2), tuple(stack_one(quantize_mxfp4(rnd(512, 512))) for _ in range(3)))):
+    Hs = ws[0].shape[2]
+    T2 = 2
+    xs = rnd(T2, Hs).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T2)])
+    wt = torch.rand(T2, k, generator=g)
+    one, ones = torch.zeros(T2, 1, dtype=torch.long), torch.ones(T2, 1)
+    y = moe_decode_triton(xs, ids, wt, *ws, 1.5, tma=True, shared=sh)
+    parts = moe_decode_triton(xs, ids, wt, *ws, 1.5, tma=True) + moe_decode_triton(xs, one, ones, *sh, 1.5, tma=True)
+    ref = moe_decode_ref(xs, ids, wt, *ws, 1.5) + moe_decode_ref(xs, one, ones, *sh, 1.5)
+    launches = []
+    import dsv4lab.kernels.moe_decode_tma as mdt
+    real_launch = mdt.launch
+    mdt.launch = lambda kern, *a, **kw: (launches.append(kern.fn.__name__), real_launch(kern, *a, **kw))[1]
+    moe_decode_triton(xs, ids, wt, *ws, 1.5, tma=True, shared=sh)
+    mdt.launch = real_launch
+    res[f"moe_shared_{fmt}"] = {"equal_parts": bool(torch.equal(y, parts)), "max_abs": (y.float() - ref.float()).abs().max().item(),
+                                "ref_max": ref.abs().max().item(), "launches": launches,
+                                "dispatch_cpu_is_ref": bool(torch.equal(dispatch.moe_decode(xs, ids, wt, *ws, 1.5, shared=sh), ref))}
+try:
+    moe_decode_triton(xs, ids, wt, *ws, 1.5, tma=True, shared=sh[:2])
+    res["moe_shared_rejects"] = False
+except ValueError as e:
+    res["moe_shared_rejects"] = "one-expert stacks" in str(e)
 print("RESULT" + json.dumps(res))

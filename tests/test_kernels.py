@@ -139,6 +139,19 @@ def test_interp_moe_decode_tma(interp_results):
     assert r["dispatch_cpu_is_ref"] and interp_results["moetma_mx_rejects_pointer"] is True
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_interp_moe_decode_shared_fold(interp_results, fmt):
+    """The shared expert as one more pair in the TMA MoE launches: bitwise the routed call plus the
+    one-expert call (bf16 add), within the routed path's tolerance of the reference, still the two
+    GEMV launches, and the CPU dispatch is the reference sum."""
+    r = interp_results[f"moe_shared_{fmt}"]
+    assert r["equal_parts"], r
+    assert r["ref_max"] > 0 and r["max_abs"] <= 2e-2 * r["ref_max"], r
+    assert r["launches"] == ["_moe_up_kernel", "_moe_down_kernel"], r
+    assert r["dispatch_cpu_is_ref"], r
+    assert interp_results["moe_shared_rejects"] is True
+
+
 def test_interp_moe_decode(interp_results):
     for lim in ("None", "1.5"):
         r = interp_results[f"moe_lim{lim}"]
@@ -420,6 +433,48 @@ def test_gpu_moe_decode_mxfp4(T):
         err = (y.float() - ref.float()).abs().max() / ref.float().abs().max()
         assert err <= 2e-2, err
     assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], yg)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("T", [1, 4])
+def test_gpu_moe_decode_shared_fold(fmt, T):
+    """The shared expert folded into the TMA MoE launches on V4-Pro shapes: bitwise the routed
+    call plus the one-expert call (added in bf16, as the model), within the routed tolerance of
+    the reference sum, and a CUDA graph replay equals the eager call."""
+    from dsv4lab.quant.weights import quantize_mxfp4
+    from dsv4lab.kernels.moe_decode import moe_decode_triton
+    from dsv4lab.kernels.moe_decode_ref import moe_decode_ref
+    from dsv4lab.quant.stacked import StackedMXFP4, StackedNVFP4, stack_one
+
+    H, I, E, k = 7168, 3072, 8, 6
+    g = torch.Generator(device="cuda").manual_seed(7)
+    if fmt == "nvfp4":
+        one_w = lambda n, kk, s: _rand_nvfp4_cuda(n, kk, s)  # noqa: E731
+        Stack = StackedNVFP4
+    else:
+        one_w = lambda n, kk, s: quantize_mxfp4(torch.randn(n, kk, device="cuda", generator=g) * 0.02)  # noqa: E731
+        Stack = StackedMXFP4
+    w1, w3 = (Stack.from_weights([one_w(I, H, o + e) for e in range(E)]) for o in (10, 20))
+    w2 = Stack.from_weights([one_w(H, I, 30 + e) for e in range(E)])
+    sh = (stack_one(one_w(I, H, 40)), stack_one(one_w(I, H, 41)), stack_one(one_w(H, I, 42)))
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16) * 0.05
+    ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
+    wt = torch.rand(T, k, device="cuda")
+    one, ones = torch.zeros(T, 1, dtype=torch.long, device="cuda"), torch.ones(T, 1, device="cuda")
+    y = moe_decode_triton(x, ids, wt, w1, w3, w2, 10.0, shared=sh)
+    parts = moe_decode_triton(x, ids, wt, w1, w3, w2, 10.0) + moe_decode_triton(x, one, ones, *sh, 10.0)
+    assert torch.equal(y, parts)
+    ref = moe_decode_ref(x, ids, wt, w1, w3, w2, 10.0) + moe_decode_ref(x, one, ones, *sh, 10.0)
+    err = (y.float() - ref.float()).abs().max() / ref.float().abs().max()
+    assert ref.abs().max() > 0 and err <= 2e-2, err
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = moe_decode_triton(x, ids, wt, w1, w3, w2, 10.0, shared=sh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, y)
 
 
 @pytest.mark.gpu

@@ -110,6 +110,47 @@ def test_experts_kernel_dispatch_mxfp4():
         assert w2.scale.data_ptr() == ex.stack().tensors["w2"]["scale"].data_ptr()
 
 
+def test_moe_decode_folds_the_shared_expert():
+    """Graph-safe decode hands an NVFP4 shared expert to the routed experts' kernel (``shared=``)
+    when that kernel folds it (``folds_shared``): one kernel call gives the MoE output, close to
+    the unfolded routed + shared. A hook on the shared expert's output, on the routed sum or a
+    torch hook on the shared expert, a shared expert in another format, or a kernel without
+    ``folds_shared`` keep them apart (and the hook sees the shared output)."""
+    from dsv4lab.kernels import dispatch
+    from dsv4lab.kernels.moe_decode_ref import moe_decode_ref
+
+    m = _nvfp4_experts_model()
+    moe = m.layers[1].mlp
+    se, ex = moe.shared_expert, moe.experts
+    plain = {p: getattr(se, p).weight.data.clone() for p in ("w1", "w2", "w3")}
+    for p in ("w1", "w2", "w3"):
+        getattr(se, p).set_weight(quantize_nvfp4(plain[p]))
+    x = torch.randn(1, 4, ex[0].w1.in_features, generator=torch.Generator().manual_seed(5))
+    tok = torch.randint(0, m.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(6))
+    fold, apart = Counting(dispatch.moe_decode), Counting(moe_decode_ref)
+    fold.folds_shared = True
+    ex.kernel_devices = ("cpu", "cuda")
+    with torch.no_grad():
+        ex.kernel = apart
+        ref = moe(x, tok, graph_safe=True)
+        assert apart.calls == 1 and moe.shared_folds(x[0]) is None
+        ex.kernel = fold
+        folded = moe(x, tok, graph_safe=True)
+        assert fold.calls == 1 and moe.shared_folds(x[0]) is not None
+        torch.testing.assert_close(folded, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        seen = []
+        for hook_on in (se.hook_out, ex.hook_out, se):
+            with hook_on.register_forward_hook(lambda mod, inp, out: seen.append(out)):
+                calls = fold.calls
+                torch.testing.assert_close(moe(x, tok, graph_safe=True), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+                assert fold.calls == calls + 1 and moe.shared_folds(x[0]) is None  # routed only
+        assert len(seen) == 3
+        assert moe.shared_folds(x[0]) is not None  # hooks gone: folded again
+        se.w2.set_weight(plain["w2"])
+        assert moe.shared_folds(x[0]) is None  # a plain w2 is not what the kernel streams
+        ex.kernel = None
+
+
 def test_short_prefill_takes_the_experts_decode_kernel():
     """A prefill of <= SHORT_PREFILL_TOKENS tokens runs the routed experts' decode kernel (2
     launches) instead of the grouped prefill kernel (its schedule alone ~30); a longer one the

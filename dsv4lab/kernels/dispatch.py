@@ -131,12 +131,16 @@ def act_quant_nvfp4(x: torch.Tensor, global_scale) -> torch.Tensor:
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3, w2,
-               limit: float | None) -> torch.Tensor:
+               limit: float | None, shared: tuple | None = None) -> torch.Tensor:
     """Routed-expert output [T, H] for tokens x [T, H] with top-k ``ids``/``weights`` [T, k];
     w1/w3/w2 are ``dsv4lab.quant.stacked.StackedNVFP4`` / ``StackedMXFP4`` (or lists of
     ``NVFP4Weight`` / ``MXFP4Weight``, stacked here: stack once per layer and pass the stack to
     avoid the copy). MXFP4 stacks run the TMA kernels where they apply (sm_90+, H and I multiples
-    of 512), else the reference."""
+    of 512), else the reference.
+
+    ``shared``: the shared expert's (w1, w3, w2) as one-expert stacks (``quant.stacked.stack_one``);
+    the result is then routed + shared, each rounded to x.dtype and added in x.dtype (``MoE.forward``'s
+    sum), and the TMA kernels run the shared expert as one more pair in their two GEMV launches."""
     w1, w3, w2 = (w if isinstance(w, (StackedNVFP4, StackedMXFP4)) else stack_experts(w) for w in (w1, w3, w2))
     if len({type(w) for w in (w1, w3, w2)}) != 1:
         raise ValueError(f"w1/w3/w2 must share one format, got {[type(w).__name__ for w in (w1, w3, w2)]}")
@@ -144,10 +148,16 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3
         from .moe_decode import moe_decode_triton  # lazy: imports triton
         from .moe_decode_tma import tma_moe_supported
 
-        if isinstance(w1, StackedMXFP4) and not tma_moe_supported(x, w1, w3, w2):
-            return moe_decode_ref(x, ids, weights, w1, w3, w2, limit)
-        return moe_decode_triton(x, ids, weights, w1, w3, w2, limit)
-    return moe_decode_ref(x, ids, weights, w1, w3, w2, limit)
+        if not (isinstance(w1, StackedMXFP4) and not tma_moe_supported(x, w1, w3, w2)):
+            return moe_decode_triton(x, ids, weights, w1, w3, w2, limit, shared=shared)
+    routed = moe_decode_ref(x, ids, weights, w1, w3, w2, limit)
+    if shared is None:
+        return routed
+    one = torch.zeros((x.shape[0], 1), dtype=torch.long, device=x.device)
+    return routed.to(x.dtype) + moe_decode_ref(x, one, torch.ones(one.shape, device=x.device), *shared, limit).to(x.dtype)
+
+
+moe_decode.folds_shared = True  # MoE.forward may pass the shared expert (``shared=``) to this kernel
 
 
 def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3, w2, limit: float | None,

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
-from .common import cdiv, INTERPRET, gemv_rows_m1
+from .common import cdiv, INTERPRET, gemv_rows_m1, round_to
 from .device import on_input_device
 from .launch import launch
 from .moe_decode_tma import moe_decode_tma, tma_moe_supported
@@ -46,11 +46,13 @@ def _moe_up_kernel(x_ptr, ids_ptr, w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_pt
                        rows, row_ok, 0, KG, gps, BN, G)
     a3 = gemv_rows_m1(w3_ptr + e * stride_we, s3_ptr + e * stride_se, stride_wn, stride_sn, xrow,
                        rows, row_ok, 0, KG, gps, BN, G)
-    gate = (a1 * (16384.0 * tl.load(g1_ptr + e))).to(h_ptr.dtype.element_ty).to(tl.float32)
-    up = (a3 * (16384.0 * tl.load(g3_ptr + e))).to(h_ptr.dtype.element_ty).to(tl.float32)
+    out_ty = h_ptr.dtype.element_ty
+    gate = round_to(a1 * (16384.0 * tl.load(g1_ptr + e)), out_ty)
+    up = round_to(a3 * (16384.0 * tl.load(g3_ptr + e)), out_ty)
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = gate * tl.sigmoid(gate) * up
+    # the reference's rounding points (clamped_swiglu in x.dtype): silu(gate), then times up
+    h = round_to(gate * tl.sigmoid(gate), out_ty) * up
     tl.store(h_ptr + pair * stride_h + rows, h.to(h_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -80,17 +82,26 @@ def _cfg():
 @on_input_device
 def moe_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: StackedNVFP4,
                       w3: StackedNVFP4, w2: StackedNVFP4, limit: float | None,
-                      tma: bool | None = None) -> torch.Tensor:
+                      tma: bool | None = None, shared: tuple | None = None) -> torch.Tensor:
     """x [T, H], ids [T, k] (int), weights [T, k] -> [T, H] in x.dtype.
 
     ``tma=None``: the TMA-fed path (``dsv4lab.kernels.moe_decode_tma``, four launches) where it is
     supported (sm_90+, H and I multiples of 256; DSV4LAB_KERNEL_TMA=0 opts out), else the two
-    pointer-load launches here. ``True`` forces it (ValueError when unsupported)."""
+    pointer-load launches here. ``True`` forces it (ValueError when unsupported).
+
+    ``shared``: the shared expert's (w1, w3, w2) as one-expert stacks of the routed ones' format;
+    the result is then routed + shared (each in x.dtype, added in x.dtype, as ``MoE.forward``). On
+    the TMA path it runs in the same launches, else as a second call here."""
     T, H = x.shape
     k = ids.shape[1]
     E, I, Hk = w1.shape
     if Hk != H or w2.shape[1:] != (H, I) or w3.shape != w1.shape:
         raise ValueError(f"expert shapes w1 {w1.shape} w3 {w3.shape} w2 {w2.shape} vs x {tuple(x.shape)}")
+    if shared is not None and (len(shared) != 3 or tuple(w.shape for w in shared) != ((1, I, H), (1, I, H), (1, H, I))
+                               or {type(w) for w in shared} != {type(w1)}):
+        raise ValueError(f"shared must be (w1, w3, w2) one-expert stacks of shapes [1, {I}, {H}], [1, {I}, {H}], "
+                         f"[1, {H}, {I}] in the routed experts' format ({type(w1).__name__}); got "
+                         f"{[(type(w).__name__, tuple(w.shape)) for w in shared]}")
     x = x.contiguous()
     ids_c = ids.reshape(-1).to(torch.int32).contiguous()
     wts = weights.reshape(-1).to(torch.float32).contiguous()
@@ -107,8 +118,12 @@ def moe_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         tma = ok and os.environ.get("DSV4LAB_KERNEL_TMA", "1") != "0"
     elif tma and not ok:
         raise ValueError("the TMA MoE path needs H, I multiples of 256, 16-byte aligned stacks and sm_90+")
+    if shared is not None and not (tma and tma_moe_supported(x, *shared)):
+        one = torch.zeros((T, 1), dtype=torch.int32, device=x.device)
+        routed = moe_decode_triton(x, ids, weights, w1, w3, w2, limit, tma)
+        return routed + moe_decode_triton(x, one, torch.ones((T, 1), device=x.device), *shared, limit, tma)
     if tma:
-        return moe_decode_tma(x, ids_c, wts, w1, w3, w2, lim, k)
+        return moe_decode_tma(x, ids_c, wts, w1, w3, w2, lim, k, shared)
     bn, g, warps = _cfg()
     h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
     y = torch.empty((T, H), dtype=x.dtype, device=x.device)

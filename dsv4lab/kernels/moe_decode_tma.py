@@ -37,7 +37,9 @@ from .common import (
     counters,
     group_dot,
     pairs_and_inv,
+    round_to,
     store_or_fix_up,
+    sum_partials,
     weight_global_scale,
     x_pairs,
 )
@@ -45,53 +47,108 @@ from .launch import launch
 
 
 @triton.jit
-def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, x_desc, xinv_ptr, ids_ptr, g1_ptr, g3_ptr, h_ptr,
-                   I, KG, TOPK, stride_h, limit,
-                   BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr, MX: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pair = tl.program_id(1)  # t * TOPK + j
-    t = pair // TOPK
-    e = tl.load(ids_ptr + pair)
-    n0 = pid_n * BN
-    r0 = e * I + n0
-    rows = n0 + tl.arange(0, BN)
+def _up_sums(w1_desc, s1_desc, w3_desc, s3_desc, x_desc, xinv_ptr, xrow, r0, KG,
+             BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr, MX: tl.constexpr):
+    """Rows r0 .. r0 + BN of w1 and of w3 against the activation pairs at pair row ``xrow``: the two
+    fp32 dot products [BN] before the global scales."""
     acc1 = tl.zeros((BN, G), dtype=tl.float32)
     acc3 = tl.zeros((BN, G), dtype=tl.float32)
     for g0 in tl.range(0, KG, G, num_stages=STAGES):
-        inv, x0, x1, x2, x3, x4, x5, x6, x7 = pairs_and_inv(x_desc, xinv_ptr, t * KG, g0, G, True)
+        inv, x0, x1, x2, x3, x4, x5, x6, x7 = pairs_and_inv(x_desc, xinv_ptr, xrow, g0, G, True)
         acc1 += group_dot(w1_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
             (block_scales(s1_desc, r0, g0, BN, G, MX) * inv)
         acc3 += group_dot(w3_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
             (block_scales(s3_desc, r0, g0, BN, G, MX) * inv)
-    gate = (tl.sum(acc1, axis=1) * (16384.0 * weight_global_scale(g1_ptr, e, MX))).to(h_ptr.dtype.element_ty).to(tl.float32)
-    up = (tl.sum(acc3, axis=1) * (16384.0 * weight_global_scale(g3_ptr, e, MX))).to(h_ptr.dtype.element_ty).to(tl.float32)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = gate * tl.sigmoid(gate) * up
-    tl.store(h_ptr + pair * stride_h + rows, h.to(h_ptr.dtype.element_ty), mask=rows < I)
+    return tl.sum(acc1, axis=1), tl.sum(acc3, axis=1)
 
 
 @triton.jit
-def _moe_down_kernel(w2_desc, s2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_ptr, y_ptr, ws_ptr, cnt_ptr,
-                     H, KG, TOPK, stride_yt,
-                     BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr, MX: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pair = tl.program_id(1)
-    t = pair // TOPK
-    e = tl.load(ids_ptr + pair)
-    n0 = pid_n * BN
-    r0 = e * H + n0
-    rows = n0 + tl.arange(0, BN)
-    row_ok = rows < H
+def _down_sum(w2_desc, s2_desc, h_desc, hinv_ptr, hrow, r0, KG,
+              BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr, MX: tl.constexpr):
+    """Rows r0 .. r0 + BN of w2 against the pairs of h at pair row ``hrow`` (fp32 [BN], unscaled)."""
     acc = tl.zeros((BN, G), dtype=tl.float32)
     for g0 in tl.range(0, KG, G, num_stages=STAGES):
-        inv, x0, x1, x2, x3, x4, x5, x6, x7 = pairs_and_inv(h_desc, hinv_ptr, pair * KG, g0, G, True)
+        inv, x0, x1, x2, x3, x4, x5, x6, x7 = pairs_and_inv(h_desc, hinv_ptr, hrow, g0, G, True)
         acc += group_dot(w2_desc.load([r0, g0]), x0, x1, x2, x3, x4, x5, x6, x7, BN, G, USE_ASM) * \
             (block_scales(s2_desc, r0, g0, BN, G, MX) * inv)
-    part = tl.sum(acc, axis=1) * (16384.0 * weight_global_scale(g2_ptr, e, MX) * tl.load(wts_ptr + pair).to(tl.float32))
-    # the token's k experts are the "splits" of its row tile: the last sums them in expert order
-    store_or_fix_up(part, y_ptr + t * stride_yt + rows, ws_ptr + t * TOPK * H + rows, row_ok, cnt_ptr,
-                     t * tl.num_programs(0) + pid_n, pair - t * TOPK, H, TOPK, 1.0, True)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, sw1_desc, ss1_desc, sw3_desc, ss3_desc, x_desc, xinv_ptr,
+                   ids_ptr, g1_ptr, g3_ptr, sg1_ptr, sg3_ptr, h_ptr, I, KG, TOPK, NPAIR, stride_h, limit,
+                   BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr, MX: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)  # t * NPAIR + j: j < TOPK a routed expert, j == TOPK the shared one (NPAIR = TOPK + 1)
+    t = pair // NPAIR
+    j = pair - t * NPAIR
+    n0 = pid_n * BN
+    rows = n0 + tl.arange(0, BN)
+    if j == TOPK:
+        a1, a3 = _up_sums(sw1_desc, ss1_desc, sw3_desc, ss3_desc, x_desc, xinv_ptr, t * KG, n0, KG, BN, G, STAGES,
+                          USE_ASM, MX)
+        gs1 = weight_global_scale(sg1_ptr, 0, MX)
+        gs3 = weight_global_scale(sg3_ptr, 0, MX)
+    else:
+        e = tl.load(ids_ptr + t * TOPK + j)
+        a1, a3 = _up_sums(w1_desc, s1_desc, w3_desc, s3_desc, x_desc, xinv_ptr, t * KG, e * I + n0, KG, BN, G, STAGES,
+                          USE_ASM, MX)
+        gs1 = weight_global_scale(g1_ptr, e, MX)
+        gs3 = weight_global_scale(g3_ptr, e, MX)
+    out_ty = h_ptr.dtype.element_ty
+    gate = round_to(a1 * (16384.0 * gs1), out_ty)
+    up = round_to(a3 * (16384.0 * gs3), out_ty)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    # the reference's rounding points (clamped_swiglu in x.dtype): silu(gate), then times up
+    h = round_to(gate * tl.sigmoid(gate), out_ty) * up
+    tl.store(h_ptr + pair * stride_h + rows, h.to(out_ty), mask=rows < I)
+
+
+@triton.jit
+def _moe_down_kernel(w2_desc, s2_desc, sw2_desc, ss2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_ptr, sg2_ptr,
+                     y_ptr, ws_ptr, cnt_ptr, H, KG, TOPK, NPAIR, stride_yt,
+                     BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr, MX: tl.constexpr,
+                     SHARED: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)
+    t = pair // NPAIR
+    j = pair - t * NPAIR
+    n0 = pid_n * BN
+    rows = n0 + tl.arange(0, BN)
+    row_ok = rows < H
+    if j == TOPK:
+        a = _down_sum(sw2_desc, ss2_desc, h_desc, hinv_ptr, pair * KG, n0, KG, BN, G, STAGES, USE_ASM, MX)
+        part = a * (16384.0 * weight_global_scale(sg2_ptr, 0, MX))
+    else:
+        e = tl.load(ids_ptr + t * TOPK + j)
+        a = _down_sum(w2_desc, s2_desc, h_desc, hinv_ptr, pair * KG, e * H + n0, KG, BN, G, STAGES, USE_ASM, MX)
+        part = a * (16384.0 * weight_global_scale(g2_ptr, e, MX) * tl.load(wts_ptr + t * TOPK + j).to(tl.float32))
+    tile = t * tl.num_programs(0) + pid_n
+    y_ptrs = y_ptr + t * stride_yt + rows
+    ws_ptrs = ws_ptr + t * NPAIR * H + rows
+    if SHARED:
+        _fix_up_routed_and_shared(part, y_ptrs, ws_ptrs, row_ok, cnt_ptr, tile, j, H, TOPK)
+    else:
+        # the token's k experts are the "splits" of its row tile: the last sums them in expert order
+        store_or_fix_up(part, y_ptrs, ws_ptrs, row_ok, cnt_ptr, tile, j, H, TOPK, 1.0, True)
+
+
+@triton.jit
+def _fix_up_routed_and_shared(part, y_ptrs, ws_ptrs, mask, cnt_ptr, tile, j, H, TOPK):
+    """``store_or_fix_up`` over a token's TOPK + 1 partials of a row tile, where the last CTA rounds
+    the sum of the TOPK routed ones (expert order) to y's dtype, adds the shared expert's partial
+    rounded the same way and rounds again: the model's routed + shared, both in x.dtype."""
+    tl.store(ws_ptrs + j * H, part, mask=mask)
+    tl.debug_barrier()
+    old = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    if old == TOPK:
+        out_ty = y_ptrs.dtype.element_ty
+        routed = sum_partials(ws_ptrs, H, TOPK, mask, tl.zeros_like(part))
+        shared = tl.load(ws_ptrs + TOPK * H, mask=mask, other=0.0, cache_modifier=".cg")
+        y = round_to(round_to(routed, out_ty) + round_to(shared, out_ty), out_ty)
+        tl.store(y_ptrs, y.to(out_ty), mask=mask)
+        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # next use is a later launch: no fence
 
 
 def tma_moe_supported(x: torch.Tensor, w1, w3, w2) -> bool:
@@ -136,29 +193,34 @@ def _global_scales(w) -> torch.Tensor:
 
 
 def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, w3, w2, lim: float,
-                   k: int) -> torch.Tensor:
+                   k: int, shared: tuple | None = None) -> torch.Tensor:
     """x [T, H] contiguous, ids_c int32 [T*k], wts fp32 [T*k], stacks as in ``moe_decode_triton``
-    (``StackedNVFP4`` or ``StackedMXFP4``: MXFP4 boxes hold 32 groups so the E8M0 box is 16 bytes)."""
+    (``StackedNVFP4`` or ``StackedMXFP4``: MXFP4 boxes hold 32 groups so the E8M0 box is 16 bytes).
+    ``shared``: the shared expert's (w1, w3, w2) as one-expert stacks of the same format, run as a
+    (k+1)-th pair of every token in the same two GEMV launches; y = routed + shared, each rounded to
+    x.dtype first (``_fix_up_routed_and_shared``)."""
     T, H = x.shape
     E, I, _ = w1.shape
     mx = _is_mx(w1)
     g = 32 if mx else BOX_GROUPS
     bn, stages, warps = (16, 2, 1) if INTERPRET else (64, 3, 4)
-    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
+    npair = k + (shared is not None)
+    sw1, sw3, sw2 = shared if shared is not None else (w1, w3, w2)  # stand-ins: no pair reaches them
+    h = torch.empty((T * npair, I), dtype=x.dtype, device=x.device)
     y = torch.empty((T, H), dtype=x.dtype, device=x.device)
     xp, xinv = x_pairs(x.reshape(-1))
-    w1d, s1d = _descs(w1, bn, g)
-    w3d, s3d = _descs(w3, bn, g)
-    launch(_moe_up_kernel, (cdiv(I, bn), T * k),
-        w1d, s1d, w3d, s3d, TensorDescriptor.from_tensor(xp, [g, 16]), xinv, ids_c,
-        _global_scales(w1), _global_scales(w3), h,
-        I, H // 16, k, h.stride(0), lim, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET, MX=mx, num_warps=warps)
+    launch(_moe_up_kernel, (cdiv(I, bn), T * npair),
+        *_descs(w1, bn, g), *_descs(w3, bn, g), *_descs(sw1, bn, g), *_descs(sw3, bn, g),
+        TensorDescriptor.from_tensor(xp, [g, 16]), xinv, ids_c,
+        _global_scales(w1), _global_scales(w3), _global_scales(sw1), _global_scales(sw3), h,
+        I, H // 16, k, npair, h.stride(0), lim, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET, MX=mx,
+        num_warps=warps)
     hp, hinv = x_pairs(h.reshape(-1))
-    w2d, s2d = _descs(w2, bn, g)
     n_tiles = cdiv(H, bn)
-    ws = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
-    launch(_moe_down_kernel, (n_tiles, T * k),
-        w2d, s2d, TensorDescriptor.from_tensor(hp, [g, 16]), hinv, ids_c, wts,
-        _global_scales(w2), y, ws, counters(x.device, T * n_tiles),
-        H, I // 16, k, y.stride(0), BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET, MX=mx, num_warps=warps)
+    ws = torch.empty((T * npair, H), dtype=torch.float32, device=x.device)
+    launch(_moe_down_kernel, (n_tiles, T * npair),
+        *_descs(w2, bn, g), *_descs(sw2, bn, g), TensorDescriptor.from_tensor(hp, [g, 16]), hinv, ids_c, wts,
+        _global_scales(w2), _global_scales(sw2), y, ws, counters(x.device, T * n_tiles),
+        H, I // 16, k, npair, y.stride(0), BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET, MX=mx,
+        SHARED=shared is not None, num_warps=warps)
     return y

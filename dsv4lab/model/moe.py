@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import HASH_MOE, DSV4Config
 from ..quant.modes import Mode, RoundTrip
-from ..quant.stacked import StackedMXFP4, StackedNVFP4
+from ..quant.stacked import StackedMXFP4, StackedNVFP4, stack_one
 from .component import Component, changes
 from .expert_stack import ExpertStack
 from .hooks import HookPoint
@@ -319,17 +319,60 @@ class Experts(Component):
 
 
 class MoE(Component):
+    """Router, routed experts and the shared expert: routed + shared, both in x.dtype.
+
+    Graph-safe decode folds the shared expert into the routed experts' kernel (``shared=``: one
+    more GEMV pair per token in the same launches) when that kernel says it can
+    (``folds_shared``), both run the same weight format and mode, and no hook listens to the
+    routed sum, the per-expert outputs or the shared expert's output."""
+
     def __init__(self, config: DSV4Config, layer: int) -> None:
         super().__init__()
         self.router = Router(config, config.mlp_layer_types[layer] == HASH_MOE)
         self.experts = Experts(config)
         self.shared_expert = SharedExpert(config) if config.n_shared_experts else None
         self.hook_out = HookPoint("MoE block output [B,S,D]")
+        self._fold_seen = (-1, None)  # (changes() when decided, the shared expert's one-expert stacks or None)
+
+    def shared_folds(self, x: torch.Tensor) -> tuple | None:
+        """The shared expert's (w1, w3, w2) as one-expert stacks when graph-safe decode of ``x``
+        [T, D] folds it into ``experts.kernel``, else None. Hooks and the device are checked every
+        call; the O(E) rest is kept until a component counts a change (as ``Experts.stack``)."""
+        se, ex = self.shared_expert, self.experts
+        if (se is None or se.hook_out.active or ex.hook_out.active or ex.hook_expert_out.active
+                or not getattr(ex.kernel, "folds_shared", False)):
+            return None
+        seen, stacks = self._fold_seen
+        if seen != changes():
+            stacks = self._decide_fold()
+            self._fold_seen = (changes(), stacks)
+        return stacks if stacks is not None and ex.kernel_applies(x, ex.stack()) else None
+
+    def _decide_fold(self) -> tuple | None:
+        se, ex = self.shared_expert, self.experts
+        stack = ex.stack()
+        routed, lins = ex[0], [getattr(se, p) for p in ExpertStack.PROJ]
+        if (type(se) is not SharedExpert or stack is None or se.limit != ex.limit
+                or any(m._forward_hooks or m._forward_pre_hooks for m in (ex, se, *lins))):
+            return None  # a torch hook on a module the fold never calls would silently not fire
+        if any(type(ql) is not QLinear or ql.format != stack.formats[p] or ql.qweight is None
+               or (ql.mode, ql.act_scale, ql.round_trips) != (getattr(routed, p).mode, getattr(routed, p).act_scale,
+                                                              getattr(routed, p).round_trips)
+               or ql.qweight.packed.shape != stack.tensors[p]["packed"].shape[1:]
+               for p, ql in zip(ExpertStack.PROJ, lins)):
+            return None
+        return tuple(stack_one(ql.qweight) for ql in lins)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None, graph_safe: bool = False) -> torch.Tensor:
         B, S, D = x.shape
         ids, w = self.router(x, input_ids)
-        routed = self.experts(x.reshape(-1, D), ids, w, graph_safe).view(B, S, D)
+        flat = x.reshape(-1, D)
+        shared = self.shared_folds(flat) if graph_safe else None
+        if shared is not None:
+            w1, w3, w2 = self.experts.kernel_stacks(self.experts.stack())
+            out = self.experts.kernel(flat, ids, w, w1, w3, w2, self.experts.limit, shared=shared)
+            return self.hook_out(out.to(x.dtype).view(B, S, D))
+        routed = self.experts(flat, ids, w, graph_safe).view(B, S, D)
         if self.shared_expert is not None:
             routed = routed + self.shared_expert(x)
         return self.hook_out(routed)

@@ -62,6 +62,17 @@ class StackedMXFP4:
 Stacked = StackedNVFP4 | StackedMXFP4
 
 
+def stack_one(w) -> Stacked:
+    """One ``NVFP4Weight`` / ``MXFP4Weight`` as a one-expert stack of views (no copy): the shared
+    expert, run beside the routed stacks by the MoE decode kernels."""
+    fmt = getattr(w, "format", None)
+    if fmt == "nvfp4":
+        return StackedNVFP4(w.packed.unsqueeze(0), w.block_scale.unsqueeze(0), w.global_scale.reshape(1).float())
+    if fmt == "mxfp4":
+        return StackedMXFP4(w.packed.unsqueeze(0), w.scale.unsqueeze(0))
+    raise ValueError(f"stack_one: a one-expert stack needs an NVFP4 or MXFP4 weight, got format {fmt!r}")
+
+
 def stack_experts(ws) -> Stacked:
     """A list of per-expert weights of one format as ``StackedNVFP4`` or ``StackedMXFP4``."""
     fmts = {getattr(w, "format", None) for w in ws}
