@@ -102,10 +102,6 @@ def moe_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise ValueError(f"shared must be (w1, w3, w2) one-expert stacks of shapes [1, {I}, {H}], [1, {I}, {H}], "
                          f"[1, {H}, {I}] in the routed experts' format ({type(w1).__name__}); got "
                          f"{[(type(w).__name__, tuple(w.shape)) for w in shared]}")
-    x = x.contiguous()
-    ids_c = ids.reshape(-1).to(torch.int32).contiguous()
-    wts = weights.reshape(-1).to(torch.float32).contiguous()
-    lim = float("inf") if limit is None or limit <= 0 else float(limit)
     if T == 0:
         return torch.empty((0, H), dtype=x.dtype, device=x.device)
     ok = tma_moe_supported(x, w1, w3, w2)
@@ -120,8 +116,21 @@ def moe_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise ValueError("the TMA MoE path needs H, I multiples of 256, 16-byte aligned stacks and sm_90+")
     if shared is not None and not (tma and tma_moe_supported(x, *shared)):
         one = torch.zeros((T, 1), dtype=torch.int32, device=x.device)
-        routed = moe_decode_triton(x, ids, weights, w1, w3, w2, limit, tma)
-        return routed + moe_decode_triton(x, one, torch.ones((T, 1), device=x.device), *shared, limit, tma)
+        routed = _moe_decode(x, ids, weights, w1, w3, w2, limit, tma, None)
+        return routed + _moe_decode(x, one, torch.ones((T, 1), device=x.device), *shared, limit, tma, None)
+    return _moe_decode(x, ids, weights, w1, w3, w2, limit, tma, shared)
+
+
+def _moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3, w2, limit: float | None,
+                tma: bool, shared: tuple | None) -> torch.Tensor:
+    """``moe_decode_triton`` after its checks, on the path ``tma`` chose (``shared`` only on the TMA one)."""
+    T, H = x.shape
+    k = ids.shape[1]
+    E, I, _ = w1.shape
+    x = x.contiguous()
+    ids_c = ids.reshape(-1).to(torch.int32).contiguous()
+    wts = weights.reshape(-1).to(torch.float32).contiguous()
+    lim = float("inf") if limit is None or limit <= 0 else float(limit)
     if tma:
         return moe_decode_tma(x, ids_c, wts, w1, w3, w2, lim, k, shared)
     bn, g, warps = _cfg()
