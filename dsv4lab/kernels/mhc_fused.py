@@ -48,6 +48,8 @@ SPLIT_ROWS = 128    # BT * SPLIT: the partials the last program reads at once
 MIN_PROGRAMS = 96   # hc_pre's grid at least this (token blocks x splits) where T allows
 POST_BD = 512       # columns per hc_post program
 COLLAPSE_ELEMS = 2048  # BT * BD: the collapse tile of the last program (T = 1: 4 steps over D = 7168)
+DECODE_COLLAPSE_ELEMS = 8192  # one token: the collapse in one step over D = 7168 (H200 site 11.7 -> 11.3 us, same bits)
+PRE_WARPS = 4          # warps of a split-K hc_pre program (8 or 16: no faster, and Sinkhorn's sums reorder)
 DENSE_MIN_T = 1024  # hc_pre tokens (bf16 streams) from which the mix products run on cuBLAS (H200, V4-Pro
                     # site, tiles / dense us: 512 231 / 315, 1024 273 / 139, 2048 505 / 165, 4096 966 / 288)
 DENSE_BT = 4        # tokens per program of the dense tier's finish (x is read twice: keep it in L2)
@@ -344,8 +346,8 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     launch(_hc_pre_kernel, (n_tb, n_split),
         x, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,
         T, K, D, ch, int(iters), float(hc_eps), float(norm_eps), HC=hc, HCP=hcp, BT=bt, BK=bk,
-        BD=max(64, COLLAPSE_ELEMS // bt), SPLIT=n_split, SPLITP=next_pow2(n_split), HEAD=head,
-        BF16_BY_HAND=_bf16_by_hand(x), num_warps=4)
+        BD=max(64, (DECODE_COLLAPSE_ELEMS if bt == 1 else COLLAPSE_ELEMS) // bt), SPLIT=n_split, SPLITP=next_pow2(n_split), HEAD=head,
+        BF16_BY_HAND=_bf16_by_hand(x), num_warps=PRE_WARPS)
     return pre, post, comb, out
 
 
