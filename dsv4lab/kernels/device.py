@@ -60,7 +60,16 @@ def on_input_device(fn):
                 return fn(x, *args, **kwargs)
         return fn(x, *args, **kwargs)
 
-    guarded = torch.compiler.disable(run)
+    opaque = torch.compiler.disable(run)
+
+    @functools.wraps(fn)
+    def guarded(x, *args, **kwargs):
+        # Dynamo traces this test as True and hands the call to the opaque launcher; eager calls
+        # skip the disable wrapper's two eval-frame switches (~13 us of host a launch on a CPU stub)
+        if torch.compiler.is_compiling():
+            return opaque(x, *args, **kwargs)
+        return run(x, *args, **kwargs)
+
     guarded.launch_guard = True  # what tests look for on every public launcher
     return guarded
 
