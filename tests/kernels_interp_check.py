@@ -170,6 +170,11 @@ x2g = rnd(2, 3, 512).to(torch.bfloat16)
 res["grouped_loop"] = err(nvfp4_grouped_matmul(x2g, wg.packed, wg.block_scale, wg.global_scale),
                           torch.stack([nvfp4_matmul_ref(x2g[:, g], NVFP4Weight(wg.packed[32 * g:32 * g + 32],
                                        wg.block_scale[32 * g:32 * g + 32], wg.global_scale)) for g in range(3)], dim=1))
+# a prefill of DENSE_MIN_M tokens: the weight dequantised once, the reference's one bmm (bitwise)
+from dsv4lab.model.linear import grouped_linear
+x512 = rnd(512, 3, 512).to(torch.bfloat16)
+y512 = nvfp4_grouped_matmul(x512, wg.packed, wg.block_scale, wg.global_scale)
+res["grouped_dense_bitwise"] = bool(torch.equal(y512, grouped_linear(x512, wg.dequantize(torch.bfloat16), 3)))
 try:
     nvfp4_matmul(rnd(17, 512).to(torch.bfloat16), wt.packed, wt.block_scale, wt.global_scale,
                  config={"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": 1, "num_warps": 1})

@@ -95,6 +95,7 @@ def test_interp_grouped_tma_gemv(interp_results):
     assert v["bad"] == 0 and v["ref_max"] > 0 and v["max_abs"] <= 1e-2 * v["ref_max"], v
     assert interp_results["grouped_one_token_plans"] == {"same": True, "other_groups": True}
     assert interp_results["grouped_loop"]["bad"] == 0
+    assert interp_results["grouped_dense_bitwise"] is True  # 512 tokens: one dequantisation + one bmm
 
 
 def test_interp_nvfp4_matmul(interp_results):
