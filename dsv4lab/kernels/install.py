@@ -80,7 +80,7 @@ KERNEL_SLOTS: dict[type, tuple[str, ...]] = {  # the first class that matches (R
     HyperConnection: ("kernel", "post_kernel"),
     Attention: ("kernel", "decode_kernel", "norm_kernel", "rope_kernel"),
     Indexer: ("decode_kernel", "prefill_kernel", "rope_kernel", "topk_kernel"),
-    Compressor: ("kernel", "decode_kernel"),
+    Compressor: ("kernel", "decode_kernel", "rope_kernel"),
 }
 
 
@@ -147,6 +147,7 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
         mod.kernel = compressor_pool
     if have_triton:
         mod.decode_kernel = compressor_decode
+        mod.rope_kernel = norm_rope  # the pooled entries' norm + RoPE (prefill; the decode step fuses its own)
     return have_cute or have_triton
 
 
@@ -162,7 +163,7 @@ def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, stri
     ``act_quant_nvfp4`` as its ``act_kernel`` and ``grouped_quant_linear`` as its ``grouped_kernel``
     (NVFP4), ``route`` as ``Router.route_kernel``, ``moe_decode`` as ``Experts.kernel`` and ``moe_prefill``
     as ``Experts.prefill_kernel`` (NVFP4 or MXFP4 experts), ``compressor_pool`` as ``Compressor.kernel``
-    and ``compressor_decode`` as its ``decode_kernel``,
+    and ``compressor_decode`` / ``norm_rope`` as its ``decode_kernel`` / ``rope_kernel``,
     ``prefill_attention`` as ``Attention.kernel`` with ``decode_attention`` as its ``decode_kernel`` and
     ``rms_norm`` / ``norm_rope`` as its ``norm_kernel`` / ``rope_kernel``,
     ``index_scores_decode`` / ``norm_rope`` / ``index_top_k_decode`` as ``Indexer.decode_kernel`` /

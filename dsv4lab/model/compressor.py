@@ -12,6 +12,8 @@ Round trips (``round_trips``, set by dsv4lab.precision): the attention's compres
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -46,6 +48,9 @@ class Compressor(Component):
         # optional fused decode step f(compressor, wkv(x), wgate(x), pos, state) -> entry count; used only
         # where decode_kernel_applies() (no hooks, no round trips, the fused methods not replaced)
         self.decode_kernel = None
+        # optional fused kv_norm + RoPE (+ kv_fp8) of the pooled entries, with norm_rope_ref's signature
+        # (dsv4lab.kernels); used where fused_norm_rope() (the norm and rotary stock, not training)
+        self.rope_kernel: Callable | None = None
         self.hook_entries = HookPoint("new compressed entries [B,n_windows,d] (after kv_norm and RoPE)")
 
     # ------------------------------------------------------------------ core
@@ -64,14 +69,26 @@ class Compressor(Component):
         else:
             w = self.hook_weights(torch.softmax(gate_slots, dim=2, dtype=torch.float32))
             pooled = (kv_slots * w.to(kv_slots.dtype)).sum(dim=2)
-        entries = self.norm(pooled)
-        cos, sin = self.rotary(window_idx * self.ratio)
-        entries = apply_rope(entries, cos, sin)
+        positions = window_idx * self.ratio
+        kv_fp8 = not self.rotate and RoundTrip.KV_FP8 in self.round_trips
+        if self.rope_kernel is not None and self.fused_norm_rope():  # one launch for the norm, RoPE and kv_fp8
+            entries = self.rope_kernel(pooled.unsqueeze(-2), positions, self.rotary.inv_freq, eps=self.norm.eps,
+                                       weight=self.norm.weight, fp8_nope=kv_fp8).squeeze(-2)
+        else:
+            cos, sin = self.rotary(positions)
+            entries = apply_rope(self.norm(pooled), cos, sin)
+            if kv_fp8:
+                entries = kv_fp8_round_trip(entries, cos.shape[-1] * 2)
         if self.rotate and RoundTrip.INDEXER_FP4 in self.round_trips:
             entries = indexer_fp4_round_trip(entries)
-        elif not self.rotate and RoundTrip.KV_FP8 in self.round_trips:
-            entries = kv_fp8_round_trip(entries, cos.shape[-1] * 2)
         return self.hook_entries(entries)
+
+    def fused_norm_rope(self) -> bool:
+        """Does ``pool`` run ``rope_kernel``? The norm and rotary stock (a replaced one is not what
+        the kernel computes) and not training (the kernel has no backward). ``hook_entries`` sees
+        the kernel's entries (within its tolerance of the reference's)."""
+        return (type(self.norm) is RMSNorm and type(self.rotary).forward is Rotary.forward
+                and not (self.training and torch.is_grad_enabled()))
 
     def _slots(self, kv_w: torch.Tensor, gate_w: torch.Tensor, prev_kv: torch.Tensor, prev_gate: torch.Tensor):
         """Per-window slots from window-shaped projections [B,n,m,c*d] (+ the window before)."""

@@ -68,3 +68,33 @@ def test_chunked_prefill_and_decode_build_the_same_entries(mixed, kind):
             n = comp.decode(x[:, t : t + 1], torch.tensor(t), st)
     assert int(n) == S // comp.ratio
     torch.testing.assert_close(st.entries[:, : int(n)], want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_rope_kernel_slot_matches_the_oracle(mixed, kind):
+    """``Compressor.rope_kernel`` (the fused norm + RoPE of the pooled entries; here the dispatcher,
+    which on CPU runs ``norm_rope_ref``) gives the oracle's entries, is called once a prefill, and
+    a replaced norm keeps the unfused path."""
+    from dsv4lab.kernels import dispatch
+    from dsv4lab.model.norms import RMSNorm
+
+    cfg, hf, ours = mixed
+    layer = LAYERS[kind]
+    comp = ours.layers[layer].attn.compressor
+    x, q_res = _inputs(cfg, seed=20 + layer)
+    want = _oracle_entries(hf, layer, x, q_res)
+    calls = []
+    comp.rope_kernel = lambda *a, **k: (calls.append(k), dispatch.norm_rope(*a, **k))[1]
+    try:
+        got = _prefill(ours, layer, x)
+        assert len(calls) == 1 and calls[0]["fp8_nope"] is False
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+        norm = comp.norm
+        comp.norm = type("OtherNorm", (RMSNorm,), {})(norm.weight.shape[0], norm.eps)
+        comp.norm.load_state_dict(norm.state_dict())
+        assert not comp.fused_norm_rope()
+        torch.testing.assert_close(_prefill(ours, layer, x), want, atol=ATOL, rtol=RTOL)
+        assert len(calls) == 1
+        comp.norm = norm
+    finally:
+        comp.rope_kernel = None
