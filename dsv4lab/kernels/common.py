@@ -92,13 +92,19 @@ def store_or_fix_up(acc, y_ptrs, ws_ptrs, mask, cnt_ptr, tile, pid_k, split_stri
     if not USE_SPLIT:
         tl.store(y_ptrs, round_to(acc * scale, out_ty).to(out_ty), mask=mask)
     else:
-        tl.store(ws_ptrs + pid_k * split_stride, acc, mask=mask)
-        tl.debug_barrier()
-        old = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if old == SPLIT - 1:
+        if arrive(acc, ws_ptrs + pid_k * split_stride, mask, cnt_ptr, tile) == SPLIT - 1:
             tot = sum_partials(ws_ptrs, split_stride, SPLIT, mask, tl.zeros_like(acc))
             tl.store(y_ptrs, round_to(tot * scale, out_ty).to(out_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # next use is a later launch: no fence
+
+
+@triton.jit
+def arrive(part, part_ptrs, mask, cnt_ptr, tile):
+    """Store this program's fp32 partial and bump the tile's counter: the count before (the last
+    of n programs reads n - 1 and then sums the partials, stores and resets the counter)."""
+    tl.store(part_ptrs, part, mask=mask)
+    tl.debug_barrier()
+    return tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
 
 
 @triton.jit

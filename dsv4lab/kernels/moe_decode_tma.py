@@ -33,6 +33,7 @@ from .common import (
     weight_cached,
     BOX_GROUPS,
     INTERPRET,
+    arrive,
     block_scales,
     counters,
     group_dot,
@@ -139,10 +140,7 @@ def _fix_up_routed_and_shared(part, y_ptrs, ws_ptrs, mask, cnt_ptr, tile, j, H, 
     """``store_or_fix_up`` over a token's TOPK + 1 partials of a row tile, where the last CTA rounds
     the sum of the TOPK routed ones (expert order) to y's dtype, adds the shared expert's partial
     rounded the same way and rounds again: the model's routed + shared, both in x.dtype."""
-    tl.store(ws_ptrs + j * H, part, mask=mask)
-    tl.debug_barrier()
-    old = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-    if old == TOPK:
+    if arrive(part, ws_ptrs + j * H, mask, cnt_ptr, tile) == TOPK:
         out_ty = y_ptrs.dtype.element_ty
         routed = sum_partials(ws_ptrs, H, TOPK, mask, tl.zeros_like(part))
         shared = tl.load(ws_ptrs + TOPK * H, mask=mask, other=0.0, cache_modifier=".cg")
