@@ -128,8 +128,9 @@ h = (xf * xs[:, None]).half().view(torch.int16).to(torch.int32) & 0xFFFF
 idx = torch.tensor([0, 4, 1, 5, 8, 12, 9, 13])   # pair 4h + j: elements 8h + (0, 4, 1, 5)[j] and +2
 ref_pairs = h[:, idx] | (h[:, idx + 2] << 16)
 res["tma_pairs"] = {"pairs_exact": bool(torch.equal(xp[:, :8], ref_pairs)),
-                    "inv_exact": bool(torch.equal(inv, ((254 - b) << 23).view(torch.float32)))
-                    and bool(torch.equal(xp[:, 8].view(torch.float32), inv))}
+                    "inv_exact": bool(torch.equal(inv[:32], ((254 - b) << 23).view(torch.float32)))
+                    and bool(torch.equal(xp[:, 8].view(torch.float32), inv[:32]))
+                    and inv.numel() == 64 and not bool(inv[32:].any())}   # zeros up to whole INV_PAD boxes
 for M in (2, 5, 16):  # the tl.dot loop on the same weight ring
     x = rnd(M, 512).to(torch.bfloat16)
     for split in (1, 2):

@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .launch import launch
+from .launch import LaunchSite, launch
 
 
 def patch_interpreter_for_numpy2() -> None:
@@ -561,18 +561,25 @@ def weight_global_scale(gs_ptr, idx, MX: tl.constexpr):
 
 
 def x_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [K] (any float dtype) -> (int32 [K/16, 16]: per 16-group the 8 f16x2 pairs, the bits of
-    1/xs and 7 unused words; 1/xs fp32 [K/16] again on its own, zero-padded after the end)."""
-    K = x.shape[-1]
-    KG = K // 16
+    """x (any float dtype, contiguous; its K = numel elements: one row) -> (int32 [K/16, 16]: per
+    16-group the 8 f16x2 pairs, the bits of 1/xs and 7 unused words; 1/xs fp32 [KGP] again on its
+    own, zeros after the K/16 groups up to whole ``INV_PAD`` boxes). Two allocations and no views:
+    each tensor object costs ~3 us of host on a slow core, and eager decode calls this 8 times a layer."""
+    KG = x.numel() // 16
     kgp = cdiv(KG, INV_PAD) * INV_PAD
-    buf = torch.empty(KG * 16 + kgp, dtype=torch.int32, device=x.device)  # one allocation for both
-    xp = buf[:KG * 16].view(KG, 16)                                      # (16 * 4-byte rows: aligned)
-    inv = buf[KG * 16:].view(torch.float32)
-    bg = 16 if INTERPRET else 32
-    launch(_x_pairs_kernel, (cdiv(kgp, bg),), x, xp, inv, KG, kgp, BG=bg, PDL=pdl, num_warps=1 if INTERPRET else 4,
-                                      **({"launch_pdl": True} if pdl else {}))
-    return xp, inv[:KG]
+    xp = torch.empty((KG, 16), dtype=torch.int32, device=x.device)
+    inv = torch.empty(kgp, dtype=torch.float32, device=x.device)
+    kernel = _x_pairs_kernel  # looked up per call: a test's stand-in replaces the module attribute
+    site = _X_PAIRS_SITES.get((kernel, pdl))
+    if site is None:
+        site = _X_PAIRS_SITES[kernel, pdl] = LaunchSite(
+            kernel, BG=_X_PAIRS_BG, PDL=pdl, num_warps=1 if INTERPRET else 4, **({"launch_pdl": True} if pdl else {}))
+    site((cdiv(kgp, _X_PAIRS_BG),), x, xp, inv, KG, kgp)
+    return xp, inv
+
+
+_X_PAIRS_BG = 16 if INTERPRET else 32   # 16-groups per program
+_X_PAIRS_SITES: dict = {}               # (kernel, pdl) -> its LaunchSite (no per-call keyword key)
 
 
 _PAIRS_DESC: dict = {}  # (KG, g, xinv) -> a descriptor over some x_pairs rows, the geometry to rebase

@@ -307,9 +307,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if kernel_can_take(x) and weight.dtype in KERNEL_DTYPES:
         from .norm_rope import NORM_WEIGHTED, launch_norm_rope  # lazy: imports triton
 
-        out = launch_norm_rope(x.unsqueeze(-2), torch.promote_types(weight.dtype, x.dtype), norm=NORM_WEIGHTED,
-                               eps=eps, weight=weight)
-        return out.squeeze(-2)
+        return launch_norm_rope(x, torch.promote_types(weight.dtype, x.dtype), norm=NORM_WEIGHTED, eps=eps,
+                                weight=weight, one_head=True)
     return rms_norm_ref(x, weight, eps)
 
 

@@ -60,6 +60,8 @@ _sites: dict = {}  # (id(kernel), n args, keyword names, values, types) -> Launc
 _all_sites: "weakref.WeakSet[LaunchSite]" = weakref.WeakSet()  # what clear() resets, plans' sites included
 _runtime = knobs.runtime
 _compilation = knobs.compilation
+_TORCH_CURRENT_DEVICE = torch.cuda.current_device   # what Triton's driver asks for the current device
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
 stats = {"direct": 0, "normal": 0}  # launches per path since the last ``clear()`` (tests, benchmarks)
 
 
@@ -197,6 +199,8 @@ class LaunchSite:
         caches = kernel.device_caches.get(device())
         if caches is None:
             return False
+        if device is _TORCH_CURRENT_DEVICE and _GET_DEVICE is not None:
+            device = _GET_DEVICE  # the same answer once CUDA is initialised, without lazy-init checks (~1 us)
         env = {"_s": native_specialize_impl, "_b": caches[3], "_T": torch.Tensor, "_d": device}
         guard, exprs = [], []
         for i, (a, p) in enumerate(zip(args, params)):

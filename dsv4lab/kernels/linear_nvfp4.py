@@ -63,7 +63,7 @@ from .common import (
 )
 from ..model.linear import grouped_linear
 from .dequant_gemm import DENSE_MIN_M, SCRATCH_BYTES, dense_supported, dequantize_rows
-from .device import on_input_device
+from .device import env_value, on_input_device
 from .launch import launch
 from .linear_gemm import gemm_supported, prefill_gemm
 from .linear_nvfp4_tma import GemvTmaPlan, launch_gemv_tma, run_gemv_tma, tma_default_config, tma_supported
@@ -441,7 +441,7 @@ def _decode_plan(x2: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tens
     weight's tensors need a per-call copy: a byte-offset or strided view). Keyed on the weight
     tensors' identities and data pointers (``common.weight_cached``) and on DSV4LAB_KERNEL_TMA."""
     key = (id(block_scale), block_scale.data_ptr(), id(global_scale), global_scale.data_ptr(), M == 1, x2.dtype,
-           x2.device, os.environ.get("DSV4LAB_KERNEL_TMA", "1"))
+           x2.device, env_value("DSV4LAB_KERNEL_TMA", "1"))
     return weight_cached(packed, key, lambda: _build_decode_plan(x2, packed, block_scale, global_scale))
 
 
@@ -481,7 +481,7 @@ def nvfp4_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
     if x.shape[-1] != K:
         raise ValueError(f"x last dim {x.shape[-1]} != weight in_features {K}")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
+    x2 = x if x.dim() == 2 else x.reshape(-1, K)  # reshape makes a new tensor object even when it is one
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
@@ -489,6 +489,10 @@ def nvfp4_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
         plan = _decode_plan(x2, packed, block_scale, global_scale, M)
         if plan is not None:
             gs = plan.gs if plan.gs is not None else global_scale.reshape(1).to(device=x.device, dtype=torch.float32)
+            if plan.tma is not None and plan.tma.m1:  # the M = 1 GEMV writes y's N contiguous values
+                y = torch.empty((*lead, N), dtype=out_dtype or x.dtype, device=x.device)
+                run_gemv_tma(plan.tma, x2, gs, y)
+                return y
             y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
             if plan.tma is not None:
                 run_gemv_tma(plan.tma, x2, gs, y)
@@ -521,7 +525,7 @@ def _grouped_plan(x1: torch.Tensor, packed_in: torch.Tensor, block_scale: torch.
     a plan per call rebuilt its descriptors and launch site on every eager step, ~0.5 ms a layer on
     the H200). None when the row blocks are not a multiple of the tile or the weight needs a copy."""
     key = ("grouped", groups, id(block_scale), block_scale.data_ptr(), id(global_scale), global_scale.data_ptr(),
-           x1.dtype, x1.device, os.environ.get("DSV4LAB_KERNEL_TMA", "1"))
+           x1.dtype, x1.device, env_value("DSV4LAB_KERNEL_TMA", "1"))
 
     def build() -> _DecodePlan | None:
         packed, scale = packed_in.view(torch.uint8), block_scale.view(torch.uint8)

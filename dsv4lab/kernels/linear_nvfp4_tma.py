@@ -219,7 +219,7 @@ def run_gemv_tma(plan: GemvTmaPlan, x2: torch.Tensor, gs: torch.Tensor, y: torch
     else:
         ws, cnt = y, y
     if plan.m1:
-        xp, inv = x_pairs(x2[0], plan.pdl) if pairs is None else pairs
+        xp, inv = x_pairs(x2, plan.pdl) if pairs is None else pairs
         plan.site(plan.grid, plan.wd, plan.sd, pairs_descriptor(xp, plan.g, plan.xinv), inv, gs, y, ws, cnt,
                   plan.N, plan.KG, plan.gps, plan.split)
     else:

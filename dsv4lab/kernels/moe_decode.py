@@ -18,7 +18,6 @@ scales [E]); build the stack once per layer (``StackedNVFP4.from_weights``). MXF
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -26,7 +25,7 @@ import triton.language as tl
 
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
 from .common import cdiv, INTERPRET, gemv_rows_m1, round_to
-from .device import on_input_device
+from .device import env_value, on_input_device
 from .launch import launch
 from .moe_decode_tma import moe_decode_tma, tma_moe_supported
 
@@ -111,7 +110,7 @@ def moe_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                              "stacks and sm_90+ (dsv4lab.kernels.dispatch.moe_decode falls back to the reference)")
         tma = True
     if tma is None:
-        tma = ok and os.environ.get("DSV4LAB_KERNEL_TMA", "1") != "0"
+        tma = ok and env_value("DSV4LAB_KERNEL_TMA", "1") != "0"
     elif tma and not ok:
         raise ValueError("the TMA MoE path needs H, I multiples of 256, 16-byte aligned stacks and sm_90+")
     if shared is not None and not (tma and tma_moe_supported(x, *shared)):

@@ -38,6 +38,7 @@ from .common import (
     counters,
     group_dot,
     pairs_and_inv,
+    pairs_descriptor,
     round_to,
     store_or_fix_up,
     sum_partials,
@@ -206,18 +207,18 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     sw1, sw3, sw2 = shared if shared is not None else (w1, w3, w2)  # stand-ins: no pair reaches them
     h = torch.empty((T * npair, I), dtype=x.dtype, device=x.device)
     y = torch.empty((T, H), dtype=x.dtype, device=x.device)
-    xp, xinv = x_pairs(x.reshape(-1))
+    xp, xinv = x_pairs(x)
     launch(_moe_up_kernel, (cdiv(I, bn), T * npair),
         *_descs(w1, bn, g), *_descs(w3, bn, g), *_descs(sw1, bn, g), *_descs(sw3, bn, g),
-        TensorDescriptor.from_tensor(xp, [g, 16]), xinv, ids_c,
+        pairs_descriptor(xp, g, True), xinv, ids_c,
         _global_scales(w1), _global_scales(w3), _global_scales(sw1), _global_scales(sw3), h,
         I, H // 16, k, npair, h.stride(0), lim, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET, MX=mx,
         num_warps=warps)
-    hp, hinv = x_pairs(h.reshape(-1))
+    hp, hinv = x_pairs(h)
     n_tiles = cdiv(H, bn)
     ws = torch.empty((T * npair, H), dtype=torch.float32, device=x.device)
     launch(_moe_down_kernel, (n_tiles, T * npair),
-        *_descs(w2, bn, g), *_descs(sw2, bn, g), TensorDescriptor.from_tensor(hp, [g, 16]), hinv, ids_c, wts,
+        *_descs(w2, bn, g), *_descs(sw2, bn, g), pairs_descriptor(hp, g, True), hinv, ids_c, wts,
         _global_scales(w2), _global_scales(sw2), y, ws, counters(x.device, T * n_tiles),
         H, I // 16, k, npair, y.stride(0), BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET, MX=mx,
         SHARED=shared is not None, num_warps=warps)

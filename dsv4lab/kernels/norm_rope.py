@@ -20,7 +20,7 @@ from triton.language.extra import libdevice
 
 from .common import cdiv, next_pow2, INTERPRET
 from .device import on_input_device
-from .launch import launch
+from .launch import LaunchSite
 
 NORM_NONE, NORM_PLAIN, NORM_WEIGHTED = 0, 1, 2  # NORM constexpr: none, unweighted (q heads), weighted
 E4M3_MAX = tl.constexpr(448.0)
@@ -121,36 +121,60 @@ def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, S, H, eps,
     tl.store(y_ptr + t * stride_yt + heads[:, None] * stride_yh + chans[None, :], yy, mask=ok)
 
 
+_SITES: dict = {}  # (kernel, constexprs) -> LaunchSite: no per-call keyword key (7 launches a decode layer)
+
+
 @on_input_device
 def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps: float = 0.0,
                      weight: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                      inv_freq: torch.Tensor | None = None, inverse: bool = False, fp8_nope: bool = False,
-                     heads_per_program: int | None = None, inplace: bool = False) -> torch.Tensor:
+                     heads_per_program: int | None = None, inplace: bool = False,
+                     one_head: bool = False) -> torch.Tensor:
     """x [..., S, H, D] -> y of x's shape in ``out_dtype``: the norm (``NORM_*``), then RoPE on the
     last 2 * len(inv_freq) channels at ``positions`` [S] (``inverse``: at -pos; none without
     positions), then ``fp8_nope`` (kv_fp8 on the other channels). Positions broadcast over the
     leading dims, as the reference's cos/sin [S, rd/2] do. ``inplace`` (RoPE alone, x's dtype):
     only the RoPE channels are read and rewritten, in x's storage where x is a view of it (the
-    inverse RoPE of the attention output: 64 of 512 channels, 1/8 of the copy's bytes)."""
-    x3 = x.reshape(-1, x.shape[-2], x.shape[-1])
-    if x3.stride(-1) != 1:
-        x3 = x3.contiguous()
-    T, H, D = x3.shape
-    rope = positions is not None
-    whole = x3
-    if inplace and norm == NORM_NONE and not fp8_nope and rope and out_dtype == x.dtype:
-        x3 = y = x3[..., D - 2 * inv_freq.shape[-1]:]  # the RoPE channels, row strides of the whole tensor
-        D = x3.shape[-1]
+    inverse RoPE of the attention output: 64 of 512 channels, 1/8 of the copy's bytes).
+    ``one_head``: x is [..., D], one head a row (``rms_norm``: no unsqueeze / squeeze objects).
+
+    Host side: at most one reshape, one allocation and no view for the common layouts (each tensor
+    object is ~3 us of host on a slow core; eager decode makes 7 of these calls a layer)."""
+    shape = x.shape
+    D = shape[-1]
+    H = 1 if one_head else shape[-2]
+    if x.stride(-1) == 1 and (x.dim() == (2 if one_head else 3)):
+        x3 = x                        # rows [T, (H,) D] as they are: strides read below
     else:
-        whole = y = torch.empty(T, H, D, device=x.device, dtype=out_dtype)
+        x3 = x.reshape(-1, D) if one_head else x.reshape(-1, H, D)
+        if x3.stride(-1) != 1:
+            x3 = x3.contiguous()
+    T = x3.shape[0]
+    sxt = x3.stride(0)
+    sxh = D if one_head else x3.stride(1)
+    rope = positions is not None
+    if inplace and norm == NORM_NONE and not fp8_nope and rope and out_dtype == x.dtype:
+        whole = x3
+        x3 = y = x3[..., D - 2 * inv_freq.shape[-1]:]  # the RoPE channels, row strides of the whole tensor
+        D = y.shape[-1]
+        syt, syh = sxt, sxh
+    else:
+        whole = y = torch.empty(shape, device=x.device, dtype=out_dtype)   # contiguous: strides known
+        syt, syh = H * D, D
     BP = max(next_pow2(D // 2), KV_FP8_BLOCK_PAIRS.value if fp8_nope else 1)
     # heads per program: 2 at decode (H = 128: 64 programs a row), 16 from WIDE_ROWS rows (whole-row
     # loads make the result independent of it: H200, 4096 x 128 x 512 q, 2 -> 16 heads 388 -> 288 us)
     HB = heads_per_program or min(next_pow2(H), 16 if T >= WIDE_ROWS else 2)
-    launch(_norm_rope_kernel, (T, cdiv(H, HB)),
-        x3, y, x3 if weight is None else weight, positions if rope else x3, inv_freq if rope else x3,
-        positions.numel() if rope else 1, H, float(eps), x3.stride(0), x3.stride(1), y.stride(0), y.stride(1),
-        D=D, RD=2 * inv_freq.shape[-1] if rope else 0, NORM=norm, ROPE=(-1 if inverse else 1) if rope else 0,
-        FP8=fp8_nope, HB=HB, BP=BP, PRECISE=not INTERPRET,
-        num_warps=1 if INTERPRET else max(1, min(8, HB * BP // 128)), enable_fp_fusion=False)
-    return whole.view(x.shape)
+    RD = 2 * inv_freq.shape[-1] if rope else 0
+    ROPE = (-1 if inverse else 1) if rope else 0
+    kernel = _norm_rope_kernel  # looked up per call: a test's stand-in replaces the module attribute
+    skey = (kernel, D, RD, norm, ROPE, fp8_nope, HB, BP)
+    site = _SITES.get(skey)
+    if site is None:
+        site = _SITES[skey] = LaunchSite(kernel, D=D, RD=RD, NORM=norm, ROPE=ROPE, FP8=fp8_nope, HB=HB, BP=BP,
+                                         PRECISE=not INTERPRET, enable_fp_fusion=False,
+                                         num_warps=1 if INTERPRET else max(1, min(8, HB * BP // 128)))
+    site((T, cdiv(H, HB)),
+         x3, y, x3 if weight is None else weight, positions if rope else x3, inv_freq if rope else x3,
+         positions.numel() if rope else 1, H, float(eps), sxt, sxh, syt, syh)
+    return whole if whole is x or whole.shape == shape else whole.view(shape)
