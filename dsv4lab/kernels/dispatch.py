@@ -56,7 +56,7 @@ from ..model.indexer import index_scores_prefill as index_scores_prefill_ref
 from ..model.indexer import index_top_k_decode as index_top_k_decode_ref
 from ..model.compressor import Compressor
 from ..model.state import CompressorState
-from .moe_decode_ref import moe_decode_ref
+from .moe_decode_ref import moe_decode_plain_ref, moe_decode_ref
 from .moe_prefill_ref import moe_prefill_ref
 from .norm_rope_ref import norm_rope_ref
 
@@ -140,7 +140,12 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3
 
     ``shared``: the shared expert's (w1, w3, w2) as one-expert stacks (``quant.stacked.stack_one``);
     the result is then routed + shared, each rounded to x.dtype and added in x.dtype (``MoE.forward``'s
-    sum), and the TMA kernels run the shared expert as one more pair in their two GEMV launches."""
+    sum), and the TMA kernels run the shared expert as one more pair in their two GEMV launches.
+
+    Plain stacks (unquantised tensors w1 / w3 [E, I, H], w2 [E, H, I]: BF16 originals, fp32
+    experts) run ``moe_decode_plain`` on CUDA (the chosen experts' rows only), else the reference."""
+    if all(isinstance(w, torch.Tensor) for w in (w1, w3, w2)):
+        return _moe_decode_plain(x, ids, weights, w1, w3, w2, limit, shared)
     w1, w3, w2 = (w if isinstance(w, (StackedNVFP4, StackedMXFP4)) else stack_experts(w) for w in (w1, w3, w2))
     if len({type(w) for w in (w1, w3, w2)}) != 1:
         raise ValueError(f"w1/w3/w2 must share one format, got {[type(w).__name__ for w in (w1, w3, w2)]}")
@@ -155,6 +160,21 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3
         return routed
     one = torch.zeros((x.shape[0], 1), dtype=torch.long, device=x.device)
     return routed.to(x.dtype) + moe_decode_ref(x, one, torch.ones(one.shape, device=x.device), *shared, limit).to(x.dtype)
+
+
+def _moe_decode_plain(x, ids, weights, w1, w3, w2, limit, shared):
+    """``moe_decode`` for plain stacks; ``shared`` (plain one-expert stacks) is added as a second call."""
+    if kernel_can_take(x) and w1.is_cuda:
+        from .moe_decode_plain import moe_decode_plain_triton, plain_moe_supported  # lazy: imports triton
+
+        run = moe_decode_plain_triton if plain_moe_supported(x, w1, w3, w2) else moe_decode_plain_ref
+    else:
+        run = moe_decode_plain_ref
+    routed = run(x, ids, weights, w1, w3, w2, limit)
+    if shared is None:
+        return routed
+    one = torch.zeros((x.shape[0], 1), dtype=torch.long, device=x.device)
+    return routed.to(x.dtype) + run(x, one, torch.ones(one.shape, device=x.device), *shared, limit).to(x.dtype)
 
 
 moe_decode.folds_shared = True  # MoE.forward may pass the shared expert (``shared=``) to this kernel

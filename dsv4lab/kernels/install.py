@@ -72,6 +72,16 @@ def experts_fp4_on_cuda(experts: Experts) -> bool:
     return len(fmts) == 1
 
 
+def experts_plain_on_cuda(experts: Experts) -> bool:
+    """Every expert projection unquantised (a plain weight: BF16 originals, fp32 experts) and on CUDA."""
+    for e in range(len(experts)):
+        for p in ("w1", "w3", "w2"):
+            ql = getattr(experts[e], p, None)
+            if ql is None or getattr(ql, "qweight", None) is not None or not _on_cuda(getattr(ql, "weight", None)):
+                return False
+    return len(experts) > 0
+
+
 # the kernel attributes of each target class (every other target has one: ``kernel``)
 KERNEL_SLOTS: dict[type, tuple[str, ...]] = {  # the first class that matches (Router before QLinear)
     Router: ("kernel", "act_kernel", "grouped_kernel", "plain_kernel", "route_kernel"),
@@ -107,6 +117,9 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
             mod.grouped_kernel = grouped_quant_linear
         return True
     if isinstance(mod, Experts):
+        if have_triton and experts_plain_on_cuda(mod):
+            mod.kernel = moe_decode  # the plain decode kernel; prefill keeps the reference loop
+            return True
         if not (have_triton and experts_fp4_on_cuda(mod)):
             return False
         mod.kernel = moe_decode

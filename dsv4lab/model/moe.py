@@ -144,9 +144,10 @@ class Experts(Component):
     graph-safe, ``gather_in_decode``) reads only the chosen experts from the stacked weights.
 
     ``kernel``: optional fused decode implementation ``f(x, ids, weights, w1, w3, w2, limit)``
-    over ``dsv4lab.quant.stacked.StackedNVFP4`` / ``StackedMXFP4`` stacks (``dsv4lab.kernels.dispatch.moe_decode``,
-    installed by ``use_kernels``). Graph-safe decode calls it instead of the reference when every
-    projection is NVFP4 (or every one MXFP4), the mode is ``w4a16`` (no activation quant), x is on one of ``kernel_devices`` and
+    over ``dsv4lab.quant.stacked.StackedNVFP4`` / ``StackedMXFP4`` stacks or plain weight stacks
+    [E, out, in] (``dsv4lab.kernels.dispatch.moe_decode``, installed by ``use_kernels``). Graph-safe
+    decode calls it instead of the reference when every projection is NVFP4 (or every one MXFP4,
+    or every one plain), the mode is ``w4a16`` (no activation quant), x is on one of ``kernel_devices`` and
     ``hook_expert_out`` is not active (it needs per-expert outputs: the reference runs then).
 
     ``prefill_kernel``: optional grouped prefill ``f(x, ids, weights, w1, w3, w2, limit,
@@ -229,7 +230,9 @@ class Experts(Component):
         return ok and x.device.type in self.kernel_devices
 
     def _kernel_applies_to(self, stack, prefill: bool) -> bool:
-        return (len({stack.formats[p] for p in stack.PROJ}) == 1 and stack.formats["w1"] in ("nvfp4", "mxfp4")
+        # plain (unquantised) stacks: the decode kernel only (no plain grouped prefill kernel)
+        fmts = ("nvfp4", "mxfp4") if prefill else ("nvfp4", "mxfp4", "plain")
+        return (len({stack.formats[p] for p in stack.PROJ}) == 1 and stack.formats["w1"] in fmts
                 # stack() guarantees one mode for every projection; the kernel quantises nothing
                 and self[0].w1.act_format() == "none" and (prefill or not self.weight_before_w2)
                 # a replaced linear (e.g. another quantize_input) is not what the kernel computes
@@ -237,9 +240,11 @@ class Experts(Component):
 
     def kernel_stacks(self, stack):
         """(w1, w3, w2) as ``StackedNVFP4`` / ``StackedMXFP4`` wrapping the ExpertStack tensors
-        (views, no copy), cached per stack."""
+        (views, no copy), or the plain stacks' weight tensors themselves; cached per stack."""
         if self._kernel_stacks is None or self._kernel_stacks[0] is not stack:
-            if stack.formats["w1"] == "mxfp4":
+            if stack.formats["w1"] == "plain":
+                ws = tuple(stack.tensors[p]["weight"] for p in ("w1", "w3", "w2"))
+            elif stack.formats["w1"] == "mxfp4":
                 ws = tuple(StackedMXFP4(stack.tensors[p]["packed"], stack.tensors[p]["scale"]) for p in ("w1", "w3", "w2"))
             else:
                 ws = tuple(StackedNVFP4(stack.tensors[p]["packed"], stack.tensors[p]["scale"],
