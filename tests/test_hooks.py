@@ -140,6 +140,31 @@ def test_components_table(model):
     assert set(model.components("**.wq_b")["name"]) == {f"layers.{i}.attn.wq_b" for i in range(4)} | {"layers.1.attn.indexer.wq_b", "layers.3.attn.indexer.wq_b"}
 
 
+def test_replace_share_false_copies_a_small_component_and_refuses_a_big_one(model, ids, monkeypatch):
+    from dsv4lab.analysis import components
+    from dsv4lab.model.compressor import Compressor
+
+    class SameCompressor(Compressor):
+        pass
+
+    with torch.no_grad():
+        ref = model(ids)
+    orig = model.layers[1].attn.compressor
+    size = components.state_bytes(orig)
+    assert size == sum(t.numel() * t.element_size() for t in [*orig.parameters(), *orig.buffers()])
+    with model.replace("layers.1.attn.compressor", SameCompressor, share=False):
+        new = model.layers[1].attn.compressor
+        assert type(new) is SameCompressor and new.wkv is not orig.wkv  # its own copy of the weights
+        assert torch.equal(new.wkv.weight, orig.wkv.weight)
+        with torch.no_grad():
+            assert torch.equal(model(ids), ref)
+    assert model.layers[1].attn.compressor is orig
+    monkeypatch.setattr(components, "COPY_LIMIT_BYTES", size - 1)
+    with pytest.raises(ValueError, match=r"share=False\) would copy .* GB of 'layers.1.attn.compressor'.*share=True"):
+        model.replace("layers.1.attn.compressor", SameCompressor, share=False)
+    assert model.layers[1].attn.compressor is orig  # nothing half-replaced
+
+
 def test_replace_restore_round_trip(model, ids):
     from dsv4lab.model.compressor import Compressor
     from dsv4lab.model.moe import Expert

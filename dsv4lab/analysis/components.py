@@ -125,11 +125,30 @@ def shallow_clone(orig: nn.Module, cls: type) -> nn.Module:
     return new
 
 
-def _from_class(orig: nn.Module, cls: type, share: bool) -> nn.Module:
+COPY_LIMIT_BYTES = 1 << 30  # share=False copies at most this much of one component's state
+
+
+def state_bytes(mod: nn.Module) -> int:
+    """Bytes of ``mod``'s parameters and buffers, each storage counted once (tied weights, views)."""
+    seen: dict[int, int] = {}
+    for t in [*mod.parameters(), *mod.buffers()]:
+        st = t.untyped_storage()
+        seen[st.data_ptr() if st.device.type != "meta" else id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+def _from_class(name: str, orig: nn.Module, cls: type, share: bool) -> nn.Module:
     if hasattr(cls, "from_original"):
         return cls.from_original(orig)
-    src = orig if share else copy.deepcopy(orig)
-    return shallow_clone(src, cls)
+    if share:
+        return shallow_clone(orig, cls)
+    size = state_bytes(orig)
+    if size > COPY_LIMIT_BYTES:  # a V4-Pro decoder layer is ~14 GB: a copy beside it does not fit the GPU
+        raise ValueError(f"replace(share=False) would copy {size / 1e9:.2f} GB of {name!r}'s weights "
+                         f"(limit {COPY_LIMIT_BYTES / 1e9:.2f} GB, analysis.components.COPY_LIMIT_BYTES): "
+                         f"use share=True (no copy), or give {cls.__name__} a from_original that copies "
+                         f"only the tensors it changes, or target a smaller component")
+    return shallow_clone(copy.deepcopy(orig), cls)
 
 
 def _callable_class(orig: nn.Module, fns: dict[str, Callable], pass_module: bool) -> type:
@@ -208,7 +227,8 @@ def replace(model, pattern, impl, *, method: str | None = None, label: str | Non
     """Replace every component matching ``pattern`` (outermost matches only) with ``impl``.
 
     ``kind`` optionally restricts matches to one component kind (``kind_of``). ``share=False``
-    deep-copies the original's state before building a class impl. ``pass_module=True`` calls a
+    deep-copies the original's state before building a class impl (refused above
+    ``COPY_LIMIT_BYTES``: no flow copies a full-scale layer). ``pass_module=True`` calls a
     callable impl as ``fn(module, *args)`` (the module is the clone standing in for the original).
     """
     match = component_matcher(pattern)
@@ -224,7 +244,7 @@ def replace(model, pattern, impl, *, method: str | None = None, label: str | Non
     try:
         for name, orig in targets:
             if isinstance(impl, type) and issubclass(impl, nn.Module):
-                new = _from_class(orig, impl, share)
+                new = _from_class(name, orig, impl, share)
             elif isinstance(impl, nn.Module):
                 new = impl
             elif isinstance(impl, dict) or callable(impl):

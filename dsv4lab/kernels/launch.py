@@ -36,6 +36,8 @@ from triton import knobs
 from triton.compiler import CompiledKernel
 from triton.runtime.jit import JITFunction
 
+from .device import fast_device_getter
+
 try:  # the binder's C specialiser (Triton 3.5+); without it every launch takes the normal path
     from triton._C.libtriton import native_specialize_impl
 except ImportError:  # pragma: no cover - older triton
@@ -60,8 +62,6 @@ _sites: dict = {}  # (id(kernel), n args, keyword names, values, types) -> Launc
 _all_sites: "weakref.WeakSet[LaunchSite]" = weakref.WeakSet()  # what clear() resets, plans' sites included
 _runtime = knobs.runtime
 _compilation = knobs.compilation
-_TORCH_CURRENT_DEVICE = torch.cuda.current_device   # what Triton's driver asks for the current device
-_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
 stats = {"direct": 0, "normal": 0}  # launches per path since the last ``clear()`` (tests, benchmarks)
 
 
@@ -195,12 +195,10 @@ class LaunchSite:
             else:
                 return False
         drv = triton.runtime.driver.active
-        device = drv.get_current_device
+        device = fast_device_getter(drv.get_current_device)
         caches = kernel.device_caches.get(device())
         if caches is None:
             return False
-        if device is _TORCH_CURRENT_DEVICE and _GET_DEVICE is not None:
-            device = _GET_DEVICE  # the same answer once CUDA is initialised, without lazy-init checks (~1 us)
         env = {"_s": native_specialize_impl, "_b": caches[3], "_T": torch.Tensor, "_d": device}
         guard, exprs = [], []
         for i, (a, p) in enumerate(zip(args, params)):

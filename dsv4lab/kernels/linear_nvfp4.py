@@ -489,16 +489,13 @@ def nvfp4_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
         plan = _decode_plan(x2, packed, block_scale, global_scale, M)
         if plan is not None:
             gs = plan.gs if plan.gs is not None else global_scale.reshape(1).to(device=x.device, dtype=torch.float32)
-            if plan.tma is not None and plan.tma.m1:  # the M = 1 GEMV writes y's N contiguous values
-                y = torch.empty((*lead, N), dtype=out_dtype or x.dtype, device=x.device)
-                run_gemv_tma(plan.tma, x2, gs, y)
-                return y
-            y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+            m1 = plan.tma is not None and plan.tma.m1   # the M = 1 GEMV writes y's N contiguous values
+            y = torch.empty((*lead, N) if m1 else (M, N), dtype=out_dtype or x.dtype, device=x.device)
             if plan.tma is not None:
                 run_gemv_tma(plan.tma, x2, gs, y)
             else:
                 _launch_gemv(x2, plan.packed, plan.scale, gs, y, plan.cfg)
-            return y.reshape(*lead, N)
+            return y if m1 else y.reshape(*lead, N)
     packed = packed.view(torch.uint8).contiguous()
     if packed.data_ptr() % 8:  # the kernels read packed rows as int64 words (a byte-offset view: copy once)
         packed = packed.clone()

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
-from .common import cdiv, INTERPRET, gemv_rows_m1, round_to
+from .common import cdiv, decode_swiglu, INTERPRET, gemv_rows_m1, round_to
 from .device import env_value, on_input_device
 from .launch import launch
 from .moe_decode_tma import moe_decode_tma, tma_moe_supported
@@ -48,10 +48,7 @@ def _moe_up_kernel(x_ptr, ids_ptr, w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_pt
     out_ty = h_ptr.dtype.element_ty
     gate = round_to(a1 * (16384.0 * tl.load(g1_ptr + e)), out_ty)
     up = round_to(a3 * (16384.0 * tl.load(g3_ptr + e)), out_ty)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    # the reference's rounding points (clamped_swiglu in x.dtype): silu(gate), then times up
-    h = round_to(gate * tl.sigmoid(gate), out_ty) * up
+    h = decode_swiglu(gate, up, limit, out_ty)
     tl.store(h_ptr + pair * stride_h + rows, h.to(h_ptr.dtype.element_ty), mask=row_ok)
 
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, cdiv, round_to
+from .common import INTERPRET, cdiv, decode_swiglu, round_to
 from .device import on_input_device
 from .launch import LaunchSite
 
@@ -62,9 +62,7 @@ def _plain_up_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, I, H, TOPK, stride_x
     xrow = x_ptr + t * stride_xt
     gate = round_to(_row_dot(w1_ptr + e * stride_we, xrow, rows, row_ok, H, stride_wn, xdt, ROUND_W, BN, BK), xdt)
     up = round_to(_row_dot(w3_ptr + e * stride_we, xrow, rows, row_ok, H, stride_wn, xdt, ROUND_W, BN, BK), xdt)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = round_to(gate * tl.sigmoid(gate), xdt) * up     # silu(gate) in x.dtype, then times up
+    h = decode_swiglu(gate, up, limit, xdt)
     tl.store(h_ptr + pair * stride_h + rows, h.to(xdt), mask=row_ok)
 
 

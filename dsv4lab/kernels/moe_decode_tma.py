@@ -36,6 +36,7 @@ from .common import (
     arrive,
     block_scales,
     counters,
+    decode_swiglu,
     group_dot,
     pairs_and_inv,
     pairs_descriptor,
@@ -100,10 +101,7 @@ def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, sw1_desc, ss1_desc, sw3_d
     out_ty = h_ptr.dtype.element_ty
     gate = round_to(a1 * (16384.0 * gs1), out_ty)
     up = round_to(a3 * (16384.0 * gs3), out_ty)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    # the reference's rounding points (clamped_swiglu in x.dtype): silu(gate), then times up
-    h = round_to(gate * tl.sigmoid(gate), out_ty) * up
+    h = decode_swiglu(gate, up, limit, out_ty)
     tl.store(h_ptr + pair * stride_h + rows, h.to(out_ty), mask=rows < I)
 
 

@@ -177,4 +177,4 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
     site((T, cdiv(H, HB)),
          x3, y, x3 if weight is None else weight, positions if rope else x3, inv_freq if rope else x3,
          positions.numel() if rope else 1, H, float(eps), sxt, sxh, syt, syh)
-    return whole if whole is x or whole.shape == shape else whole.view(shape)
+    return whole if whole.shape == shape else whole.view(shape)
