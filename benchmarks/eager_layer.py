@@ -82,22 +82,26 @@ def measure(layer_key: str, experts: int, stub: bool, stub_bf16: bool, steps: in
             step()
         if not stub:
             torch.cuda.synchronize()
-        host = []
+        host, cpu = [], []
         t_all = time.perf_counter()
         for _ in range(steps):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             step()
             host.append(time.perf_counter() - t)
+            cpu.append(time.thread_time() - c)
         if not stub:
             torch.cuda.synchronize()
         wall = (time.perf_counter() - t_all) / steps
         prof = cProfile.Profile()
+        n_prof = min(steps, 30)
         prof.enable()
-        for _ in range(min(steps, 30)):
+        for _ in range(n_prof):
             step()
         prof.disable()
+        calls = pstats.Stats(prof).total_calls / n_prof
     return {"layer": layer_key, "experts": experts, "mode": "cpu-stub" if stub else "cuda", "installed": installed,
-            "host_us_per_step": statistics.median(host) * 1e6, "wall_us_per_step": None if stub else wall * 1e6,
+            "host_us_per_step": statistics.median(host) * 1e6,
+            "thread_cpu_us_per_step": statistics.median(cpu) * 1e6, "calls_per_step": calls, "wall_us_per_step": None if stub else wall * 1e6,
             "profile": profile_text(prof, top)}
 
 
@@ -125,7 +129,9 @@ def main() -> None:
         for e in args.experts:
             r = measure(key, e, stub, args.stub_bf16, args.steps, args.top)
             wall = "" if r["wall_us_per_step"] is None else f", wall {r['wall_us_per_step']:.0f} us"
-            print(f"{key} {e} experts ({r['mode']}): host {r['host_us_per_step']:.0f} us a step{wall}, "
+            print(f"{key} {e} experts ({r['mode']}): host {r['host_us_per_step']:.0f} us a step "
+                  f"(thread CPU {r['thread_cpu_us_per_step']:.0f} us){wall}, "
+                  f"{r['calls_per_step']:.0f} function calls a step (cProfile, deterministic), "
                   f"{r['installed']} kernels installed", flush=True)
             rows.append(r)
             if not stub:

@@ -284,11 +284,12 @@ for fmt, ws, sh in (("nvfp4", (mk(256, 256), mk(256, 256), mk(256, 256)),
     parts = moe_decode_triton(xs, ids, wt, *ws, 1.5, tma=True) + moe_decode_triton(xs, one, ones, *sh, 1.5, tma=True)
     ref = moe_decode_ref(xs, ids, wt, *ws, 1.5) + moe_decode_ref(xs, one, ones, *sh, 1.5)
     launches = []
-    import dsv4lab.kernels.moe_decode_tma as mdt
-    real_launch = mdt.launch
-    mdt.launch = lambda kern, *a, **kw: (launches.append(kern.fn.__name__), real_launch(kern, *a, **kw))[1]
+    from dsv4lab.kernels.launch import LaunchSite
+    real_call = LaunchSite.__call__
+    LaunchSite.__call__ = lambda site, *a: (launches.append(site.kernel.fn.__name__), real_call(site, *a))[1]
     moe_decode_triton(xs, ids, wt, *ws, 1.5, tma=True, shared=sh)
-    mdt.launch = real_launch
+    LaunchSite.__call__ = real_call
+    launches = [n for n in launches if n != "_x_pairs_kernel"]  # the activations' pair preludes
     res[f"moe_shared_{fmt}"] = {"equal_parts": bool(torch.equal(y, parts)), "max_abs": (y.float() - ref.float()).abs().max().item(),
                                 "ref_max": ref.abs().max().item(), "launches": launches,
                                 "dispatch_cpu_is_ref": bool(torch.equal(dispatch.moe_decode(xs, ids, wt, *ws, 1.5, shared=sh), ref))}

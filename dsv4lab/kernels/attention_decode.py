@@ -18,17 +18,20 @@ atomics). One split (large batches) is one launch that starts from l = 1 and wri
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from .common import cdiv, next_pow2, dot_dtype, head_block_query, num_sms, online_softmax_tile
 from .device import on_input_device
-from .launch import launch
+from .launch import new_site
 
 BLOCK_H = 32   # heads per program: the bounded prefill kernel's tile (offline sm_90a: no spills)
 BLOCK_N = 32   # keys per tile
 NUM_WARPS = 8
+_SITES: dict = {}  # (kernel, constexprs) -> LaunchSite (2 launches an eager CSA layer)
 
 
 @triton.jit
@@ -105,6 +108,7 @@ def _decode_combine_kernel(part_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, H, D, SPLI
     tl.store(out_ptr + b * so_b + h * so_h + offs_d, (acc / l_all).to(out_ptr.dtype.element_ty), mask=dmask)
 
 
+@functools.lru_cache(maxsize=1024)  # a rule of the shapes asked on every decode step
 def decode_splits(batch: int, heads: int, key_capacity: int, device: torch.device) -> int:
     """Splits per (head block, batch row): enough programs for one wave of the SMs, then as few as
     keep the longest split's tile count (partials cost fp32 [splits, H, Dh] of writes and reads).
@@ -153,14 +157,19 @@ def decode_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, w
     sink32 = sink.float().contiguous()
     dot = tl.float32 if ring.dtype == torch.float32 else dot_dtype(ring)  # fp32 under the interpreter
     block_d = next_pow2(max(D, 16))
-    launch(_decode_split_kernel, (cdiv(H, BLOCK_H), n_split, B),
+    kernel, has_sel = _decode_split_kernel, sel is not None  # looked up per call: tests replace it
+    skey = (kernel, has_ent, has_sel, final, dot, block_d)
+    site = _SITES.get(skey) or new_site(_SITES, skey, kernel, HAS_ENT=has_ent, HAS_SEL=has_sel, FINAL=final, DOT=dot,
+                                        IEEE=dot == tl.float32, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+                                        num_warps=NUM_WARPS)
+    site((cdiv(H, BLOCK_H), n_split, B),
         q, ring, ent, sel_arg, n_ent_arg, pos, sink32, out, part, m_part, l_part,
         H, D, W, T, K, n_split, scale,
         q.stride(0), q.stride(2), ring.stride(0), ring.stride(1), ent.stride(0), ent.stride(1),
-        sel.stride(0) if sel is not None else 0, out.stride(0), out.stride(2),
-        HAS_ENT=has_ent, HAS_SEL=sel is not None, FINAL=final, DOT=dot, IEEE=dot == tl.float32,
-        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=block_d, num_warps=NUM_WARPS)
+        sel.stride(0) if sel is not None else 0, out.stride(0), out.stride(2))
     if not final:
-        launch(_decode_combine_kernel, (H, B), part, m_part, l_part, sink32, out, H, D, n_split, out.stride(0), out.stride(2),
-                                       BLOCK_D=block_d, num_warps=4)
+        kernel = _decode_combine_kernel
+        skey = (kernel, block_d)
+        site = _SITES.get(skey) or new_site(_SITES, skey, kernel, BLOCK_D=block_d, num_warps=4)
+        site((H, B), part, m_part, l_part, sink32, out, H, D, n_split, out.stride(0), out.stride(2))
     return out

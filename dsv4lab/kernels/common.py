@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .launch import LaunchSite, launch
+from .launch import LaunchSite
 
 
 def patch_interpreter_for_numpy2() -> None:
@@ -464,9 +464,16 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``, kept per device (split rules ask on every decode
+    launch: a properties query each time otherwise); 4 for the CPU (interpreter, stubs)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 4
 
 

@@ -33,7 +33,7 @@ from triton.language.extra import libdevice
 
 from .common import next_pow2, INTERPRET  # importing common also patches the interpreter for numpy >= 2.4
 from .device import on_input_device
-from .launch import launch
+from .launch import new_site
 
 
 @triton.jit
@@ -145,6 +145,7 @@ def _compressor_decode_kernel(
 
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_SITES: dict = {}  # (kernel, constexprs) -> LaunchSite (two compressors an eager CSA layer)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple, fix: str) -> None:
@@ -199,12 +200,15 @@ def compressor_decode_triton(kv: torch.Tensor, z: torch.Tensor, pos: torch.Tenso
     BLOCK_L = min(next_pow2(L), block_l)
     if num_warps is None:
         num_warps = 8 if BLOCK_D >= 512 else 4
-    launch(_compressor_decode_kernel, (B,),
+    kernel, kv_dt, norm_tl = _compressor_decode_kernel, _TL[kv.dtype], _TL[norm_dt]  # kernel: tests replace it
+    skey = (kernel, m, c, d, C, rd, overlap, kv_dt, norm_tl, BLOCK_D, BLOCK_L, num_warps)
+    site = _SITES.get(skey) or new_site(
+        _SITES, skey, kernel, M=m, R=c * m, D=d, C=C, RD=rd, OVERLAP=overlap, CUR_COL=d if overlap else 0, KV_DT=kv_dt,
+        NORM_DT=norm_tl, ACCURATE=not INTERPRET, BLOCK_C=next_pow2(C), BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L,
+        num_warps=num_warps, enable_fp_fusion=False)
+    site((B,),
         kv2, z2, ape_c, pos, ring_kv, ring_gate, entries, nw, inv, n,
         entries.shape[1], float(eps), kv2.stride(0), z2.stride(0), ape_c.stride(0),
         ring_kv.stride(0), ring_kv.stride(1), ring_gate.stride(0), ring_gate.stride(1),
-        entries.stride(0), entries.stride(1),
-        M=m, R=c * m, D=d, C=C, RD=rd, OVERLAP=overlap, CUR_COL=d if overlap else 0, KV_DT=_TL[kv.dtype], NORM_DT=_TL[norm_dt],
-        ACCURATE=not INTERPRET, BLOCK_C=next_pow2(C), BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L,
-        num_warps=num_warps, enable_fp_fusion=False)
+        entries.stride(0), entries.stride(1))
     return n.reshape(pos.shape)

@@ -91,22 +91,27 @@ def on_input_device(fn):
 
     @functools.wraps(fn)
     def run(x, *args, **kwargs):
-        # a CUDA tensor means CUDA is initialised: ask the current device without ``torch.cuda.
-        # current_device``'s lazy-init checks (~1 us a call on the H200 host, 28 calls an eager layer)
         if getattr(x, "is_cuda", False) and x.device.index != _current_device():
             with torch.cuda.device(x.device):
                 return fn(x, *args, **kwargs)
         return fn(x, *args, **kwargs)
 
     opaque = torch.compiler.disable(run)
+    is_compiling = torch.compiler.is_compiling
+    current = _current_device
 
     @functools.wraps(fn)
     def guarded(x, *args, **kwargs):
         # Dynamo traces this test as True and hands the call to the opaque launcher; eager calls
         # skip the disable wrapper's two eval-frame switches (~13 us of host a launch on a CPU stub)
-        if torch.compiler.is_compiling():
+        # and ``run``'s frame: the device test is repeated here (28 launcher calls an eager layer).
+        # A CUDA tensor means CUDA is initialised: ``_current_device`` skips torch's lazy-init checks.
+        if is_compiling():
             return opaque(x, *args, **kwargs)
-        return run(x, *args, **kwargs)
+        if getattr(x, "is_cuda", False) and x.device.index != current():
+            with torch.cuda.device(x.device):
+                return fn(x, *args, **kwargs)
+        return fn(x, *args, **kwargs)
 
     guarded.launch_guard = True  # what tests look for on every public launcher
     return guarded

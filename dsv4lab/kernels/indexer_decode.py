@@ -22,10 +22,11 @@ import triton.language as tl
 
 from .common import cdiv, next_pow2, dot_dtype, num_sms
 from .device import on_input_device
-from .launch import launch
+from .launch import new_site
 
 BLOCK_T = 64    # keys per tile: s [Hi=64, 64] fp32 and q [64, 128] bf16 per program at V4-Pro shapes
 NUM_WARPS = 4
+_SITES: dict = {}  # (kernel, constexprs) -> LaunchSite
 
 
 @triton.jit
@@ -86,9 +87,12 @@ def index_scores_decode_triton(q: torch.Tensor, w_raw: torch.Tensor, keys: torch
     n_tiles = cdiv(T, BLOCK_T)
     progs = programs or max(1, min(n_tiles, cdiv(2 * num_sms(q.device), B)))
     dot = scores_dot_type(q, keys)
-    launch(_index_scores_kernel, (progs, B),
+    kernel = _index_scores_kernel  # looked up per call: tests replace it
+    skey = (kernel, dot, HI, DI)
+    site = _SITES.get(skey) or new_site(_SITES, skey, kernel, DOT=dot, IEEE=dot == tl.float32, BLOCK_T=BLOCK_T,
+                                        BLOCK_HI=next_pow2(max(HI, 16)), BLOCK_DI=next_pow2(max(DI, 16)),
+                                        num_warps=NUM_WARPS)
+    site((progs, B),
         q, w_raw, keys, n_valid, out, T, HI, DI, progs, w_scale, DI ** -0.5,
-        q.stride(0), q.stride(2), w_raw.stride(0), keys.stride(0), keys.stride(1), out.stride(0),
-        DOT=dot, IEEE=dot == tl.float32, BLOCK_T=BLOCK_T, BLOCK_HI=next_pow2(max(HI, 16)),
-        BLOCK_DI=next_pow2(max(DI, 16)), num_warps=NUM_WARPS)
+        q.stride(0), q.stride(2), w_raw.stride(0), keys.stride(0), keys.stride(1), out.stride(0))
     return out

@@ -234,6 +234,17 @@ def _arg_key_expr(x: str, a: Any, flags: tuple) -> str:
     return nat
 
 
+def new_site(sites: dict, key: Any, kernel: Any, **kw: Any) -> LaunchSite:
+    """A ``LaunchSite(kernel, **kw)`` kept in the caller's ``sites`` under ``key``, which must name
+    every value of ``kw`` (and the kernel object: tests replace module attributes). The call site's
+    ``sites.get(key) or new_site(sites, key, ...)`` costs one tuple and one lookup a launch (~0.2 us),
+    where ``launch()`` keys every keyword's value and type (~2.5-3.5 us on a slow host core)."""
+    if len(sites) >= SITES_MAX:
+        sites.clear()
+    site = sites[key] = LaunchSite(kernel, **kw)
+    return site
+
+
 def launch(kernel: Any, grid: tuple, *args: Any, **kw: Any) -> None:
     """``kernel[grid](*args, **kw)``, through the ``LaunchSite`` of this (kernel, number of positional
     arguments, keyword values and types). Pass tensors and runtime scalars positionally, constexprs

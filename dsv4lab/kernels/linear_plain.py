@@ -15,13 +15,15 @@ before the one rounding to x's dtype.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from .common import cdiv, next_pow2, counters, store_or_fix_up, INTERPRET
 from .device import on_input_device
-from .launch import launch
+from .launch import new_site
 
 MAX_ROWS = 4            # x rows (decode batch) this kernel takes; dispatch.plain_linear sends more to cuBLAS
 # tiles from an H200 sweep (scratch sweep of BN 8-32, BK 256-1024, 128-512 programs, 4 / 8 warps; graph
@@ -31,6 +33,7 @@ MAX_ROWS = 4            # x rows (decode batch) this kernel takes; dispatch.plai
 BN = 8                  # weight rows per program
 BK = 1024               # K per step (2 KB of a bf16 row)
 TARGET_PROGRAMS = 512   # row tiles x splits aimed at
+_SITES: dict = {}       # (kernel, constexprs) -> LaunchSite (4 plain GEMVs an eager CSA layer)
 
 
 @triton.jit
@@ -58,6 +61,7 @@ def _gemv_plain_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, CH, SPLIT,
                     mask, cnt_ptr, pid_n, pid_k, M * N, SPLIT, 1.0, USE_SPLIT)
 
 
+@functools.lru_cache(maxsize=1024)  # a rule of ints asked on every launch (4 plain GEMVs an eager layer)
 def plain_split(N: int, K: int, split: int | None = None, bn: int = BN, bk: int = BK,
                 programs: int = TARGET_PROGRAMS) -> tuple[int, int]:
     """(CH, SPLIT): K chunks of a multiple of ``bk`` so that row tiles x splits is about
@@ -105,7 +109,8 @@ def launch_plain_gemv(x: torch.Tensor, w: torch.Tensor, *, split: int | None = N
     tiles = cdiv(N, bn)
     ws = torch.empty(n_split * M * N if n_split > 1 else 1, dtype=torch.float32, device=x.device)
     cnt = counters(x.device, tiles)
-    launch(_gemv_plain_kernel, (tiles, n_split), x2, w, y, ws, cnt, M, N, K, ch, n_split, x2.stride(0), w.stride(0),
-           y.stride(0), USE_SPLIT=n_split > 1, BM=next_pow2(M), BN=bn, BK=bk,
-           num_warps=1 if INTERPRET else cfg.get("WARPS", 4))
+    kernel, bm, warps = _gemv_plain_kernel, next_pow2(M), 1 if INTERPRET else cfg.get("WARPS", 4)  # kernel: tests replace it
+    skey = (kernel, n_split > 1, bm, bn, bk, warps)
+    site = _SITES.get(skey) or new_site(_SITES, skey, kernel, USE_SPLIT=n_split > 1, BM=bm, BN=bn, BK=bk, num_warps=warps)
+    site((tiles, n_split), x2, w, y, ws, cnt, M, N, K, ch, n_split, x2.stride(0), w.stride(0), y.stride(0))
     return y.view(*x.shape[:-1], N)

@@ -34,13 +34,15 @@ Imports triton (import only from ``dispatch``).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from .common import cdiv, next_pow2, INTERPRET, counters
 from .device import on_input_device
-from .launch import launch
+from .launch import new_site
 
 BT_MAX = 16         # token rows per program of hc_pre
 ACC_ELEMS = 256     # BT * BK: the per-program K step (fp32 accumulators ~ 25 * 256 / 128 threads)
@@ -53,6 +55,7 @@ PRE_WARPS = 4          # warps of a split-K hc_pre program (8 or 16: no faster, 
 DENSE_MIN_T = 1024  # hc_pre tokens (bf16 streams) from which the mix products run on cuBLAS (H200, V4-Pro
                     # site, tiles / dense us: 512 231 / 315, 1024 273 / 139, 2048 505 / 165, 4096 966 / 288)
 DENSE_BT = 4        # tokens per program of the dense tier's finish (x is read twice: keep it in L2)
+_SITES: dict = {}  # (kernel, constexprs) -> LaunchSite (4 launches an eager layer)
 DENSE_CHUNK_K = 1024  # K per batch of the dense tier's products (fp32 partials summed in the finish)
 
 
@@ -247,6 +250,7 @@ def _hc_post_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, D, HC: tl.constexpr
     tl.store(y_ptr + (t * HC + k[:, None]) * D + d[None, :], y, mask=k_ok[:, None] & d_ok[None, :])
 
 
+@functools.lru_cache(maxsize=1024)  # a rule of ints asked on every launch
 def pre_split(T: int, K: int, split: int | None = None, block_k: int | None = None) -> tuple[int, int, int, int]:
     """(BT, BK, CH, SPLIT) for T tokens and K = hc*D: a fixed rule of the shape. Token blocks of up
     to 16 rows, halved until the grid has >= MIN_PROGRAMS programs (a short prefill of 11 tokens in
@@ -315,10 +319,13 @@ def _pre_dense(x, fn, base, scale, iters, hc_eps, norm_eps, head, pre, post, com
     chunks = k_chunks(hc * D)
     prod = _mix_products(x.view(T, hc * D), fn_parts(fn), chunks)
     hcp = next_pow2(hc)
-    launch(_hc_pre_dense_finish_kernel, (cdiv(T, DENSE_BT),),
+    kernel, by_hand = _hc_pre_dense_finish_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
+    skey = (kernel, hc, head, by_hand)
+    site = _SITES.get(skey) or new_site(_SITES, skey, kernel, HC=hc, HCP=hcp, BT=DENSE_BT, BK=COLLAPSE_ELEMS // DENSE_BT,
+                                        BD=COLLAPSE_ELEMS // DENSE_BT, HEAD=head, BF16_BY_HAND=by_hand, num_warps=4)
+    site((cdiv(T, DENSE_BT),),
         x, prod, base.contiguous(), scale.contiguous(), pre, post, comb, out, T, hc * D, D, fn.shape[0], chunks, int(iters),
-        float(hc_eps), float(norm_eps), HC=hc, HCP=hcp, BT=DENSE_BT, BK=COLLAPSE_ELEMS // DENSE_BT,
-        BD=COLLAPSE_ELEMS // DENSE_BT, HEAD=head, BF16_BY_HAND=_bf16_by_hand(x), num_warps=4)
+        float(hc_eps), float(norm_eps))
 
 
 def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, block_k, dense):
@@ -343,11 +350,15 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
         cnt = counters(dev, n_tb)
     else:
         ws = cnt = pre  # unused
-    launch(_hc_pre_kernel, (n_tb, n_split),
+    kernel, by_hand = _hc_pre_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
+    skey = (kernel, hc, bt, bk, n_split, head, by_hand)
+    site = _SITES.get(skey) or new_site(
+        _SITES, skey, kernel, HC=hc, HCP=hcp, BT=bt, BK=bk,
+        BD=max(64, (DECODE_COLLAPSE_ELEMS if bt == 1 else COLLAPSE_ELEMS) // bt), SPLIT=n_split,
+        SPLITP=next_pow2(n_split), HEAD=head, BF16_BY_HAND=by_hand, num_warps=PRE_WARPS)
+    site((n_tb, n_split),
         x, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,
-        T, K, D, ch, int(iters), float(hc_eps), float(norm_eps), HC=hc, HCP=hcp, BT=bt, BK=bk,
-        BD=max(64, (DECODE_COLLAPSE_ELEMS if bt == 1 else COLLAPSE_ELEMS) // bt), SPLIT=n_split, SPLITP=next_pow2(n_split), HEAD=head,
-        BF16_BY_HAND=_bf16_by_hand(x), num_warps=PRE_WARPS)
+        T, K, D, ch, int(iters), float(hc_eps), float(norm_eps))
     return pre, post, comb, out
 
 
@@ -379,7 +390,9 @@ def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, 
     y = torch.empty_like(x)
     if B * S == 0:
         return y
-    launch(_hc_post_kernel, (B * S, cdiv(D, POST_BD)),
-        x, block_out.contiguous(), post.contiguous(), comb.contiguous(), y, D, HC=hc,
-        HCP=next_pow2(hc), BD=POST_BD, BF16_BY_HAND=_bf16_by_hand(x), num_warps=4)
+    kernel, by_hand = _hc_post_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
+    skey = (kernel, hc, by_hand)
+    site = _SITES.get(skey) or new_site(_SITES, skey, kernel, HC=hc, HCP=next_pow2(hc), BD=POST_BD,
+                                        BF16_BY_HAND=by_hand, num_warps=4)
+    site((B * S, cdiv(D, POST_BD)), x, block_out.contiguous(), post.contiguous(), comb.contiguous(), y, D)
     return y

@@ -89,7 +89,6 @@ def moe_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     the result is then routed + shared (each in x.dtype, added in x.dtype, as ``MoE.forward``). On
     the TMA path it runs in the same launches, else as a second call here."""
     T, H = x.shape
-    k = ids.shape[1]
     E, I, Hk = w1.shape
     if Hk != H or w2.shape[1:] != (H, I) or w3.shape != w1.shape:
         raise ValueError(f"expert shapes w1 {w1.shape} w3 {w3.shape} w2 {w2.shape} vs x {tuple(x.shape)}")

@@ -30,7 +30,6 @@ from ..quant.stacked import StackedMXFP4
 from .common import (
     cdiv,
     device_capability,
-    weight_cached,
     BOX_GROUPS,
     INTERPRET,
     arrive,
@@ -46,7 +45,9 @@ from .common import (
     weight_global_scale,
     x_pairs,
 )
-from .launch import launch
+from .launch import new_site
+
+_SITES: dict = {}  # (kernel, constexprs) -> LaunchSite (2 launches an eager MoE layer)
 
 
 @triton.jit
@@ -155,7 +156,7 @@ def tma_moe_supported(x: torch.Tensor, w1, w3, w2) -> bool:
     mult = 512 if _is_mx(w1) else 256
     if H % mult or I % mult:
         return False
-    if any(t.data_ptr() % 16 for w in (w1, w3, w2) for t in _parts(w)):
+    if not (_stack_args(w1).aligned and _stack_args(w3).aligned and _stack_args(w2).aligned):
         return False
     return INTERPRET or (x.is_cuda and device_capability(x.device) >= (9, 0))
 
@@ -164,17 +165,34 @@ def _is_mx(w) -> bool:
     return isinstance(w, StackedMXFP4)
 
 
-def _parts(w) -> tuple[torch.Tensor, torch.Tensor]:
-    return w.packed, (w.scale if _is_mx(w) else w.block_scale)
+_BN, _STAGES, _WARPS = (16, 2, 1) if INTERPRET else (64, 3, 4)
 
 
-def _descs(w, bn: int, g: int):
-    """2-D [E*N, ...] descriptors of a stack: weight words boxes [bn, g], scale boxes [bn, g] (NVFP4
-    e4m3) or [bn, g/2] (MXFP4 E8M0, one per two groups). Kept per stack tensor
-    (``common.weight_cached``): six validated descriptors per decode step otherwise."""
-    packed, scale = _parts(w)
-    return weight_cached(packed, ("moe_descs", bn, g, id(scale), scale.data_ptr(), _is_mx(w)),
-                         lambda: _build_descs(packed, scale, bn, g, _is_mx(w)))
+class _StackArgs:
+    """What the launches derive from one stack alone, kept on the (frozen) stack object: the 2-D
+    [E*N, ...] descriptors (weight words boxes [BN, G], scale boxes [BN, G] NVFP4 e4m3 or [BN, G/2]
+    MXFP4 E8M0: one per two groups), the global scales (MXFP4: a placeholder, not read) and
+    whether its tensors are 16-byte aligned. Built on first use (~22 us of descriptors and
+    checks a decode step otherwise); ``ptr`` catches a ``t.data = ...`` swap under the stack."""
+
+    __slots__ = ("ptr", "descs", "gs", "aligned")
+
+    def __init__(self, w) -> None:
+        mx = _is_mx(w)
+        packed, scale = w.packed, (w.scale if mx else w.block_scale)
+        self.ptr = (packed.data_ptr(), scale.data_ptr())
+        self.aligned = packed.data_ptr() % 16 == 0 and scale.data_ptr() % 16 == 0
+        self.gs = scale.view(torch.uint8) if mx else w.global_scale.to(torch.float32).contiguous()
+        self.descs = _build_descs(packed, scale, _BN, 32 if mx else BOX_GROUPS, mx) if self.aligned else None
+
+
+def _stack_args(w) -> _StackArgs:
+    got = w.__dict__.get("_tma_args")
+    if got is None or got.ptr[0] != w.packed.data_ptr():
+        got = _StackArgs(w)
+        if _is_mx(w) or got.gs is w.global_scale:  # not a per-call fp32 copy: in-place updates are seen
+            object.__setattr__(w, "_tma_args", got)  # frozen dataclass: its fields cannot change, a cache may
+    return got
 
 
 def _build_descs(packed: torch.Tensor, scale: torch.Tensor, bn: int, g: int, mx: bool):
@@ -182,11 +200,6 @@ def _build_descs(packed: torch.Tensor, scale: torch.Tensor, bn: int, g: int, mx:
     p = packed.view(torch.int64).reshape(e * n, kh // 8)
     s = scale.view(torch.uint8).reshape(e * n, scale.shape[-1])
     return TensorDescriptor.from_tensor(p, [bn, g]), TensorDescriptor.from_tensor(s, [bn, g // 2 if mx else g])
-
-
-def _global_scales(w) -> torch.Tensor:
-    """Per-expert NVFP4 global scales; for MXFP4 (no global scale, not read: ``MX``) a placeholder."""
-    return w.scale.view(torch.uint8) if _is_mx(w) else w.global_scale.to(torch.float32).contiguous()
 
 
 def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, w3, w2, lim: float,
@@ -200,24 +213,26 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     E, I, _ = w1.shape
     mx = _is_mx(w1)
     g = 32 if mx else BOX_GROUPS
-    bn, stages, warps = (16, 2, 1) if INTERPRET else (64, 3, 4)
+    bn, stages, warps = _BN, _STAGES, _WARPS
     npair = k + (shared is not None)
     sw1, sw3, sw2 = shared if shared is not None else (w1, w3, w2)  # stand-ins: no pair reaches them
     h = torch.empty((T * npair, I), dtype=x.dtype, device=x.device)
     y = torch.empty((T, H), dtype=x.dtype, device=x.device)
     xp, xinv = x_pairs(x)
-    launch(_moe_up_kernel, (cdiv(I, bn), T * npair),
-        *_descs(w1, bn, g), *_descs(w3, bn, g), *_descs(sw1, bn, g), *_descs(sw3, bn, g),
-        pairs_descriptor(xp, g, True), xinv, ids_c,
-        _global_scales(w1), _global_scales(w3), _global_scales(sw1), _global_scales(sw3), h,
-        I, H // 16, k, npair, h.stride(0), lim, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET, MX=mx,
-        num_warps=warps)
+    up_kernel, down_kernel, shared_on = _moe_up_kernel, _moe_down_kernel, shared is not None  # tests replace kernels
+    up = _SITES.get((up_kernel, mx)) or new_site(_SITES, (up_kernel, mx), up_kernel, BN=bn, G=g, STAGES=stages,
+                                                 USE_ASM=not INTERPRET, MX=mx, num_warps=warps)
+    a1, a3, s1, s3, a2, s2 = (_stack_args(w) for w in (w1, w3, sw1, sw3, w2, sw2))
+    up((cdiv(I, bn), T * npair),
+        *a1.descs, *a3.descs, *s1.descs, *s3.descs, pairs_descriptor(xp, g, True), xinv, ids_c,
+        a1.gs, a3.gs, s1.gs, s3.gs, h, I, H // 16, k, npair, h.stride(0), lim)
     hp, hinv = x_pairs(h)
     n_tiles = cdiv(H, bn)
     ws = torch.empty((T * npair, H), dtype=torch.float32, device=x.device)
-    launch(_moe_down_kernel, (n_tiles, T * npair),
-        *_descs(w2, bn, g), *_descs(sw2, bn, g), pairs_descriptor(hp, g, True), hinv, ids_c, wts,
-        _global_scales(w2), _global_scales(sw2), y, ws, counters(x.device, T * n_tiles),
-        H, I // 16, k, npair, y.stride(0), BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET, MX=mx,
-        SHARED=shared is not None, num_warps=warps)
+    dkey = (down_kernel, mx, shared_on)
+    down = _SITES.get(dkey) or new_site(_SITES, dkey, down_kernel, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET,
+                                        MX=mx, SHARED=shared_on, num_warps=warps)
+    down((n_tiles, T * npair),
+        *a2.descs, *s2.descs, pairs_descriptor(hp, g, True), hinv, ids_c, wts,
+        a2.gs, s2.gs, y, ws, counters(x.device, T * n_tiles), H, I // 16, k, npair, y.stride(0))
     return y

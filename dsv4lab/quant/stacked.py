@@ -4,6 +4,8 @@
 ``StackedMXFP4`` (packed [E, N, K/2], E8M0 scales [E, N, K/32]: the official checkpoint's experts).
 They live here, below the model and the kernels, so ``dsv4lab.model.moe`` can build them without
 importing ``dsv4lab.kernels``. Build a stack once per layer (``stack_experts``), not per call.
+Stacks are frozen: their tensors cannot be reassigned, so a kernel may keep what it derives from
+a stack (TMA descriptors) on the stack object for as long as it lives.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 from .weights import MXFP4Weight, NVFP4Weight
 
 
-@dataclass
+@dataclass(frozen=True)
 class StackedNVFP4:
     """E NVFP4 weights of one shape [N, K] stacked along a leading expert dim."""
 
@@ -37,7 +39,7 @@ class StackedNVFP4:
         return NVFP4Weight(self.packed[e], self.block_scale[e], self.global_scale[e])
 
 
-@dataclass
+@dataclass(frozen=True)
 class StackedMXFP4:
     """E MXFP4 weights (the official checkpoint's experts) of one shape [N, K] stacked along a
     leading expert dim; only the TMA-fed decode (``dsv4lab.kernels.moe_decode_tma``) takes them."""
