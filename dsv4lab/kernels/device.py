@@ -80,7 +80,8 @@ def fast_device_getter(getter: Callable[[], int]) -> Callable[[], int]:
 
 
 def _current_device() -> int:
-    return fast_device_getter(torch.cuda.current_device)()
+    get = torch.cuda.current_device  # fast_device_getter inlined: this runs on every launcher call
+    return (_GET_DEVICE if get is _TORCH_CURRENT_DEVICE and _GET_DEVICE is not None else get)()
 
 
 def on_input_device(fn):

@@ -1,6 +1,6 @@
 """Component implementations: the kernel on CUDA (with triton / cutlass importable), the PyTorch
-reference elsewhere. Importing this module imports neither triton nor cutlass: the kernel modules
-are imported inside the calls that use them (lazily, for that reason).
+reference elsewhere. Importing this module imports neither triton nor cutlass: the Triton kernel
+modules are imported together on the first kernel call (``_TritonModules``), cutlass by its module.
 
 * ``quant_linear(x, w)`` (alias ``nvfp4_linear``): ``QLinear.kernel``-compatible ``f(x, qweight) -> y``
   for NVFP4, MXFP4 and FP8-block weights; other formats, CPU tensors or unsupported dtypes take the
@@ -38,6 +38,8 @@ Which component gets which: ``dsv4lab.kernels.install``.
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 
@@ -59,6 +61,29 @@ from ..model.state import CompressorState
 from .moe_decode_ref import moe_decode_plain_ref, moe_decode_ref
 from .moe_prefill_ref import moe_prefill_ref
 from .norm_rope_ref import norm_rope_ref
+
+class _TritonModules:
+    """The Triton kernel modules, imported together on the first kernel call: triton is an optional
+    dependency (without it every entry point here runs its reference, and importing this module
+    imports no kernel module), and an ``import`` statement inside a hot function costs ~2 us a
+    call (29 a V4-Pro eager decode layer). Attributes, not copies: a test's stand-in for a
+    module attribute is seen."""
+
+    MODULES = ("act_quant_nvfp4", "attention_bounded", "attention_decode", "compressor_decode", "indexer_decode",
+               "indexer_prefill", "indexer_topk", "linear_nvfp4", "linear_official", "linear_plain", "mhc_fused",
+               "moe_decode", "moe_decode_plain", "moe_decode_tma", "moe_prefill", "norm_rope", "router_topk")
+
+    def __getattr__(self, name: str):
+        if name not in self.MODULES:
+            raise AttributeError(f"no Triton kernel module {name!r} in dsv4lab.kernels; one of {self.MODULES}")
+        # import_module, not ``from . import``: the package re-exports functions of these names
+        # (``dsv4lab.kernels.norm_rope`` the dispatcher, not the module). Lazy: imports triton.
+        for m in self.MODULES:
+            self.__dict__[m] = importlib.import_module(f"{__package__}.{m}")
+        return self.__dict__[name]
+
+
+_tk = _TritonModules()
 
 KERNEL_FORMATS = ("nvfp4", "mxfp4", "fp8_block")
 ROUTE_MAX_EXPERTS = 4096  # the router kernel holds one token's scores in registers
@@ -84,13 +109,9 @@ def quant_linear(x: torch.Tensor, w) -> torch.Tensor:
     fmt = getattr(w, "format", None)
     if fmt in KERNEL_FORMATS and kernel_can_take(x) and weight_on_cuda(w):
         if fmt == "nvfp4":
-            from .linear_nvfp4 import nvfp4_matmul  # lazy: imports triton
-
-            return nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale)
-        from .linear_official import supported, verified_official_matmul  # lazy: imports triton
-
-        if supported(x, w):
-            return verified_official_matmul(x, w)
+            return _tk.linear_nvfp4.nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale)
+        if _tk.linear_official.supported(x, w):
+            return _tk.linear_official.verified_official_matmul(x, w)
     return F.linear(x, w.dequantize(x.dtype))
 
 
@@ -103,10 +124,8 @@ def plain_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     most ``PLAIN_GEMV_MAX_N`` outputs; ``F.linear`` otherwise (fp32; prefill, where cuBLAS runs at
     its floor; wide weights, where its GEMV + reduce measured faster)."""
     if kernel_can_take(x) and x.dtype != torch.float32 and w.shape[0] <= PLAIN_GEMV_MAX_N:
-        from .linear_plain import launch_plain_gemv, plain_gemv_takes  # lazy: imports triton
-
-        if plain_gemv_takes(x, w):
-            return launch_plain_gemv(x, w)
+        if _tk.linear_plain.plain_gemv_takes(x, w):
+            return _tk.linear_plain.launch_plain_gemv(x, w)
     return F.linear(x, w)
 
 
@@ -115,18 +134,14 @@ def grouped_quant_linear(x: torch.Tensor, w, groups: int) -> torch.Tensor:
     through ``linear_nvfp4.nvfp4_grouped_matmul`` (one GEMV for one token), else the dense
     reference (``grouped_linear`` of ``w.dequantize(x.dtype)``)."""
     if getattr(w, "format", None) == "nvfp4" and kernel_can_take(x) and weight_on_cuda(w):
-        from .linear_nvfp4 import nvfp4_grouped_matmul  # lazy: imports triton
-
-        return nvfp4_grouped_matmul(x, w.packed, w.block_scale, w.global_scale)
+        return _tk.linear_nvfp4.nvfp4_grouped_matmul(x, w.packed, w.block_scale, w.global_scale)
     return grouped_linear(x, w.dequantize(x.dtype), groups)
 
 
 def act_quant_nvfp4(x: torch.Tensor, global_scale) -> torch.Tensor:
     """NVFP4 fake quant of activations with the given global scale (runtime or input_scale)."""
     if kernel_can_take(x) and x.shape[-1] % 16 == 0:
-        from .act_quant_nvfp4 import fake_quant_nvfp4_kernel  # lazy: imports triton
-
-        return fake_quant_nvfp4_kernel(x, global_scale)
+        return _tk.act_quant_nvfp4.fake_quant_nvfp4_kernel(x, global_scale)
     return fake_quant_nvfp4(x, global_scale)
 
 
@@ -150,11 +165,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3
     if len({type(w) for w in (w1, w3, w2)}) != 1:
         raise ValueError(f"w1/w3/w2 must share one format, got {[type(w).__name__ for w in (w1, w3, w2)]}")
     if kernel_can_take(x) and w1.packed.is_cuda:
-        from .moe_decode import moe_decode_triton  # lazy: imports triton
-        from .moe_decode_tma import tma_moe_supported
-
-        if not (isinstance(w1, StackedMXFP4) and not tma_moe_supported(x, w1, w3, w2)):
-            return moe_decode_triton(x, ids, weights, w1, w3, w2, limit, shared=shared)
+        if not (isinstance(w1, StackedMXFP4) and not _tk.moe_decode_tma.tma_moe_supported(x, w1, w3, w2)):
+            return _tk.moe_decode.moe_decode_triton(x, ids, weights, w1, w3, w2, limit, shared=shared)
     routed = moe_decode_ref(x, ids, weights, w1, w3, w2, limit)
     if shared is None:
         return routed
@@ -165,9 +177,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3
 def _moe_decode_plain(x, ids, weights, w1, w3, w2, limit, shared):
     """``moe_decode`` for plain stacks; ``shared`` (plain one-expert stacks) is added as a second call."""
     if kernel_can_take(x) and w1.is_cuda:
-        from .moe_decode_plain import moe_decode_plain_triton, plain_moe_supported  # lazy: imports triton
-
-        run = moe_decode_plain_triton if plain_moe_supported(x, w1, w3, w2) else moe_decode_plain_ref
+        plain = _tk.moe_decode_plain
+        run = plain.moe_decode_plain_triton if plain.plain_moe_supported(x, w1, w3, w2) else moe_decode_plain_ref
     else:
         run = moe_decode_plain_ref
     routed = run(x, ids, weights, w1, w3, w2, limit)
@@ -188,10 +199,8 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w
     ``moe_prefill_ref``. Stacks as for ``moe_decode``."""
     w1, w3, w2 = (w if isinstance(w, (StackedNVFP4, StackedMXFP4)) else stack_experts(w) for w in (w1, w3, w2))
     if kernel_can_take(x) and w1.packed.is_cuda:
-        from .moe_prefill import moe_prefill_supported, moe_prefill_triton  # lazy: imports triton
-
-        if moe_prefill_supported(x, w1, w3, w2):
-            return moe_prefill_triton(x, ids, weights, w1, w3, w2, limit, weight_before_w2)
+        if _tk.moe_prefill.moe_prefill_supported(x, w1, w3, w2):
+            return _tk.moe_prefill.moe_prefill_triton(x, ids, weights, w1, w3, w2, limit, weight_before_w2)
     return moe_prefill_ref(x, ids, weights, w1, w3, w2, limit, weight_before_w2)
 
 
@@ -207,10 +216,9 @@ def compressor_decode(comp: Compressor, kv: torch.Tensor, z: torch.Tensor, pos: 
     ape): the Triton kernel for CUDA tensors of a kernel dtype, ``comp.decode_window`` (the
     reference) elsewhere. Returns the entry count (pos + 1) // ratio on the device."""
     if kernel_can_take(kv) and st.ring_kv.is_cuda:
-        from .compressor_decode import compressor_decode_triton  # lazy: imports triton
-
-        return compressor_decode_triton(kv, z, pos, st.ring_kv, st.ring_gate, st.entries, comp.ape, comp.norm.weight,
-                                        comp.rotary.inv_freq, comp.norm.eps, comp.overlap)
+        return _tk.compressor_decode.compressor_decode_triton(
+            kv, z, pos, st.ring_kv, st.ring_gate, st.entries, comp.ape, comp.norm.weight, comp.rotary.inv_freq,
+            comp.norm.eps, comp.overlap)
     return comp.decode_window(kv, comp.gate_logits(z, (pos % comp.ratio).view(1)), pos, st)
 
 
@@ -221,15 +229,20 @@ def prefill_attention(q: torch.Tensor, sink: torch.Tensor, scale: float, window:
     """``bounded_attention`` (same signature): the Triton kernel for CUDA keys of a kernel dtype,
     the PyTorch reference elsewhere."""
     if kernel_can_take(window_keys):
-        from .attention_bounded import bounded_attention_triton  # lazy: heavy optional dependency
-
-        return bounded_attention_triton(q, sink, scale, window, window_keys, q_start, k_start, entries, ratio, selected)
+        return _tk.attention_bounded.bounded_attention_triton(q, sink, scale, window, window_keys, q_start, k_start,
+                                                              entries, ratio, selected)
     return bounded_attention(q, sink, scale, window, window_keys, q_start, k_start, entries, ratio, selected,
                              q_block, k_block, block_bytes)
 
 
 def _mhc_kernel_can_take(streams: torch.Tensor, *params: torch.Tensor) -> bool:
-    return streams.dim() == 4 and kernel_can_take(streams) and all(p.device == streams.device for p in params)
+    if streams.dim() != 4 or not kernel_can_take(streams):
+        return False
+    dev = streams.device
+    for p in params:  # a loop, not all(genexpr): 4 calls an eager layer
+        if p.device != dev:
+            return False
+    return True
 
 
 def _mhc_params_fit(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, mix: int,
@@ -245,9 +258,7 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     launch) on CUDA, ``mix_weights`` + ``collapse`` elsewhere."""
     hc = streams.shape[-2] if streams.dim() == 4 else 0
     if _mhc_kernel_can_take(streams, fn, base, scale) and _mhc_params_fit(streams, fn, base, scale, (2 + hc) * hc, 3):
-        from .mhc_fused import hc_pre  # lazy: imports triton
-
-        return hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
+        return _tk.mhc_fused.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
     pre, post, comb = mix_weights(streams, fn, base, scale, iters, hc_eps, norm_eps)
     return pre, post, comb, collapse(pre, streams)
 
@@ -258,9 +269,7 @@ def mhc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
     if _mhc_kernel_can_take(streams, block_out, post, comb) and block_out.dtype == streams.dtype:
         B, S, hc, D = streams.shape
         if block_out.shape == (B, S, D) and post.shape == (B, S, hc) and comb.shape == (B, S, hc, hc):
-            from .mhc_fused import hc_post  # lazy: imports triton
-
-            return hc_post(streams, block_out, post, comb)
+            return _tk.mhc_fused.hc_post(streams, block_out, post, comb)
     return HyperConnection.expand(streams, block_out, post, comb)
 
 
@@ -270,9 +279,7 @@ def mhc_head_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
     ``collapse`` elsewhere."""
     hc = streams.shape[-2] if streams.dim() == 4 else 0
     if _mhc_kernel_can_take(streams, fn, base, scale) and _mhc_params_fit(streams, fn, base, scale, hc, 1):
-        from .mhc_fused import hc_head_pre  # lazy: imports triton
-
-        return hc_head_pre(streams, fn, base, scale, eps, norm_eps)
+        return _tk.mhc_fused.hc_head_pre(streams, fn, base, scale, eps, norm_eps)
     pre = head_weights(streams, fn, base, scale, eps, norm_eps)
     return pre, collapse(pre, streams)
 
@@ -283,9 +290,7 @@ def decode_attention(q: torch.Tensor, sink: torch.Tensor, scale: float, window_r
     """``dsv4lab.model.decode_attention.decode_attention`` (same signature): the Triton kernel for
     CUDA keys of a kernel dtype, the PyTorch reference elsewhere."""
     if kernel_can_take(window_ring):
-        from .attention_decode import decode_attention_triton  # lazy: heavy optional dependency
-
-        return decode_attention_triton(q, sink, scale, window_ring, pos, entries, n_entries, selected)
+        return _tk.attention_decode.decode_attention_triton(q, sink, scale, window_ring, pos, entries, n_entries, selected)
     return decode_attention_ref(q, sink, scale, window_ring, pos, entries, n_entries, selected)
 
 
@@ -294,9 +299,7 @@ def index_scores_decode(q: torch.Tensor, w_raw: torch.Tensor, keys: torch.Tensor
     """``dsv4lab.model.indexer.index_scores_decode`` (same signature): the Triton kernel for CUDA
     keys of a kernel dtype, the PyTorch reference elsewhere."""
     if kernel_can_take(keys) and q.dtype in KERNEL_DTYPES:
-        from .indexer_decode import index_scores_decode_triton  # lazy: heavy optional dependency
-
-        return index_scores_decode_triton(q, w_raw, keys, n_valid, w_scale)
+        return _tk.indexer_decode.index_scores_decode_triton(q, w_raw, keys, n_valid, w_scale)
     return index_scores_decode_ref(q, w_raw, keys, n_valid, w_scale)
 
 
@@ -305,9 +308,7 @@ def index_scores_prefill(q: torch.Tensor, w_raw: torch.Tensor, keys: torch.Tenso
     """``dsv4lab.model.indexer.index_scores_prefill`` (same signature): the Triton kernel for CUDA
     keys of a kernel dtype, the PyTorch reference elsewhere."""
     if kernel_can_take(keys) and q.dtype in KERNEL_DTYPES:
-        from .indexer_prefill import index_scores_prefill_triton  # lazy: heavy optional dependency
-
-        return index_scores_prefill_triton(q, w_raw, keys, n_valid, w_scale)
+        return _tk.indexer_prefill.index_scores_prefill_triton(q, w_raw, keys, n_valid, w_scale)
     return index_scores_prefill_ref(q, w_raw, keys, n_valid, w_scale)
 
 
@@ -315,20 +316,17 @@ def index_top_k_decode(scores: torch.Tensor, n_valid: torch.Tensor, k: int) -> t
     """``dsv4lab.model.indexer.index_top_k_decode`` (same signature): one Triton launch for CUDA fp32
     scores [B,1,T] of up to ``indexer_topk.TOPK_MAX_ENTRIES`` entries, the reference elsewhere."""
     if kernel_can_take(scores) and scores.dtype == torch.float32 and scores.dim() == 3 and scores.shape[1] == 1:
-        from .indexer_topk import TOPK_MAX_ENTRIES, index_top_k_decode_triton  # lazy: imports triton
-
-        if scores.shape[-1] <= TOPK_MAX_ENTRIES:
-            return index_top_k_decode_triton(scores, n_valid, k)
+        if scores.shape[-1] <= _tk.indexer_topk.TOPK_MAX_ENTRIES:
+            return _tk.indexer_topk.index_top_k_decode_triton(scores, n_valid, k)
     return index_top_k_decode_ref(scores, n_valid, k)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``dsv4lab.model.norms.rms_norm`` (RMSNorm's math): one Triton launch on CUDA."""
     if kernel_can_take(x) and weight.dtype in KERNEL_DTYPES:
-        from .norm_rope import NORM_WEIGHTED, launch_norm_rope  # lazy: imports triton
-
-        return launch_norm_rope(x, torch.promote_types(weight.dtype, x.dtype), norm=NORM_WEIGHTED, eps=eps,
-                                weight=weight, one_head=True)
+        nr = _tk.norm_rope
+        return nr.launch_norm_rope(x, torch.promote_types(weight.dtype, x.dtype), norm=nr.NORM_WEIGHTED, eps=eps,
+                                   weight=weight, one_head=True)
     return rms_norm_ref(x, weight, eps)
 
 
@@ -344,11 +342,10 @@ def norm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, 
                          f"got x {tuple(x.shape)}, {positions.numel()} positions, {inv_freq.shape[-1]} frequencies "
                          "(one head: unsqueeze(-2))")
     if kernel_can_take(x) and (weight is None or weight.dtype in KERNEL_DTYPES) and x.shape[-1] % 2 == 0:
-        from .norm_rope import NORM_NONE, NORM_PLAIN, NORM_WEIGHTED, launch_norm_rope  # lazy: imports triton
-
-        norm = NORM_NONE if eps is None else NORM_PLAIN if weight is None else NORM_WEIGHTED
-        out_dtype = x.dtype if norm != NORM_WEIGHTED else torch.promote_types(weight.dtype, x.dtype)
-        return launch_norm_rope(x, out_dtype, norm=norm, eps=eps or 0.0, weight=weight, positions=positions,
+        nr = _tk.norm_rope
+        norm = nr.NORM_NONE if eps is None else nr.NORM_PLAIN if weight is None else nr.NORM_WEIGHTED
+        out_dtype = x.dtype if norm != nr.NORM_WEIGHTED else torch.promote_types(weight.dtype, x.dtype)
+        return nr.launch_norm_rope(x, out_dtype, norm=norm, eps=eps or 0.0, weight=weight, positions=positions,
                                 inv_freq=inv_freq, inverse=inverse, fp8_nope=fp8_nope, inplace=inplace)
     return norm_rope_ref(x, positions, inv_freq, eps, weight, inverse, fp8_nope, inplace)
 
@@ -363,7 +360,5 @@ def route(logits: torch.Tensor, top_k: int, scoring: str, scale: float, bias: to
                          f"input_ids; got top_k={top_k}, input_ids {'missing' if input_ids is None else 'given'}")
     if (kernel_can_take(logits) and logits.dim() == 2 and logits.shape[-1] <= ROUTE_MAX_EXPERTS
             and scoring in ("sqrtsoftplus", "sigmoid", "softmax")):
-        from .router_topk import route_triton  # lazy: imports triton
-
-        return route_triton(logits, top_k, scoring, scale, bias, tid2eid, input_ids)
+        return _tk.router_topk.route_triton(logits, top_k, scoring, scale, bias, tid2eid, input_ids)
     return route_ref(logits, top_k, scoring, scale, bias, tid2eid, input_ids)
