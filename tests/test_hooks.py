@@ -152,6 +152,11 @@ def test_replace_share_false_copies_a_small_component_and_refuses_a_big_one(mode
     orig = model.layers[1].attn.compressor
     size = components.state_bytes(orig)
     assert size == sum(t.numel() * t.element_size() for t in [*orig.parameters(), *orig.buffers()])
+    from dsv4lab.model.linear import QLinear
+    from dsv4lab.quant import quantize_nvfp4
+    lin = QLinear(64, 32)
+    lin.set_weight(quantize_nvfp4(torch.randn(32, 64)))
+    assert components.state_bytes(lin) == lin.qweight.nbytes > 0  # quantised weights are no parameters
     with model.replace("layers.1.attn.compressor", SameCompressor, share=False):
         new = model.layers[1].attn.compressor
         assert type(new) is SameCompressor and new.wkv is not orig.wkv  # its own copy of the weights

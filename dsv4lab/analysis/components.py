@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import pandas as pd
+import torch
 from torch import nn
 
 from ..checkpoint.names import layer_of, module_kind
@@ -129,9 +130,15 @@ COPY_LIMIT_BYTES = 1 << 30  # share=False copies at most this much of one compon
 
 
 def state_bytes(mod: nn.Module) -> int:
-    """Bytes of ``mod``'s parameters and buffers, each storage counted once (tied weights, views)."""
+    """Bytes a deep copy of ``mod`` duplicates: its parameters, buffers and the quantised weights of
+    its linears (``QLinear.qweight`` is no parameter: NVFP4 layers hold their weights there), each
+    storage counted once (tied weights, views)."""
+    tensors = [*mod.parameters(), *mod.buffers()]
+    for m in mod.modules():
+        if isinstance(m, QLinear) and m.qweight is not None:
+            tensors += [t for t in m.qweight.tensors().values() if isinstance(t, torch.Tensor)]
     seen: dict[int, int] = {}
-    for t in [*mod.parameters(), *mod.buffers()]:
+    for t in tensors:
         st = t.untyped_storage()
         seen[st.data_ptr() if st.device.type != "meta" else id(st)] = st.nbytes()
     return sum(seen.values())

@@ -196,7 +196,6 @@ def round_to(v, OUT_TY: tl.constexpr):
         return v.to(OUT_TY).to(tl.float32)
 
 
-
 @triton.jit
 def decode_swiglu(gate, up, limit, OUT_TY: tl.constexpr):
     """The decode kernels' ``clamped_swiglu`` on fp32 gate / up already rounded to OUT_TY: clamp
@@ -205,6 +204,7 @@ def decode_swiglu(gate, up, limit, OUT_TY: tl.constexpr):
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     return round_to(gate * tl.sigmoid(gate), OUT_TY) * up
+
 
 # weight formats of the prefill GEMM tiles (``dequant_tile``)
 FMT_NVFP4 = tl.constexpr(0)

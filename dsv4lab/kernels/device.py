@@ -90,22 +90,14 @@ def on_input_device(fn):
     Inductor would re-emit the kernel's Triton source and fails on its inline PTX (measured on the
     H200: a SyntaxError in the generated module), so it compiles the glue around the launch."""
 
-    @functools.wraps(fn)
-    def run(x, *args, **kwargs):
-        if getattr(x, "is_cuda", False) and x.device.index != _current_device():
-            with torch.cuda.device(x.device):
-                return fn(x, *args, **kwargs)
-        return fn(x, *args, **kwargs)
-
-    opaque = torch.compiler.disable(run)
     is_compiling = torch.compiler.is_compiling
     current = _current_device
 
     @functools.wraps(fn)
     def guarded(x, *args, **kwargs):
-        # Dynamo traces this test as True and hands the call to the opaque launcher; eager calls
-        # skip the disable wrapper's two eval-frame switches (~13 us of host a launch on a CPU stub)
-        # and ``run``'s frame: the device test is repeated here (28 launcher calls an eager layer).
+        # Dynamo traces this test as True and hands the call to the opaque launcher (which runs
+        # this function again with Dynamo off, where the test is False); eager calls skip the
+        # disable wrapper's two eval-frame switches (~13 us of host a launch on a CPU stub).
         # A CUDA tensor means CUDA is initialised: ``_current_device`` skips torch's lazy-init checks.
         if is_compiling():
             return opaque(x, *args, **kwargs)
@@ -114,6 +106,7 @@ def on_input_device(fn):
                 return fn(x, *args, **kwargs)
         return fn(x, *args, **kwargs)
 
+    opaque = torch.compiler.disable(guarded)
     guarded.launch_guard = True  # what tests look for on every public launcher
     return guarded
 

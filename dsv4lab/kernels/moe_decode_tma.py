@@ -173,14 +173,14 @@ class _StackArgs:
     [E*N, ...] descriptors (weight words boxes [BN, G], scale boxes [BN, G] NVFP4 e4m3 or [BN, G/2]
     MXFP4 E8M0: one per two groups), the global scales (MXFP4: a placeholder, not read) and
     whether its tensors are 16-byte aligned. Built on first use (~22 us of descriptors and
-    checks a decode step otherwise); ``ptr`` catches a ``t.data = ...`` swap under the stack."""
+    checks a decode step otherwise); ``packed_ptr`` catches a ``t.data = ...`` swap under the stack."""
 
-    __slots__ = ("ptr", "descs", "gs", "aligned")
+    __slots__ = ("packed_ptr", "descs", "gs", "aligned")
 
     def __init__(self, w) -> None:
         mx = _is_mx(w)
         packed, scale = w.packed, (w.scale if mx else w.block_scale)
-        self.ptr = (packed.data_ptr(), scale.data_ptr())
+        self.packed_ptr = packed.data_ptr()
         self.aligned = packed.data_ptr() % 16 == 0 and scale.data_ptr() % 16 == 0
         self.gs = scale.view(torch.uint8) if mx else w.global_scale.to(torch.float32).contiguous()
         self.descs = _build_descs(packed, scale, _BN, 32 if mx else BOX_GROUPS, mx) if self.aligned else None
@@ -188,7 +188,7 @@ class _StackArgs:
 
 def _stack_args(w) -> _StackArgs:
     got = w.__dict__.get("_tma_args")
-    if got is None or got.ptr[0] != w.packed.data_ptr():
+    if got is None or got.packed_ptr != w.packed.data_ptr():
         got = _StackArgs(w)
         if _is_mx(w) or got.gs is w.global_scale:  # not a per-call fp32 copy: in-place updates are seen
             object.__setattr__(w, "_tma_args", got)  # frozen dataclass: its fields cannot change, a cache may
