@@ -3,9 +3,10 @@ anything. Eager is where hooks fire, and at decode sizes it is host-bound: a V4-
 ~620 launches eagerly in ~35 ms (H200, before fusion). This separates the costs: a bare PyTorch op,
 a trivial Triton kernel with few and with many arguments, the same behind ``on_input_device``
 (``torch.compiler.disable`` + the device guard), and our NVFP4 GEMV through ``dispatch.quant_linear``.
-The trivial kernel and ``quant_linear`` (NVFP4, M = 1: x-pairs prelude + TMA GEMV) are timed twice in
-the same run, with the direct launch path (``dsv4lab.kernels.launch``) off (``*_normal_us``: every
-launch through ``JITFunction.run``) and on (``*_direct_us``).
+The trivial kernel and ``quant_linear`` (NVFP4, M = 1: x-pairs prelude + TMA GEMV) are timed three
+times in the same run: the direct launch path (``dsv4lab.kernels.launch``) off (``*_normal_us``:
+every launch through ``JITFunction.run``), on through Triton's Python launcher (``*_direct_us``), and
+on through its C launcher with kept TMA descriptors (``*_raw_us``; Triton 3.6's layout only).
 
     python3 benchmarks/launch_overhead.py [--json out.json]
 """
@@ -78,16 +79,20 @@ def main() -> None:
         "F_linear_bf16_7168x512_m1_us": host_us(lambda: torch.nn.functional.linear(xa, wd), iters=500),
     }
     site = direct.LaunchSite(_one, N=64)
-    for path, on in (("normal", False), ("direct", True)):
-        prev = direct.set_direct_launch(on)
+    # normal: every launch through JITFunction.run; direct: the site's compiled.run (Triton's Python
+    # CudaLauncher); raw: the C launcher with the descriptors expanded by dsv4lab (kept for weights)
+    for path, on, raw in (("normal", False, False), ("direct", True, False), ("raw", True, True)):
+        prev, prev_raw = direct.set_direct_launch(on), direct.set_raw_launch(raw)
+        direct.clear()   # sites rebuilt under this setting
         try:
-            direct.stats["direct"] = 0
             res[f"triton_1_arg_launch_{path}_us"] = host_us(lambda: direct.launch(_one, (1,), x, N=64))
             res[f"triton_1_arg_site_{path}_us"] = host_us(lambda: site((1,), x))
             res[f"quant_linear_nvfp4_7168x512_m1_{path}_us"] = host_us(lambda: dispatch.quant_linear(xa, w), iters=500)
             res[f"direct_launches_{path}"] = direct.stats["direct"]
+            res[f"raw_launches_{path}"] = direct.stats["raw"]
         finally:
             direct.set_direct_launch(prev)
+            direct.set_raw_launch(prev_raw)
     text = json.dumps(res, indent=1)
     print(text)
     if args.json:

@@ -186,6 +186,109 @@ def test_decode_entry_points_go_direct_on_repeat(monkeypatch):
             assert [(c, g) for c, g, _ in direct] == normal, name
 
 
+class _Desc:
+    """A stand-in TensorDescriptor: what ``_expanded`` reads (base, its own __dict__)."""
+
+    def __init__(self, base):
+        self.base = base
+
+
+def _fake_triton36(scratch: int = 0):
+    """A module laid out as Triton 3.6's NVIDIA driver: ``CudaLauncher`` whose ``launch`` wraps the
+    C launcher in a closure over (launcher, tensordesc_indices, tensordesc_meta), a 2-argument
+    ``make_tensordesc_arg``; returns (module, launcher object, C-launch log, encode log)."""
+    import types
+
+    mod = types.ModuleType("fake_triton36_driver")
+    mod._BASE_ARGS_FORMAT = "iiiKKppOOOOOO"
+    encoded: list = []
+    mod.__dict__["make_tensordesc_arg"] = lambda arg, metadata: make_tensordesc_arg(arg, metadata)
+    c_log: list = []
+
+    def make_tensordesc_arg(arg, metadata):
+        encoded.append((arg.base.data_ptr(), metadata))
+        return [("map", arg.base.data_ptr(), metadata), 7, 9]
+
+    def c_launch(*args):
+        c_log.append(args)
+
+    # Triton's wrapper, its globals the driver module's (a closure over exactly these three names)
+    src = ("def wrap(launcher, tensordesc_indices, tensordesc_meta):\n"
+           "    def inner(*args):\n"
+           "        final = list(args[:13])\n"
+           "        k = 0\n"
+           "        for i, a in enumerate(args[13:]):\n"
+           "            if i in tensordesc_indices:\n"
+           "                final.extend(make_tensordesc_arg(a, tensordesc_meta[k]))\n"
+           "                k += 1\n"
+           "            else:\n"
+           "                final.append(a)\n"
+           "        return launcher(*final)\n"
+           "    return inner\n")
+    exec(src, mod.__dict__)
+    wrap = mod.wrap
+
+    class CudaLauncher:
+        def __init__(self):
+            self.launch = wrap(c_launch, {1, 3}, ["m1", "m3"])
+            self.global_scratch_size = scratch
+            self.profile_scratch_size = 0
+            self.launch_cooperative_grid = False
+            self.launch_pdl = True
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                        None, None, *args)
+
+    CudaLauncher.__module__ = mod.__name__
+    mod.CudaLauncher = CudaLauncher
+    return mod, CudaLauncher(), c_log, encoded
+
+
+def test_raw_launch_calls_the_c_launcher_as_tritons_wrapper_would(monkeypatch):
+    """A Triton 3.6-shaped launcher: ``raw_caller`` hands the C launcher exactly the arguments Triton's
+    own Python path does, and encodes a descriptor again only when its base tensor or address changed."""
+    from dsv4lab.kernels import launch as L
+
+    mod, run, c_log, encoded = _fake_triton36()
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    call = L.raw_caller(run, 5)
+    assert call is not None
+    w, x1, x2 = torch.zeros(16), torch.zeros(16), torch.zeros(16)
+    wd, tail = _Desc(w), (64,)
+    for x in (x1, x1, x2):
+        xd = _Desc(x)                                  # a new activation descriptor per call, as rebased() makes
+        args = (w, wd, 3, xd)
+        run(4, 1, 1, 99, "fn", "md", None, None, None, *args, *tail)   # Triton's own path
+        want = c_log.pop()
+        call(4, 1, 1, 99, "fn", "md", args, tail)
+        assert c_log.pop() == want
+    # the weight descriptor was encoded once per path call of Triton's own (3) and once by the raw
+    # path (kept after); the activation descriptors every time (each is a new object)
+    assert [e[0] for e in encoded].count(w.data_ptr()) == 3 + 1
+    assert len(encoded) == 3 + 1 + 3 + 3
+    w2 = torch.zeros(16)
+    wd.base = w2                                       # the same descriptor object over another tensor
+    call(4, 1, 1, 99, "fn", "md", (w, wd, 3, _Desc(x1)), tail)
+    assert c_log.pop()[14][1] == w2.data_ptr()
+
+
+def test_raw_launch_refuses_other_layouts(monkeypatch):
+    """Scratch memory, another driver layout or a stand-in launcher: no raw caller (Triton's path stays)."""
+    from dsv4lab.kernels import launch as L
+
+    mod, run, _, _ = _fake_triton36(scratch=128)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    assert L.raw_caller(run, 5) is None
+    mod, run, _, _ = _fake_triton36()
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    mod._BASE_ARGS_FORMAT = "iiiKKppOOOOOOO"          # a launcher taking other leading arguments
+    assert L.raw_caller(run, 5) is None
+    mod._BASE_ARGS_FORMAT = "iiiKKppOOOOOO"
+    assert L.raw_caller(run, 2) is None                # descriptor positions beyond the arguments
+    assert L.raw_caller(lambda *a: None, 5) is None    # not a CudaLauncher
+
+
 # ----------------------------------------------------------------------------- GPU (the H200)
 def _outputs(v):
     """The tensors a call returned, flattened (clones: later calls may reuse buffers)."""
@@ -235,10 +338,12 @@ def test_gpu_direct_matches_normal_bitwise(gpu_calls):
         finally:
             L.set_direct_launch(prev)
         fn()
-        n0 = L.stats["direct"]
+        n0, r0 = L.stats["direct"], L.stats["raw"]
         direct = _outputs(fn())
         torch.cuda.synchronize()
         assert L.stats["direct"] > n0, f"{name}: no direct launch"
+        if triton.__version__.startswith("3.6."):  # the launcher layout raw_caller knows: it must be used
+            assert L.stats["raw"] > r0, f"{name}: no raw launch on triton {triton.__version__}"
         _bitwise(direct, normal, name)
 
 

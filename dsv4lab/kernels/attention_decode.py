@@ -24,14 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, dot_dtype, head_block_query, num_sms, online_softmax_tile
+from .common import cdiv, next_pow2, dot_dtype, head_block_query, num_sms, online_softmax_tile, scratch
 from .device import on_input_device
 from .launch import new_site
 
 BLOCK_H = 32   # heads per program: the bounded prefill kernel's tile (offline sm_90a: no spills)
 BLOCK_N = 32   # keys per tile
 NUM_WARPS = 8
-_SITES: dict = {}  # (kernel, constexprs) -> LaunchSite (2 launches an eager CSA layer)
+_SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite (2 launches an eager CSA layer)
 
 
 @triton.jit
@@ -149,16 +149,16 @@ def decode_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, w
     if final:
         part = m_part = l_part = out
     else:
-        part = torch.empty(B, n_split, H, D, dtype=torch.float32, device=dev)
-        m_part = torch.empty(B, n_split, H, dtype=torch.float32, device=dev)
-        l_part = torch.empty(B, n_split, H, dtype=torch.float32, device=dev)
+        part = scratch("attn_split", (B, n_split, H, D), torch.float32, dev)   # read by the combine launch only
+        m_part = scratch("attn_split_m", (B, n_split, H), torch.float32, dev)
+        l_part = scratch("attn_split_l", (B, n_split, H), torch.float32, dev)
     sel_arg = sel if sel is not None else pos
     n_ent_arg = n_entries if (has_ent and n_entries is not None) else pos
     sink32 = sink.float().contiguous()
     dot = tl.float32 if ring.dtype == torch.float32 else dot_dtype(ring)  # fp32 under the interpreter
     block_d = next_pow2(max(D, 16))
     kernel, has_sel = _decode_split_kernel, sel is not None  # looked up per call: tests replace it
-    skey = (kernel, has_ent, has_sel, final, dot, block_d)
+    skey = (id(kernel), has_ent, has_sel, final, dot, block_d)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, HAS_ENT=has_ent, HAS_SEL=has_sel, FINAL=final, DOT=dot,
                                         IEEE=dot == tl.float32, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
                                         num_warps=NUM_WARPS)
@@ -169,7 +169,7 @@ def decode_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, w
         sel.stride(0) if sel is not None else 0, out.stride(0), out.stride(2))
     if not final:
         kernel = _decode_combine_kernel
-        skey = (kernel, block_d)
+        skey = (id(kernel), block_d)
         site = _SITES.get(skey) or new_site(_SITES, skey, kernel, BLOCK_D=block_d, num_warps=4)
         site((H, B), part, m_part, l_part, sink32, out, H, D, n_split, out.stride(0), out.stride(2))
     return out

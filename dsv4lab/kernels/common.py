@@ -444,6 +444,30 @@ def rebased(template: TensorDescriptor, base: torch.Tensor) -> TensorDescriptor:
     return d
 
 
+_SCRATCH: dict = {}  # (tag, shape, dtype, device) -> a kept buffer (never dropped: graphs keep its address)
+SCRATCH_MAX_ELEMS = 1 << 22  # larger requests (prefill sizes) get a fresh allocation instead
+
+
+def scratch(tag: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer for a kernel's internal operands (x pairs, split-K partials, the MoE's SwiGLU rows):
+    written and read back by the launches of one call, never handed to the caller. One kept tensor
+    per (tag, shape, dtype, device) instead of an allocation per call (~3-5 us of host each on the
+    H200's host, ~30 a V4-Pro eager decode layer). Safe because those launches run in order on the
+    device's stream: a later call's first write waits for the earlier call's last read (a PDL
+    launch waits for the previous grid before its first access). Kept forever: a CUDA graph
+    captured over it holds its address. Requests above ``SCRATCH_MAX_ELEMS`` are allocated fresh."""
+    key = (tag, shape, dtype, device)
+    t = _SCRATCH.get(key)
+    if t is None:
+        n = 1
+        for d in shape:
+            n *= d
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if n <= SCRATCH_MAX_ELEMS:
+            _SCRATCH[key] = t
+    return t
+
+
 def counters(device: torch.device, n: int) -> torch.Tensor:
     key = (device.type, device.index)
     c = _COUNTERS.get(key)
@@ -580,31 +604,44 @@ def weight_global_scale(gs_ptr, idx, MX: tl.constexpr):
 def x_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x (any float dtype, contiguous; its K = numel elements: one row) -> (int32 [K/16, 16]: per
     16-group the 8 f16x2 pairs, the bits of 1/xs and 7 unused words; 1/xs fp32 [KGP] again on its
-    own, zeros after the K/16 groups up to whole ``INV_PAD`` boxes). Two allocations and no views:
-    each tensor object costs ~3 us of host on a slow core, and eager decode calls this 8 times a layer."""
+    own, zeros after the K/16 groups up to whole ``INV_PAD`` boxes). Both are ``scratch`` buffers of
+    this size (valid until the next ``x_pairs`` of the same size on this device: the GEMV launched
+    next reads them), so eager decode, which calls this 8 times a layer, allocates nothing here.
+
+    Always launched, also for an activation whose pairs the buffer may still hold (two linears of
+    one input): a memo keyed on address and version counter was tried and dropped, because the
+    MoE's SwiGLU rows live in a kept buffer that a kernel rewrites without bumping its version, so
+    the memo served the previous token's pairs (caught by the launch inventory's count)."""
     KG = x.numel() // 16
     kgp = cdiv(KG, INV_PAD) * INV_PAD
-    xp = torch.empty((KG, 16), dtype=torch.int32, device=x.device)
-    inv = torch.empty(kgp, dtype=torch.float32, device=x.device)
+    dev = x.device
+    xp = scratch("x_pairs", (KG, 16), torch.int32, dev)
+    inv = scratch("x_pairs_inv", (kgp,), torch.float32, dev)
     kernel = _x_pairs_kernel  # looked up per call: a test's stand-in replaces the module attribute
-    site = _X_PAIRS_SITES.get((kernel, pdl))
+    site = _X_PAIRS_SITES.get((id(kernel), pdl))
     if site is None:
-        site = _X_PAIRS_SITES[kernel, pdl] = LaunchSite(
+        site = _X_PAIRS_SITES[id(kernel), pdl] = LaunchSite(
             kernel, BG=_X_PAIRS_BG, PDL=pdl, num_warps=1 if INTERPRET else 4, **({"launch_pdl": True} if pdl else {}))
     site((cdiv(kgp, _X_PAIRS_BG),), x, xp, inv, KG, kgp)
     return xp, inv
 
 
 _X_PAIRS_BG = 16 if INTERPRET else 32   # 16-groups per program
-_X_PAIRS_SITES: dict = {}               # (kernel, pdl) -> its LaunchSite (no per-call keyword key)
+_X_PAIRS_SITES: dict = {}               # (id(kernel), pdl) -> its LaunchSite (no per-call keyword key)
 
 
 _PAIRS_DESC: dict = {}  # (KG, g, xinv) -> a descriptor over some x_pairs rows, the geometry to rebase
+_PAIRS_KEPT: dict = {}  # (id(xp), g, xinv) -> the descriptor over that kept (``scratch``) pairs buffer
 
 
 def pairs_descriptor(xp: torch.Tensor, g: int, xinv: bool) -> TensorDescriptor:
     """TMA descriptor over ``x_pairs`` rows [KG, 16] with boxes of ``g`` groups: whole rows (pairs
-    and 1/xs, ``xinv``) or only their 8 pair words (row stride 64 bytes)."""
+    and 1/xs, ``xinv``) or only their 8 pair words (row stride 64 bytes). Over a ``scratch`` buffer
+    the same descriptor object comes back on every call, so its encoded TMA map is kept too
+    (``launch``'s raw path)."""
+    kept = _PAIRS_KEPT.get((id(xp), g, xinv))
+    if kept is not None and kept.base is xp:
+        return kept
     key = (xp.shape[0], g, xinv)
     tpl = _PAIRS_DESC.get(key)
     if tpl is None or xp.stride() != (16, 1) or xp.dtype != torch.int32:
@@ -614,5 +651,8 @@ def pairs_descriptor(xp: torch.Tensor, g: int, xinv: bool) -> TensorDescriptor:
             d = TensorDescriptor(xp, [xp.shape[0], 8], [xp.stride(0), 1], [g, 8])
         if xp.stride() == (16, 1) and xp.dtype == torch.int32:
             _PAIRS_DESC[key] = rebased(d, None)  # the geometry only: keeps no activation alive
-        return d
-    return rebased(tpl, xp)
+    else:
+        d = rebased(tpl, xp)
+    if any(t is xp for t in _SCRATCH.values()):
+        _PAIRS_KEPT[id(xp), g, xinv] = d
+    return d

@@ -145,7 +145,7 @@ def _compressor_decode_kernel(
 
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-_SITES: dict = {}  # (kernel, constexprs) -> LaunchSite (two compressors an eager CSA layer)
+_SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite (two compressors an eager CSA layer)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple, fix: str) -> None:
@@ -201,7 +201,7 @@ def compressor_decode_triton(kv: torch.Tensor, z: torch.Tensor, pos: torch.Tenso
     if num_warps is None:
         num_warps = 8 if BLOCK_D >= 512 else 4
     kernel, kv_dt, norm_tl = _compressor_decode_kernel, _TL[kv.dtype], _TL[norm_dt]  # kernel: tests replace it
-    skey = (kernel, m, c, d, C, rd, overlap, kv_dt, norm_tl, BLOCK_D, BLOCK_L, num_warps)
+    skey = (id(kernel), m, c, d, C, rd, overlap, kv_dt, norm_tl, BLOCK_D, BLOCK_L, num_warps)
     site = _SITES.get(skey) or new_site(
         _SITES, skey, kernel, M=m, R=c * m, D=d, C=C, RD=rd, OVERLAP=overlap, CUR_COL=d if overlap else 0, KV_DT=kv_dt,
         NORM_DT=norm_tl, ACCURATE=not INTERPRET, BLOCK_C=next_pow2(C), BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L,

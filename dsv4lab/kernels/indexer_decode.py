@@ -26,7 +26,7 @@ from .launch import new_site
 
 BLOCK_T = 64    # keys per tile: s [Hi=64, 64] fp32 and q [64, 128] bf16 per program at V4-Pro shapes
 NUM_WARPS = 4
-_SITES: dict = {}  # (kernel, constexprs) -> LaunchSite
+_SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite
 
 
 @triton.jit
@@ -88,7 +88,7 @@ def index_scores_decode_triton(q: torch.Tensor, w_raw: torch.Tensor, keys: torch
     progs = programs or max(1, min(n_tiles, cdiv(2 * num_sms(q.device), B)))
     dot = scores_dot_type(q, keys)
     kernel = _index_scores_kernel  # looked up per call: tests replace it
-    skey = (kernel, dot, HI, DI)
+    skey = (id(kernel), dot, HI, DI)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, DOT=dot, IEEE=dot == tl.float32, BLOCK_T=BLOCK_T,
                                         BLOCK_HI=next_pow2(max(HI, 16)), BLOCK_DI=next_pow2(max(DI, 16)),
                                         num_warps=NUM_WARPS)

@@ -31,7 +31,7 @@ from .launch import new_site
 
 BLOCK = 2048            # scores per tile (8 warps: 8 per thread)
 NUM_WARPS = 8
-_SITES: dict = {}  # (kernel, BLOCK_K) -> LaunchSite
+_SITES: dict = {}  # (id(kernel), BLOCK_K) -> LaunchSite
 TOPK_MAX_ENTRIES = 65536  # capacity above which the single-program passes cost more than torch.topk's launches
 
 
@@ -110,7 +110,7 @@ def index_top_k_decode_triton(scores: torch.Tensor, n_valid: torch.Tensor, k: in
     scores = scores.contiguous()
     out = torch.empty(B, 1, kk, dtype=torch.int64, device=scores.device)
     kernel, block_k = _top_k_kernel, min(next_pow2(kk), 1024)  # the kernel looked up per call: tests replace it
-    skey = (kernel, block_k)
+    skey = (id(kernel), block_k)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, BLOCK=BLOCK, BLOCK_K=block_k,
                                         num_warps=1 if INTERPRET else NUM_WARPS)
     site((B,), scores, n_valid, out, T, kk, scores.stride(0), out.stride(0))

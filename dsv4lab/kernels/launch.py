@@ -21,12 +21,23 @@ test stub), a constexpr or a tensor passed positionally / by keyword in the wron
 grid, an unhashable keyword value, a Triton without ``native_specialize_impl``, and
 ``DSV4LAB_DIRECT_LAUNCH=0`` or ``set_direct_launch(False)``.
 
+Raw launch (Triton 3.6's launcher layout, recognised by its shape; ``DSV4LAB_RAW_LAUNCH=0`` or
+``set_raw_launch(False)`` turns it off): ``compiled.run`` is a Python ``CudaLauncher`` whose call
+builds two closures and allocates scratch, then a wrapper walks every argument and re-encodes each
+TMA descriptor's ``CUtensorMap`` (``make_tensordesc_arg``) before the C launcher runs. A site whose
+kernel needs no scratch calls that C launcher itself with the descriptors already expanded; an
+expansion is kept on its descriptor and reused while the descriptor's base is the same tensor at the
+same address (the weights' descriptors of a plan: every call), so only the activations' descriptors
+are encoded per launch. The C launcher copies the 128-byte map into the kernel's parameters by value,
+so a kept map is safe in CUDA graphs too. Any other launcher layout keeps ``compiled.run``.
+
 Imports triton: import this module only from kernel modules (``dsv4lab.kernels`` stays triton-free).
 """
 from __future__ import annotations
 
 import inspect
 import os
+import sys
 import weakref
 from typing import Any, Callable
 
@@ -58,11 +69,13 @@ _SUPPORTED = (native_specialize_impl is not None and not INTERPRET
                                                           "add_stages_inspection_hook"))
               and hasattr(knobs.compilation, "instrumentation_mode"))
 _enabled = _SUPPORTED and os.environ.get("DSV4LAB_DIRECT_LAUNCH", "1") != "0"
+_raw_enabled = os.environ.get("DSV4LAB_RAW_LAUNCH", "1") != "0"
 _sites: dict = {}  # (id(kernel), n args, keyword names, values, types) -> LaunchSite
 _all_sites: "weakref.WeakSet[LaunchSite]" = weakref.WeakSet()  # what clear() resets, plans' sites included
 _runtime = knobs.runtime
 _compilation = knobs.compilation
-stats = {"direct": 0, "normal": 0}  # launches per path since the last ``clear()`` (tests, benchmarks)
+stats = {"direct": 0, "normal": 0, "raw": 0}  # launches per path since the last ``clear()`` (raw: direct ones that
+                                              # skipped Triton's Python launcher; tests, benchmarks)
 
 
 def set_direct_launch(enabled: bool) -> bool:
@@ -79,12 +92,21 @@ def direct_launch_enabled() -> bool:
     return _enabled
 
 
+def set_raw_launch(enabled: bool) -> bool:
+    """Switch the raw launch (see the module docstring) on or off for this process; returns the
+    previous setting. Sites built before keep what they found until ``clear()``."""
+    global _raw_enabled
+    prev = _raw_enabled
+    _raw_enabled = bool(enabled)
+    return prev
+
+
 def clear() -> None:
     """Forget every cached launcher (e.g. after changing Triton knobs by hand) and zero ``stats``."""
     _sites.clear()
     for site in list(_all_sites):
         site.reset()
-    stats["direct"] = stats["normal"] = 0
+    stats["direct"] = stats["normal"] = stats["raw"] = 0
 
 
 # hooks that older Tritons kept on CompiledKernel (absent in 3.6 / 3.9: not looked up per launch)
@@ -137,8 +159,13 @@ class LaunchSite:
             ent = self.entries.get(k) if k is not None else None
             if ent is not None:
                 n = len(grid)
-                ent[0](grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self.stream(k[0]), ent[1],
-                       ent[2], None, None, None, *args, *self.tail)
+                if ent[3] is not None:  # Triton's C launcher, descriptors expanded here
+                    ent[3](grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self.stream(k[0]), ent[1],
+                           ent[2], args, self.tail)
+                    stats["raw"] += 1
+                else:
+                    ent[0](grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self.stream(k[0]), ent[1],
+                           ent[2], None, None, None, *args, *self.tail)
                 stats["direct"] += 1
                 return
         self._normal(grid, args)
@@ -160,7 +187,8 @@ class LaunchSite:
         if k is None:
             return
         try:
-            ent = (compiled.run, compiled.function, compiled.packed_metadata)
+            ent = (compiled.run, compiled.function, compiled.packed_metadata,
+                   raw_caller(compiled.run, len(args) + len(self.tail)) if _raw_enabled else None)
         except Exception:  # e.g. a future of an asynchronous compile, a stand-in driver: stay normal
             return
         if len(self.entries) >= ENTRIES_MAX:
@@ -217,6 +245,73 @@ class LaunchSite:
         return True
 
 
+def _closure(fn: Any) -> dict:
+    """The free variables of a Python closure by name ({} for anything else)."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or cells is None:
+        return {}
+    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
+
+
+def _expanded(d: Any, meta: Any, make: Callable) -> list:
+    """``make(d, meta)`` (Triton's ``[CUtensorMap, *shape, *strides]`` of descriptor ``d``), kept on
+    ``d`` while its base is the same tensor at the same address."""
+    base = d.base
+    ptr = base.data_ptr()
+    kept = d.__dict__.get("_dsv4lab_expanded")
+    if kept is not None and kept[0] is base and kept[1] == ptr:
+        return kept[2]
+    exp = make(d, meta)
+    d.__dict__["_dsv4lab_expanded"] = (base, ptr, exp)
+    return exp
+
+
+def raw_caller(run: Any, n_args: int) -> Callable | None:
+    """``call(gx, gy, gz, stream, function, packed_metadata, args, tail)`` launching through Triton
+    3.6's C launcher behind ``run`` (a ``CudaLauncher``), descriptors expanded by ``_expanded``; None
+    when ``run`` is not that layout (another Triton, a stand-in, a kernel that needs scratch)."""
+    cls = type(run)
+    if cls.__name__ != "CudaLauncher" or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    module = sys.modules.get(cls.__module__)
+    call_code = getattr(cls.__call__, "__code__", None)
+    # 3.6: __call__(self, gridX, gridY, gridZ, stream, function, *args) -> self.launch(grid, stream, function,
+    # coop, pdl, global_scratch, profile_scratch, *args) over "iiiKKppOOOOOO" + the kernel's arguments
+    if (module is None or getattr(module, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO" or call_code is None
+            or call_code.co_argcount != 6 or not call_code.co_flags & inspect.CO_VARARGS):
+        return None
+    launch_fn = run.launch
+    coop, pdl = bool(run.launch_cooperative_grid), bool(run.launch_pdl)
+    env: dict = {"_coop": coop, "_pdl": pdl, "_e": _expanded}
+    if inspect.isbuiltin(launch_fn):  # no descriptor arguments: Triton did not wrap it
+        env["_L"] = launch_fn
+        exprs = [f"a[{i}]" for i in range(n_args)]
+    else:
+        cl = _closure(launch_fn)
+        make = getattr(module, "make_tensordesc_arg", None)
+        if (set(cl) != {"launcher", "tensordesc_indices", "tensordesc_meta"} or not callable(cl["launcher"])
+                or getattr(make, "__code__", None) is None or make.__code__.co_argcount != 2):
+            return None
+        indices, metas = sorted(cl["tensordesc_indices"]), list(cl["tensordesc_meta"])
+        if len(indices) != len(metas) or any(i >= n_args for i in indices):
+            return None
+        env.update(_L=cl["launcher"], _make=make)
+        exprs = []
+        for i in range(n_args):
+            if i in indices:
+                env[f"_m{i}"] = metas[indices.index(i)]
+                exprs.append(f"*_e(a[{i}], _m{i}, _make)")
+            else:
+                exprs.append(f"a[{i}]")
+    # the positional arguments, then the tail (constexprs and defaults, which the launcher skips)
+    body = ", ".join(exprs)
+    src = (f"def call(gx, gy, gz, s, fn, md, args, tail):\n"
+           f"    a = args + tail\n"
+           f"    _L(gx, gy, gz, s, fn, _coop, _pdl, None, None, md, None, None, None, {body})\n")
+    exec(src, env)
+    return env["call"]
+
+
 def _arg_key_expr(x: str, a: Any, flags: tuple) -> str:
     """Source of the key of argument ``x`` (first seen as ``a``): a fast exact form for the type
     ``a`` has, Triton's specialiser for any other type. The forms cannot equal one another (tensor:
@@ -236,9 +331,11 @@ def _arg_key_expr(x: str, a: Any, flags: tuple) -> str:
 
 def new_site(sites: dict, key: Any, kernel: Any, **kw: Any) -> LaunchSite:
     """A ``LaunchSite(kernel, **kw)`` kept in the caller's ``sites`` under ``key``, which must name
-    every value of ``kw`` (and the kernel object: tests replace module attributes). The call site's
-    ``sites.get(key) or new_site(sites, key, ...)`` costs one tuple and one lookup a launch (~0.2 us),
-    where ``launch()`` keys every keyword's value and type (~2.5-3.5 us on a slow host core)."""
+    every value of ``kw`` and the kernel by ``id(kernel)`` (tests replace module attributes; a
+    ``JITFunction`` hashes through its ``cache_key`` property under a lock, ~1 us a lookup, and the site
+    keeps its kernel alive, so the id cannot be reused while the key is in the table). The call
+    site's ``sites.get(key) or new_site(sites, key, ...)`` costs one tuple and one lookup a launch
+    (~0.2 us), where ``launch()`` keys every keyword's value and type (~2.5-3.5 us on a slow host core)."""
     if len(sites) >= SITES_MAX:
         sites.clear()
     site = sites[key] = LaunchSite(kernel, **kw)

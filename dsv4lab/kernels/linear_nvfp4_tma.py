@@ -58,6 +58,7 @@ from .common import (
     num_sms,
     pairs_and_inv,
     pairs_descriptor,
+    scratch,
     store_or_fix_up,
     weight_global_scale,
     x_pairs,
@@ -214,7 +215,7 @@ def run_gemv_tma(plan: GemvTmaPlan, x2: torch.Tensor, gs: torch.Tensor, y: torch
     [M, K] contiguous rows, M == 1 iff ``plan.m1``; grouped: x2 already [1, groups * K])."""
     M = x2.shape[0]
     if plan.split > 1:
-        ws = torch.empty((plan.split, M, plan.N), dtype=torch.float32, device=x2.device)
+        ws = scratch("gemv_split", (plan.split, M, plan.N), torch.float32, x2.device)
         cnt = counters(x2.device, plan.n_tiles)
     else:
         ws, cnt = y, y

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, counters, store_or_fix_up, INTERPRET
+from .common import cdiv, next_pow2, counters, scratch, store_or_fix_up, INTERPRET
 from .device import on_input_device
 from .launch import new_site
 
@@ -33,7 +33,7 @@ MAX_ROWS = 4            # x rows (decode batch) this kernel takes; dispatch.plai
 BN = 8                  # weight rows per program
 BK = 1024               # K per step (2 KB of a bf16 row)
 TARGET_PROGRAMS = 512   # row tiles x splits aimed at
-_SITES: dict = {}       # (kernel, constexprs) -> LaunchSite (4 plain GEMVs an eager CSA layer)
+_SITES: dict = {}       # (id(kernel), constexprs) -> LaunchSite (4 plain GEMVs an eager CSA layer)
 
 
 @triton.jit
@@ -107,10 +107,10 @@ def launch_plain_gemv(x: torch.Tensor, w: torch.Tensor, *, split: int | None = N
         return y.zero_().view(*x.shape[:-1], N)
     ch, n_split = plain_split(N, K, split, bn, bk, cfg.get("PROGRAMS", TARGET_PROGRAMS))
     tiles = cdiv(N, bn)
-    ws = torch.empty(n_split * M * N if n_split > 1 else 1, dtype=torch.float32, device=x.device)
+    ws = scratch("plain_split", (n_split * M * N if n_split > 1 else 1,), torch.float32, x.device)
     cnt = counters(x.device, tiles)
     kernel, bm, warps = _gemv_plain_kernel, next_pow2(M), 1 if INTERPRET else cfg.get("WARPS", 4)  # kernel: tests replace it
-    skey = (kernel, n_split > 1, bm, bn, bk, warps)
+    skey = (id(kernel), n_split > 1, bm, bn, bk, warps)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, USE_SPLIT=n_split > 1, BM=bm, BN=bn, BK=bk, num_warps=warps)
     site((tiles, n_split), x2, w, y, ws, cnt, M, N, K, ch, n_split, x2.stride(0), w.stride(0), y.stride(0))
     return y.view(*x.shape[:-1], N)

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, INTERPRET, counters
+from .common import cdiv, next_pow2, INTERPRET, counters, scratch
 from .device import on_input_device
 from .launch import new_site
 
@@ -55,7 +55,7 @@ PRE_WARPS = 4          # warps of a split-K hc_pre program (8 or 16: no faster, 
 DENSE_MIN_T = 1024  # hc_pre tokens (bf16 streams) from which the mix products run on cuBLAS (H200, V4-Pro
                     # site, tiles / dense us: 512 231 / 315, 1024 273 / 139, 2048 505 / 165, 4096 966 / 288)
 DENSE_BT = 4        # tokens per program of the dense tier's finish (x is read twice: keep it in L2)
-_SITES: dict = {}  # (kernel, constexprs) -> LaunchSite (4 launches an eager layer)
+_SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite (4 launches an eager layer)
 DENSE_CHUNK_K = 1024  # K per batch of the dense tier's products (fp32 partials summed in the finish)
 
 
@@ -320,7 +320,7 @@ def _pre_dense(x, fn, base, scale, iters, hc_eps, norm_eps, head, pre, post, com
     prod = _mix_products(x.view(T, hc * D), fn_parts(fn), chunks)
     hcp = next_pow2(hc)
     kernel, by_hand = _hc_pre_dense_finish_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
-    skey = (kernel, hc, head, by_hand)
+    skey = (id(kernel), hc, head, by_hand)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, HC=hc, HCP=hcp, BT=DENSE_BT, BK=COLLAPSE_ELEMS // DENSE_BT,
                                         BD=COLLAPSE_ELEMS // DENSE_BT, HEAD=head, BF16_BY_HAND=by_hand, num_warps=4)
     site((cdiv(T, DENSE_BT),),
@@ -346,12 +346,12 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     hcp = next_pow2(hc)
     n_tb = cdiv(T, bt)
     if n_split > 1:
-        ws = torch.empty(n_tb * n_split * bt * (2 * hcp + hcp * hcp + 1), dtype=torch.float32, device=dev)
+        ws = scratch("hc_pre_split", (n_tb * n_split * bt * (2 * hcp + hcp * hcp + 1),), torch.float32, dev)
         cnt = counters(dev, n_tb)
     else:
         ws = cnt = pre  # unused
     kernel, by_hand = _hc_pre_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
-    skey = (kernel, hc, bt, bk, n_split, head, by_hand)
+    skey = (id(kernel), hc, bt, bk, n_split, head, by_hand)
     site = _SITES.get(skey) or new_site(
         _SITES, skey, kernel, HC=hc, HCP=hcp, BT=bt, BK=bk,
         BD=max(64, (DECODE_COLLAPSE_ELEMS if bt == 1 else COLLAPSE_ELEMS) // bt), SPLIT=n_split,
@@ -391,7 +391,7 @@ def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, 
     if B * S == 0:
         return y
     kernel, by_hand = _hc_post_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
-    skey = (kernel, hc, by_hand)
+    skey = (id(kernel), hc, by_hand)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, HC=hc, HCP=next_pow2(hc), BD=POST_BD,
                                         BF16_BY_HAND=by_hand, num_warps=4)
     site((B * S, cdiv(D, POST_BD)), x, block_out.contiguous(), post.contiguous(), comb.contiguous(), y, D)

@@ -85,13 +85,13 @@ def _plain_down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, y_ptr, H, I, TOPK, strid
     tl.store(y_ptr + t * stride_yt + rows, acc.to(xdt), mask=row_ok)
 
 
-_SITES: dict = {}  # (kernel, ROUND_W) -> LaunchSite
+_SITES: dict = {}  # (id(kernel), ROUND_W) -> LaunchSite
 
 
 def _site(kernel, round_w: bool) -> LaunchSite:
-    site = _SITES.get((kernel, round_w))
+    site = _SITES.get((id(kernel), round_w))
     if site is None:
-        site = _SITES[kernel, round_w] = LaunchSite(kernel, ROUND_W=round_w, BN=BN, BK=BK,
+        site = _SITES[id(kernel), round_w] = LaunchSite(kernel, ROUND_W=round_w, BN=BN, BK=BK,
                                                     num_warps=1 if INTERPRET else 4)
     return site
 

@@ -39,6 +39,7 @@ from .common import (
     group_dot,
     pairs_and_inv,
     pairs_descriptor,
+    scratch,
     round_to,
     store_or_fix_up,
     sum_partials,
@@ -47,7 +48,7 @@ from .common import (
 )
 from .launch import new_site
 
-_SITES: dict = {}  # (kernel, constexprs) -> LaunchSite (2 launches an eager MoE layer)
+_SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite (2 launches an eager MoE layer)
 
 
 @triton.jit
@@ -216,11 +217,11 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     bn, stages, warps = _BN, _STAGES, _WARPS
     npair = k + (shared is not None)
     sw1, sw3, sw2 = shared if shared is not None else (w1, w3, w2)  # stand-ins: no pair reaches them
-    h = torch.empty((T * npair, I), dtype=x.dtype, device=x.device)
+    h = scratch("moe_h", (T * npair, I), x.dtype, x.device)   # the SwiGLU rows: read by the down launch only
     y = torch.empty((T, H), dtype=x.dtype, device=x.device)
     xp, xinv = x_pairs(x)
     up_kernel, down_kernel, shared_on = _moe_up_kernel, _moe_down_kernel, shared is not None  # tests replace kernels
-    up = _SITES.get((up_kernel, mx)) or new_site(_SITES, (up_kernel, mx), up_kernel, BN=bn, G=g, STAGES=stages,
+    up = _SITES.get((id(up_kernel), mx)) or new_site(_SITES, (id(up_kernel), mx), up_kernel, BN=bn, G=g, STAGES=stages,
                                                  USE_ASM=not INTERPRET, MX=mx, num_warps=warps)
     a1, a3, s1, s3, a2, s2 = (_stack_args(w) for w in (w1, w3, sw1, sw3, w2, sw2))
     up((cdiv(I, bn), T * npair),
@@ -228,8 +229,8 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
         a1.gs, a3.gs, s1.gs, s3.gs, h, I, H // 16, k, npair, h.stride(0), lim)
     hp, hinv = x_pairs(h)
     n_tiles = cdiv(H, bn)
-    ws = torch.empty((T * npair, H), dtype=torch.float32, device=x.device)
-    dkey = (down_kernel, mx, shared_on)
+    ws = scratch("moe_down", (T * npair, H), torch.float32, x.device)
+    dkey = (id(down_kernel), mx, shared_on)
     down = _SITES.get(dkey) or new_site(_SITES, dkey, down_kernel, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET,
                                         MX=mx, SHARED=shared_on, num_warps=warps)
     down((n_tiles, T * npair),

@@ -121,7 +121,7 @@ def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, S, H, eps,
     tl.store(y_ptr + t * stride_yt + heads[:, None] * stride_yh + chans[None, :], yy, mask=ok)
 
 
-_SITES: dict = {}  # (kernel, constexprs) -> LaunchSite: no per-call keyword key (7 launches a decode layer)
+_SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite: no per-call keyword key (7 launches a decode layer)
 
 
 @on_input_device
@@ -168,7 +168,7 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
     RD = 2 * inv_freq.shape[-1] if rope else 0
     ROPE = (-1 if inverse else 1) if rope else 0
     kernel = _norm_rope_kernel  # looked up per call: a test's stand-in replaces the module attribute
-    skey = (kernel, D, RD, norm, ROPE, fp8_nope, HB, BP)
+    skey = (id(kernel), D, RD, norm, ROPE, fp8_nope, HB, BP)
     site = _SITES.get(skey)
     if site is None:
         site = _SITES[skey] = LaunchSite(kernel, D=D, RD=RD, NORM=norm, ROPE=ROPE, FP8=fp8_nope, HB=HB, BP=BP,

@@ -20,7 +20,7 @@ from .device import on_input_device
 from .launch import new_site
 
 SCORES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
-_SITES: dict = {}  # (kernel, constexprs) -> LaunchSite
+_SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus(beta=1, threshold=20): x itself above it
 
 
@@ -120,7 +120,7 @@ def route_triton(logits: torch.Tensor, top_k: int, scoring: str, scale: float, b
     toks = input_ids.reshape(-1) if hash_ else logits
     BE = next_pow2(E)
     kernel, score = _route_kernel, SCORES[scoring]  # the kernel looked up per call: tests replace it
-    skey = (kernel, top_k, BE, score, hash_)
+    skey = (id(kernel), top_k, BE, score, hash_)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, K=top_k, KP=next_pow2(top_k), BE=BE, SCORE=score,
                                         HASH=hash_, PRECISE=not INTERPRET,
                                         num_warps=1 if INTERPRET else max(1, min(8, BE // 128)), enable_fp_fusion=False)

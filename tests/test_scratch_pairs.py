@@ -1,0 +1,63 @@
+"""Kept kernel buffers (``common.scratch``) and the x-pairs prelude writing into them. On CPU with a
+stand-in for the prelude kernel that records its launches and writes a marker, so what is launched
+and returned can be asserted; the real kernel's bits are checked by the interpreter suites, and the
+GPU suites run the model on the kept buffers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from dsv4lab.kernels import common  # noqa: E402
+
+
+class _Prelude:
+    """Stands in for ``_x_pairs_kernel``: ``kernel[grid](x, xp, inv, KG, KGP, **kw)`` records x and
+    writes x's first element into every pair word (so a stale buffer is visible)."""
+
+    def __init__(self):
+        self.launched: list = []
+
+    def __getitem__(self, grid):
+        def run(x, xp, inv, KG, KGP, **kw):
+            self.launched.append(x)
+            xp.fill_(int(x.flatten()[0].item()))
+            inv.fill_(1.0)
+        return run
+
+
+@pytest.fixture
+def prelude(monkeypatch):
+    stub = _Prelude()
+    monkeypatch.setattr(common, "_x_pairs_kernel", stub)
+    return stub
+
+
+def test_scratch_is_kept_per_tag_shape_dtype_and_large_requests_are_fresh():
+    a = common.scratch("t", (4, 16), torch.int32, torch.device("cpu"))
+    assert common.scratch("t", (4, 16), torch.int32, torch.device("cpu")) is a
+    assert common.scratch("u", (4, 16), torch.int32, torch.device("cpu")) is not a
+    assert common.scratch("t", (4, 16), torch.float32, torch.device("cpu")) is not a
+    assert common.scratch("t", (5, 16), torch.int32, torch.device("cpu")) is not a
+    big = (common.SCRATCH_MAX_ELEMS + 1,)
+    assert common.scratch("t", big, torch.int8, torch.device("cpu")) is not common.scratch("t", big, torch.int8,
+                                                                                          torch.device("cpu"))
+
+
+def test_pairs_live_in_kept_buffers_and_are_made_on_every_call(prelude):
+    """The same buffers come back for one size (no allocation a call), and every call launches: a
+    kept buffer rewritten by a kernel (the MoE's SwiGLU rows) has the same address and version on
+    the next token, so skipping a launch on those would serve stale pairs."""
+    x = torch.full((1, 64), 3.0)
+    xp1, inv1 = common.x_pairs(x)
+    h = common.scratch("rows", (1, 64), torch.float32, torch.device("cpu"))
+    h.fill_(5.0)
+    xp2, inv2 = common.x_pairs(h)
+    h.view(torch.int32).copy_(torch.full((1, 64), 7.0).view(torch.int32))  # as a kernel would: version bumped
+    xp3, _ = common.x_pairs(h)
+    xp4, _ = common.x_pairs(x)
+    assert xp1 is xp2 is xp3 is xp4 and inv1 is inv2
+    assert len(prelude.launched) == 4 and int(xp4[0, 0]) == 3
+    z = torch.full((1, 32), 5.0)
+    zp, _ = common.x_pairs(z)
+    assert zp.shape == (2, 16) and zp is not xp1 and int(zp[0, 0]) == 5 and int(xp1[0, 0]) == 3
