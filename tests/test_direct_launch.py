@@ -273,6 +273,26 @@ def test_raw_launch_calls_the_c_launcher_as_tritons_wrapper_would(monkeypatch):
     assert c_log.pop()[14][1] == w2.data_ptr()
 
 
+def test_raw_launch_encodes_slotted_descriptors_every_time(monkeypatch):
+    """A descriptor class without an instance dict has nowhere to keep its map: encoded per launch."""
+    from dsv4lab.kernels import launch as L
+
+    class Slotted:
+        __slots__ = ("base",)
+
+        def __init__(self, base):
+            self.base = base
+
+    mod, run, c_log, encoded = _fake_triton36()
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    call = L.raw_caller(run, 5)
+    w = torch.zeros(16)
+    wd = Slotted(w)
+    for _ in range(3):
+        call(1, 1, 1, 0, "fn", "md", (w, wd, 3, Slotted(w)), (64,))
+    assert len(encoded) == 6 and c_log[-1][14] == ("map", w.data_ptr(), "m1")
+
+
 def test_raw_launch_refuses_other_layouts(monkeypatch):
     """Scratch memory, another driver layout or a stand-in launcher: no raw caller (Triton's path stays)."""
     from dsv4lab.kernels import launch as L

@@ -256,13 +256,16 @@ def _closure(fn: Any) -> dict:
 def _expanded(d: Any, meta: Any, make: Callable) -> list:
     """``make(d, meta)`` (Triton's ``[CUtensorMap, *shape, *strides]`` of descriptor ``d``), kept on
     ``d`` while its base is the same tensor at the same address."""
+    slots = getattr(d, "__dict__", None)
+    if slots is None:  # a descriptor class without an instance dict: nothing to keep it in
+        return make(d, meta)
     base = d.base
     ptr = base.data_ptr()
-    kept = d.__dict__.get("_dsv4lab_expanded")
+    kept = slots.get("_dsv4lab_expanded")
     if kept is not None and kept[0] is base and kept[1] == ptr:
         return kept[2]
     exp = make(d, meta)
-    d.__dict__["_dsv4lab_expanded"] = (base, ptr, exp)
+    slots["_dsv4lab_expanded"] = (base, ptr, exp)
     return exp
 
 
