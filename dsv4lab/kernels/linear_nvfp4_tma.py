@@ -200,8 +200,9 @@ class GemvTmaPlan:
             self.kw = dict(USE_SPLIT=split > 1, BN=bn, G=g, STAGES=cfg["STAGES"], USE_ASM=not INTERPRET, PDL=self.pdl,
                            MX=mx, XINV=self.xinv, ROWS_PER_X=N // groups if groups > 1 else 0,
                            num_warps=cfg["num_warps"], **({"launch_pdl": True} if self.pdl else {}))
-            # the descriptors and ints the plan passes on every call (``run_gemv_tma``): keyed by identity
-            self.site = LaunchSite(_gemv_tma_kernel, fixed=(0, 1, 8, 9, 10, 11), **self.kw)
+            # the descriptors and ints the plan passes on every call (``run_gemv_tma``): keyed by identity;
+            # the x-pairs descriptor too (2): over the kept ``x_pairs`` buffer it is one object per size
+            self.site = LaunchSite(_gemv_tma_kernel, fixed=(0, 1, 2, 8, 9, 10, 11), **self.kw)
         else:
             self.kw = dict(USE_SPLIT=split > 1, BN=bn, G=g, BMP=16, STAGES=cfg["STAGES"],
                            DOT_DTYPE=dot_dtype(x_dtype),
