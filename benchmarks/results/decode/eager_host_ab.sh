@@ -10,10 +10,12 @@ for rep in 1 2; do
   for v in base new; do
     root=.; [ $v = base ] && root=.base
     echo "== full depth $v $rep"
-    timeout 120 python3 $root/benchmarks/full_model.py --preset v4-pro --experts 8 --gpus 1 --context 4096 \
+    timeout 95 python3 $root/benchmarks/full_model.py --preset v4-pro --experts 8 --gpus 1 --context 4096 \
       --steps 16 --prefill-iters 1 --json $OUT/fm_${v}_$rep.json 2>&1 | grep -E '"(eager_ms|graph_ms|graph_over_floor|capture_s|floor_ms)"'
   done
 done
+echo "== one V4-Pro layer, kernels (graph ms, kernels a step)"
+timeout 110 python3 benchmarks/decode.py --steps 64 --skip-tiny --layer-modes kernels --json $OUT/layer_new.json 2>&1 | tail -12
 for v in base new; do
   root=.; [ $v = base ] && root=.base
   echo "== embedded $v"
