@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, dot_dtype, head_block_query, num_sms, online_softmax_tile, scratch
+from .common import cdiv, next_pow2, dot_dtype, head_block_query, num_sms, online_softmax_tile, pdl_enter, scratch, use_pdl
 from .device import on_input_device
 from .launch import new_site
 
@@ -41,7 +41,9 @@ def _decode_split_kernel(q_ptr, ring_ptr, ent_ptr, sel_ptr, n_ent_ptr, pos_ptr, 
                          sq_b, sq_h, sr_b, sr_p, se_b, se_t, ssel_b, so_b, so_h,
                          HAS_ENT: tl.constexpr, HAS_SEL: tl.constexpr, FINAL: tl.constexpr,
                          DOT: tl.constexpr, IEEE: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     hb = tl.program_id(0)
     sp = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -89,7 +91,8 @@ def _decode_split_kernel(q_ptr, ring_ptr, ent_ptr, sel_ptr, n_ent_ptr, pos_ptr, 
 
 @triton.jit
 def _decode_combine_kernel(part_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, H, D, SPLITS, so_b, so_h,
-                           BLOCK_D: tl.constexpr):
+                           BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -158,18 +161,22 @@ def decode_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, w
     dot = tl.float32 if ring.dtype == torch.float32 else dot_dtype(ring)  # fp32 under the interpreter
     block_d = next_pow2(max(D, 16))
     kernel, has_sel = _decode_split_kernel, sel is not None  # looked up per call: tests replace it
-    skey = (id(kernel), has_ent, has_sel, final, dot, block_d)
+    grid = (cdiv(H, BLOCK_H), n_split, B)
+    pdl = use_pdl(grid[0] * n_split * B, dev)
+    skey = (id(kernel), has_ent, has_sel, final, dot, block_d, pdl)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, HAS_ENT=has_ent, HAS_SEL=has_sel, FINAL=final, DOT=dot,
                                         IEEE=dot == tl.float32, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-                                        num_warps=NUM_WARPS)
-    site((cdiv(H, BLOCK_H), n_split, B),
+                                        PDL=pdl, num_warps=NUM_WARPS, **({"launch_pdl": True} if pdl else {}))
+    site(grid,
         q, ring, ent, sel_arg, n_ent_arg, pos, sink32, out, part, m_part, l_part,
         H, D, W, T, K, n_split, scale,
         q.stride(0), q.stride(2), ring.stride(0), ring.stride(1), ent.stride(0), ent.stride(1),
         sel.stride(0) if sel is not None else 0, out.stride(0), out.stride(2))
     if not final:
         kernel = _decode_combine_kernel
-        skey = (id(kernel), block_d)
-        site = _SITES.get(skey) or new_site(_SITES, skey, kernel, BLOCK_D=block_d, num_warps=4)
+        pdl = use_pdl(H * B, dev)
+        skey = (id(kernel), block_d, pdl)
+        site = _SITES.get(skey) or new_site(_SITES, skey, kernel, BLOCK_D=block_d, PDL=pdl, num_warps=4,
+                                            **({"launch_pdl": True} if pdl else {}))
         site((H, B), part, m_part, l_part, sink32, out, H, D, n_split, out.stride(0), out.stride(2))
     return out

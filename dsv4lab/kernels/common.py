@@ -83,6 +83,19 @@ def e8m0_to_f32(e):
 
 
 @triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """First statement of a kernel that may be launched with programmatic dependent launch (PDL):
+    wait until the previous grid on the stream has finished and its writes are visible, then let
+    the next grid's CTAs become resident (they wait the same way). Nothing else precedes it, so
+    every global read and write of the kernel stays ordered after the previous kernel, as without
+    PDL; what is gained is the next launch's latency, hidden under this kernel's run. Without
+    ``PDL`` (the interpreter, multi-wave grids, ``DSV4LAB_PDL=0``) it compiles to nothing."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
 def store_or_fix_up(acc, y_ptrs, ws_ptrs, mask, cnt_ptr, tile, pid_k, split_stride, SPLIT, scale,
                      USE_SPLIT: tl.constexpr):
     """y = acc * scale; with split K every split writes its fp32 partial at ws_ptrs + pid_k *
@@ -466,6 +479,21 @@ def scratch(tag: str, shape: tuple, dtype: torch.dtype, device: torch.device) ->
         if n <= SCRATCH_MAX_ELEMS:
             _SCRATCH[key] = t
     return t
+
+
+PDL_ON = os.environ.get("DSV4LAB_PDL", "1") != "0"   # read once: A/B runs set it per process
+_PDL_SMS: dict = {}  # device -> SM count where PDL applies (Hopper and newer), 0 where it does not
+
+
+def use_pdl(programs: int, device: torch.device) -> bool:
+    """Launch a decode kernel of ``programs`` CTAs with PDL (``pdl_enter`` + ``launch_pdl``)? On
+    CUDA sm_90+ for grids of at most one wave: CTAs that the next grid makes resident early wait in
+    ``griddepcontrol.wait`` and hold SM slots, which a multi-wave grid's later CTAs would need."""
+    sms = _PDL_SMS.get(device)
+    if sms is None:
+        ok = PDL_ON and not INTERPRET and device.type == "cuda" and device_capability(device)[0] >= 9
+        sms = _PDL_SMS[device] = num_sms(device) if ok else 0
+    return programs <= sms
 
 
 def counters(device: torch.device, n: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import next_pow2, INTERPRET  # importing common also patches the interpreter for numpy >= 2.4
+from .common import next_pow2, pdl_enter, use_pdl, INTERPRET  # importing common also patches the interpreter for numpy >= 2.4
 from .device import on_input_device
 from .launch import new_site
 
@@ -81,7 +81,8 @@ def _compressor_decode_kernel(
         M: tl.constexpr, R: tl.constexpr, D: tl.constexpr, C: tl.constexpr, RD: tl.constexpr, OVERLAP: tl.constexpr,
         CUR_COL: tl.constexpr,
         KV_DT: tl.constexpr, NORM_DT: tl.constexpr, ACCURATE: tl.constexpr,
-        BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+        BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     pos = tl.load(pos_ptr)
     slot = pos % M
@@ -201,11 +202,12 @@ def compressor_decode_triton(kv: torch.Tensor, z: torch.Tensor, pos: torch.Tenso
     if num_warps is None:
         num_warps = 8 if BLOCK_D >= 512 else 4
     kernel, kv_dt, norm_tl = _compressor_decode_kernel, _TL[kv.dtype], _TL[norm_dt]  # kernel: tests replace it
-    skey = (id(kernel), m, c, d, C, rd, overlap, kv_dt, norm_tl, BLOCK_D, BLOCK_L, num_warps)
+    pdl = use_pdl(B, kv.device)
+    skey = (id(kernel), m, c, d, C, rd, overlap, kv_dt, norm_tl, BLOCK_D, BLOCK_L, num_warps, pdl)
     site = _SITES.get(skey) or new_site(
         _SITES, skey, kernel, M=m, R=c * m, D=d, C=C, RD=rd, OVERLAP=overlap, CUR_COL=d if overlap else 0, KV_DT=kv_dt,
-        NORM_DT=norm_tl, ACCURATE=not INTERPRET, BLOCK_C=next_pow2(C), BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L,
-        num_warps=num_warps, enable_fp_fusion=False)
+        NORM_DT=norm_tl, ACCURATE=not INTERPRET, BLOCK_C=next_pow2(C), BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L, PDL=pdl,
+        num_warps=num_warps, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
     site((B,),
         kv2, z2, ape_c, pos, ring_kv, ring_gate, entries, nw, inv, n,
         entries.shape[1], float(eps), kv2.stride(0), z2.stride(0), ape_c.stride(0),

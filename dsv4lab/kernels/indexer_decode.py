@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, dot_dtype, num_sms
+from .common import cdiv, next_pow2, dot_dtype, num_sms, pdl_enter, use_pdl
 from .device import on_input_device
 from .launch import new_site
 
@@ -33,7 +33,9 @@ _SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite
 def _index_scores_kernel(q_ptr, w_ptr, k_ptr, n_ptr, out_ptr, T, HI, DI, PROGS, w_scale, k_scale,
                          sq_b, sq_h, sw_b, sk_b, sk_t, so_b,
                          DOT: tl.constexpr, IEEE: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_HI)
@@ -88,10 +90,11 @@ def index_scores_decode_triton(q: torch.Tensor, w_raw: torch.Tensor, keys: torch
     progs = programs or max(1, min(n_tiles, cdiv(2 * num_sms(q.device), B)))
     dot = scores_dot_type(q, keys)
     kernel = _index_scores_kernel  # looked up per call: tests replace it
-    skey = (id(kernel), dot, HI, DI)
+    pdl = use_pdl(progs * B, q.device)
+    skey = (id(kernel), dot, HI, DI, pdl)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, DOT=dot, IEEE=dot == tl.float32, BLOCK_T=BLOCK_T,
-                                        BLOCK_HI=next_pow2(max(HI, 16)), BLOCK_DI=next_pow2(max(DI, 16)),
-                                        num_warps=NUM_WARPS)
+                                        BLOCK_HI=next_pow2(max(HI, 16)), BLOCK_DI=next_pow2(max(DI, 16)), PDL=pdl,
+                                        num_warps=NUM_WARPS, **({"launch_pdl": True} if pdl else {}))
     site((progs, B),
         q, w_raw, keys, n_valid, out, T, HI, DI, progs, w_scale, DI ** -0.5,
         q.stride(0), q.stride(2), w_raw.stride(0), keys.stride(0), keys.stride(1), out.stride(0))

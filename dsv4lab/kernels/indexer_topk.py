@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import next_pow2, INTERPRET
+from .common import next_pow2, pdl_enter, use_pdl, INTERPRET
 from .device import on_input_device
 from .launch import new_site
 
@@ -67,7 +67,9 @@ def _digit_pass(row, n, prefix, need, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _top_k_kernel(s_ptr, n_ptr, out_ptr, T, K, s_b, o_b, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+def _top_k_kernel(s_ptr, n_ptr, out_ptr, T, K, s_b, o_b, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     row = s_ptr + b * s_b
     orow = out_ptr + b * o_b
@@ -110,9 +112,10 @@ def index_top_k_decode_triton(scores: torch.Tensor, n_valid: torch.Tensor, k: in
     scores = scores.contiguous()
     out = torch.empty(B, 1, kk, dtype=torch.int64, device=scores.device)
     kernel, block_k = _top_k_kernel, min(next_pow2(kk), 1024)  # the kernel looked up per call: tests replace it
-    skey = (id(kernel), block_k)
-    site = _SITES.get(skey) or new_site(_SITES, skey, kernel, BLOCK=BLOCK, BLOCK_K=block_k,
-                                        num_warps=1 if INTERPRET else NUM_WARPS)
+    pdl = use_pdl(B, scores.device)
+    skey = (id(kernel), block_k, pdl)
+    site = _SITES.get(skey) or new_site(_SITES, skey, kernel, BLOCK=BLOCK, BLOCK_K=block_k, PDL=pdl,
+                                        num_warps=1 if INTERPRET else NUM_WARPS, **({"launch_pdl": True} if pdl else {}))
     site((B,), scores, n_valid, out, T, kk, scores.stride(0), out.stride(0))
     return out
 

@@ -50,6 +50,7 @@ from .common import (
     cdiv,
     BOX_GROUPS,
     INTERPRET,
+    PDL_ON,
     block_scales,
     counters,
     dot_dtype,
@@ -194,7 +195,7 @@ class GemvTmaPlan:
         mx = bool(cfg.get("MX", False))   # MXFP4: the scales hold one E8M0 per two groups, gs is 1
         self.wd = TensorDescriptor.from_tensor(packed.view(torch.int64), [bn, g])
         self.sd = TensorDescriptor.from_tensor(scale.view(torch.uint8), [bn, g // 2 if mx else g])
-        self.pdl = bool(cfg.get("PDL", False)) and not INTERPRET
+        self.pdl = bool(cfg.get("PDL", False)) and not INTERPRET and PDL_ON   # DSV4LAB_PDL=0: none
         self.xinv = bool(cfg.get("XINV", True))
         if m1:
             self.kw = dict(USE_SPLIT=split > 1, BN=bn, G=g, STAGES=cfg["STAGES"], USE_ASM=not INTERPRET, PDL=self.pdl,

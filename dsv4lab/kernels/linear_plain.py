@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, counters, scratch, store_or_fix_up, INTERPRET
+from .common import cdiv, next_pow2, counters, pdl_enter, scratch, store_or_fix_up, use_pdl, INTERPRET
 from .device import on_input_device
 from .launch import new_site
 
@@ -38,7 +38,9 @@ _SITES: dict = {}       # (id(kernel), constexprs) -> LaunchSite (4 plain GEMVs 
 
 @triton.jit
 def _gemv_plain_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, CH, SPLIT, stride_xm, stride_wn, stride_ym,
-                       USE_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                       USE_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -110,7 +112,9 @@ def launch_plain_gemv(x: torch.Tensor, w: torch.Tensor, *, split: int | None = N
     ws = scratch("plain_split", (n_split * M * N if n_split > 1 else 1,), torch.float32, x.device)
     cnt = counters(x.device, tiles)
     kernel, bm, warps = _gemv_plain_kernel, next_pow2(M), 1 if INTERPRET else cfg.get("WARPS", 4)  # kernel: tests replace it
-    skey = (id(kernel), n_split > 1, bm, bn, bk, warps)
-    site = _SITES.get(skey) or new_site(_SITES, skey, kernel, USE_SPLIT=n_split > 1, BM=bm, BN=bn, BK=bk, num_warps=warps)
+    pdl = use_pdl(tiles * n_split, x.device)
+    skey = (id(kernel), n_split > 1, bm, bn, bk, warps, pdl)
+    site = _SITES.get(skey) or new_site(_SITES, skey, kernel, USE_SPLIT=n_split > 1, BM=bm, BN=bn, BK=bk, PDL=pdl,
+                                        num_warps=warps, **({"launch_pdl": True} if pdl else {}))
     site((tiles, n_split), x2, w, y, ws, cnt, M, N, K, ch, n_split, x2.stride(0), w.stride(0), y.stride(0))
     return y.view(*x.shape[:-1], N)

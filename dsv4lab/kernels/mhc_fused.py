@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, INTERPRET, counters, scratch
+from .common import cdiv, next_pow2, INTERPRET, counters, pdl_enter, scratch, use_pdl
 from .device import on_input_device
 from .launch import new_site
 
@@ -117,7 +117,8 @@ def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t,
 def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, cnt_ptr,
                    T, K, D, CH, iters, hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr,
                    BK: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
-                   HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+                   HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     tb = tl.program_id(0)
     sp = tl.program_id(1)
     t = tb.to(tl.int64) * BT + tl.arange(0, BT)
@@ -230,7 +231,8 @@ def _hc_pre_dense_finish_kernel(x_ptr, prod_ptr, base_ptr, scale_ptr, pre_ptr, p
 
 @triton.jit
 def _hc_post_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, D, HC: tl.constexpr, HCP: tl.constexpr,
-                    BD: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+                    BD: tl.constexpr, BF16_BY_HAND: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     d_ok = d < D
@@ -351,11 +353,13 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     else:
         ws = cnt = pre  # unused
     kernel, by_hand = _hc_pre_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
-    skey = (id(kernel), hc, bt, bk, n_split, head, by_hand)
+    pdl = use_pdl(n_tb * n_split, dev)
+    skey = (id(kernel), hc, bt, bk, n_split, head, by_hand, pdl)
     site = _SITES.get(skey) or new_site(
         _SITES, skey, kernel, HC=hc, HCP=hcp, BT=bt, BK=bk,
         BD=max(64, (DECODE_COLLAPSE_ELEMS if bt == 1 else COLLAPSE_ELEMS) // bt), SPLIT=n_split,
-        SPLITP=next_pow2(n_split), HEAD=head, BF16_BY_HAND=by_hand, num_warps=PRE_WARPS)
+        SPLITP=next_pow2(n_split), HEAD=head, BF16_BY_HAND=by_hand, PDL=pdl, num_warps=PRE_WARPS,
+        **({"launch_pdl": True} if pdl else {}))
     site((n_tb, n_split),
         x, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,
         T, K, D, ch, int(iters), float(hc_eps), float(norm_eps))
@@ -391,8 +395,11 @@ def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, 
     if B * S == 0:
         return y
     kernel, by_hand = _hc_post_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
-    skey = (id(kernel), hc, by_hand)
+    grid = (B * S, cdiv(D, POST_BD))
+    pdl = use_pdl(grid[0] * grid[1], x.device)
+    skey = (id(kernel), hc, by_hand, pdl)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, HC=hc, HCP=next_pow2(hc), BD=POST_BD,
-                                        BF16_BY_HAND=by_hand, num_warps=4)
-    site((B * S, cdiv(D, POST_BD)), x, block_out.contiguous(), post.contiguous(), comb.contiguous(), y, D)
+                                        BF16_BY_HAND=by_hand, PDL=pdl, num_warps=4,
+                                        **({"launch_pdl": True} if pdl else {}))
+    site(grid, x, block_out.contiguous(), post.contiguous(), comb.contiguous(), y, D)
     return y

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import cdiv, next_pow2, INTERPRET
+from .common import cdiv, next_pow2, pdl_enter, use_pdl, INTERPRET
 from .device import on_input_device
 from .launch import LaunchSite
 
@@ -72,7 +72,9 @@ def _fp8_nope(xe, xo, nope, HB: tl.constexpr, BP: tl.constexpr):
 def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, S, H, eps,
                       stride_xt, stride_xh, stride_yt, stride_yh,
                       D: tl.constexpr, RD: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
-                      FP8: tl.constexpr, HB: tl.constexpr, BP: tl.constexpr, PRECISE: tl.constexpr):
+                      FP8: tl.constexpr, HB: tl.constexpr, BP: tl.constexpr, PRECISE: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0)                      # row of [T, H, D] (T = batch * S, positions per S)
     h0 = tl.program_id(1) * HB
     P: tl.constexpr = D // 2
@@ -168,13 +170,16 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
     RD = 2 * inv_freq.shape[-1] if rope else 0
     ROPE = (-1 if inverse else 1) if rope else 0
     kernel = _norm_rope_kernel  # looked up per call: a test's stand-in replaces the module attribute
-    skey = (id(kernel), D, RD, norm, ROPE, fp8_nope, HB, BP)
+    grid = (T, cdiv(H, HB))
+    pdl = use_pdl(T * grid[1], x.device)
+    skey = (id(kernel), D, RD, norm, ROPE, fp8_nope, HB, BP, pdl)
     site = _SITES.get(skey)
     if site is None:
         site = _SITES[skey] = LaunchSite(kernel, D=D, RD=RD, NORM=norm, ROPE=ROPE, FP8=fp8_nope, HB=HB, BP=BP,
-                                         PRECISE=not INTERPRET, enable_fp_fusion=False,
-                                         num_warps=1 if INTERPRET else max(1, min(8, HB * BP // 128)))
-    site((T, cdiv(H, HB)),
+                                         PRECISE=not INTERPRET, PDL=pdl, enable_fp_fusion=False,
+                                         num_warps=1 if INTERPRET else max(1, min(8, HB * BP // 128)),
+                                         **({"launch_pdl": True} if pdl else {}))
+    site(grid,
          x3, y, x3 if weight is None else weight, positions if rope else x3, inv_freq if rope else x3,
          positions.numel() if rope else 1, H, float(eps), sxt, sxh, syt, syh)
     return whole if whole.shape == shape else whole.view(shape)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import next_pow2, INTERPRET
+from .common import next_pow2, pdl_enter, use_pdl, INTERPRET
 from .device import on_input_device
 from .launch import new_site
 
@@ -52,7 +52,8 @@ def _div(a, b):
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, E, stride_l, scale,
                   K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, SCORE: tl.constexpr,
-                  HASH: tl.constexpr, PRECISE: tl.constexpr):
+                  HASH: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BE)
     ok = offs < E
@@ -120,10 +121,12 @@ def route_triton(logits: torch.Tensor, top_k: int, scoring: str, scale: float, b
     toks = input_ids.reshape(-1) if hash_ else logits
     BE = next_pow2(E)
     kernel, score = _route_kernel, SCORES[scoring]  # the kernel looked up per call: tests replace it
-    skey = (id(kernel), top_k, BE, score, hash_)
+    pdl = use_pdl(T, logits.device)
+    skey = (id(kernel), top_k, BE, score, hash_, pdl)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, K=top_k, KP=next_pow2(top_k), BE=BE, SCORE=score,
-                                        HASH=hash_, PRECISE=not INTERPRET,
-                                        num_warps=1 if INTERPRET else max(1, min(8, BE // 128)), enable_fp_fusion=False)
+                                        HASH=hash_, PRECISE=not INTERPRET, PDL=pdl,
+                                        num_warps=1 if INTERPRET else max(1, min(8, BE // 128)), enable_fp_fusion=False,
+                                        **({"launch_pdl": True} if pdl else {}))
     site((T,), logits, bias if bias is not None else logits, tid2eid.contiguous() if hash_ else logits,
          toks, ids, w, E, logits.stride(0), float(scale))
     return ids, w
