@@ -16,8 +16,7 @@ full() {  # full <label> <root> [env...]
 full base1 .base
 full new1 .
 full nopdl1 . DSV4LAB_PDL=0
-full base2 .base
-full new2 .
+[ "${AB_REPEAT:-0}" = 1 ] && { full base2 .base; full new2 .; }
 for v in base new; do
   root=.; [ $v = base ] && root=.base
   echo "== embedded $v"
