@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Old code (.base: a copy of dsv4lab/ + benchmarks/ at d9ba98f), new code, and new code without PDL
 # (DSV4LAB_PDL=0) on one device machine: full-depth V4-Pro (8 experts) eager / graph decode, then
-# the embedded model's decode (old and new).
+# the embedded model's decode (old and new; AB_TINY=0 skips it).
 # Usage (device tool, carry .base): bash benchmarks/results/decode/eager_host_ab.sh $OUT
 set -u
 OUT=${1:?out dir}
@@ -13,11 +13,11 @@ full() {  # full <label> <root> [env...]
   env "$@" timeout 90 python3 $root/benchmarks/full_model.py --preset v4-pro --experts 8 --gpus 1 --context 4096 \
     --steps 16 --prefill-iters 1 --json $OUT/fm_$label.json 2>&1 | grep -E '"(eager_ms|graph_ms|graph_over_floor|kernels_per_step|prefill_tok_s)"'
 }
-full base1 .base
 full new1 .
 full nopdl1 . DSV4LAB_PDL=0
+full base1 .base
 [ "${AB_REPEAT:-0}" = 1 ] && { full base2 .base; full new2 .; }
-for v in base new; do
+[ "${AB_TINY:-1}" = 1 ] && for v in base new; do
   root=.; [ $v = base ] && root=.base
   echo "== embedded $v"
   timeout 50 python3 $root/benchmarks/decode.py --steps 128 --layer-modes "" --json $OUT/tiny_${v}.json 2>&1 | tail -4
