@@ -65,3 +65,9 @@ def test_gpu_pdl_launches_match_plain_launches_bitwise(monkeypatch):
             monkeypatch.setattr(common, "_PDL_SMS", {})
         torch.cuda.synchronize()
         _bitwise(with_pdl, plain, name)
+
+
+def test_site_keywords_follow_the_choice():
+    """On: the kernel's constexpr and Triton's launch option; off: the constexpr alone (Triton's default)."""
+    assert common.pdl_kw(True) == {"PDL": True, "launch_pdl": True}
+    assert common.pdl_kw(False) == {"PDL": False}

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, dot_dtype, head_block_query, num_sms, online_softmax_tile, pdl_enter, scratch, use_pdl
+from .common import (cdiv, next_pow2, dot_dtype, head_block_query, num_sms, online_softmax_tile, pdl_enter, pdl_kw,
+                     scratch, use_pdl)
 from .device import on_input_device
 from .launch import new_site
 
@@ -166,7 +167,7 @@ def decode_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, w
     skey = (id(kernel), has_ent, has_sel, final, dot, block_d, pdl)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, HAS_ENT=has_ent, HAS_SEL=has_sel, FINAL=final, DOT=dot,
                                         IEEE=dot == tl.float32, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-                                        PDL=pdl, num_warps=NUM_WARPS, **({"launch_pdl": True} if pdl else {}))
+                                        num_warps=NUM_WARPS, **pdl_kw(pdl))
     site(grid,
         q, ring, ent, sel_arg, n_ent_arg, pos, sink32, out, part, m_part, l_part,
         H, D, W, T, K, n_split, scale,
@@ -176,7 +177,7 @@ def decode_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, w
         kernel = _decode_combine_kernel
         pdl = use_pdl(H * B, dev)
         skey = (id(kernel), block_d, pdl)
-        site = _SITES.get(skey) or new_site(_SITES, skey, kernel, BLOCK_D=block_d, PDL=pdl, num_warps=4,
-                                            **({"launch_pdl": True} if pdl else {}))
+        site = _SITES.get(skey) or new_site(_SITES, skey, kernel, BLOCK_D=block_d, num_warps=4,
+                                            **pdl_kw(pdl))
         site((H, B), part, m_part, l_part, sink32, out, H, D, n_split, out.stride(0), out.stride(2))
     return out

@@ -15,6 +15,7 @@ triton-free). Under ``TRITON_INTERPRET=1`` it patches the interpreter for numpy 
 from __future__ import annotations
 
 import functools
+import math
 
 import os
 import weakref
@@ -458,6 +459,7 @@ def rebased(template: TensorDescriptor, base: torch.Tensor) -> TensorDescriptor:
 
 
 _SCRATCH: dict = {}  # (tag, shape, dtype, device) -> a kept buffer (never dropped: graphs keep its address)
+_SCRATCH_IDS: set = set()  # id() of each kept buffer (alive forever, so an id names one buffer)
 SCRATCH_MAX_ELEMS = 1 << 22  # larger requests (prefill sizes) get a fresh allocation instead
 
 
@@ -472,17 +474,21 @@ def scratch(tag: str, shape: tuple, dtype: torch.dtype, device: torch.device) ->
     key = (tag, shape, dtype, device)
     t = _SCRATCH.get(key)
     if t is None:
-        n = 1
-        for d in shape:
-            n *= d
         t = torch.empty(shape, dtype=dtype, device=device)
-        if n <= SCRATCH_MAX_ELEMS:
+        if math.prod(shape) <= SCRATCH_MAX_ELEMS:
             _SCRATCH[key] = t
+            _SCRATCH_IDS.add(id(t))
     return t
 
 
 PDL_ON = os.environ.get("DSV4LAB_PDL", "1") != "0"   # read once: A/B runs set it per process
 _PDL_SMS: dict = {}  # device -> SM count where PDL applies (Hopper and newer), 0 where it does not
+
+
+def pdl_kw(pdl: bool) -> dict:
+    """A launch site's keywords for the choice: the kernel's ``PDL`` constexpr, and Triton's
+    ``launch_pdl`` option where it is on (passed only then: off is Triton's default)."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 def use_pdl(programs: int, device: torch.device) -> bool:
@@ -649,7 +655,7 @@ def x_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Ten
     site = _X_PAIRS_SITES.get((id(kernel), pdl))
     if site is None:
         site = _X_PAIRS_SITES[id(kernel), pdl] = LaunchSite(
-            kernel, BG=_X_PAIRS_BG, PDL=pdl, num_warps=1 if INTERPRET else 4, **({"launch_pdl": True} if pdl else {}))
+            kernel, BG=_X_PAIRS_BG, num_warps=1 if INTERPRET else 4, **pdl_kw(pdl))
     site((cdiv(kgp, _X_PAIRS_BG),), x, xp, inv, KG, kgp)
     return xp, inv
 
@@ -681,6 +687,6 @@ def pairs_descriptor(xp: torch.Tensor, g: int, xinv: bool) -> TensorDescriptor:
             _PAIRS_DESC[key] = rebased(d, None)  # the geometry only: keeps no activation alive
     else:
         d = rebased(tpl, xp)
-    if any(t is xp for t in _SCRATCH.values()):
+    if id(xp) in _SCRATCH_IDS:
         _PAIRS_KEPT[id(xp), g, xinv] = d
     return d

@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import next_pow2, pdl_enter, use_pdl, INTERPRET  # importing common also patches the interpreter for numpy >= 2.4
+# importing common also patches the interpreter for numpy >= 2.4
+from .common import next_pow2, pdl_enter, pdl_kw, use_pdl, INTERPRET
 from .device import on_input_device
 from .launch import new_site
 
@@ -206,8 +207,8 @@ def compressor_decode_triton(kv: torch.Tensor, z: torch.Tensor, pos: torch.Tenso
     skey = (id(kernel), m, c, d, C, rd, overlap, kv_dt, norm_tl, BLOCK_D, BLOCK_L, num_warps, pdl)
     site = _SITES.get(skey) or new_site(
         _SITES, skey, kernel, M=m, R=c * m, D=d, C=C, RD=rd, OVERLAP=overlap, CUR_COL=d if overlap else 0, KV_DT=kv_dt,
-        NORM_DT=norm_tl, ACCURATE=not INTERPRET, BLOCK_C=next_pow2(C), BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L, PDL=pdl,
-        num_warps=num_warps, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
+        NORM_DT=norm_tl, ACCURATE=not INTERPRET, BLOCK_C=next_pow2(C), BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L,
+        num_warps=num_warps, enable_fp_fusion=False, **pdl_kw(pdl))
     site((B,),
         kv2, z2, ape_c, pos, ring_kv, ring_gate, entries, nw, inv, n,
         entries.shape[1], float(eps), kv2.stride(0), z2.stride(0), ape_c.stride(0),

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, dot_dtype, num_sms, pdl_enter, use_pdl
+from .common import cdiv, next_pow2, dot_dtype, num_sms, pdl_enter, pdl_kw, use_pdl
 from .device import on_input_device
 from .launch import new_site
 
@@ -93,8 +93,8 @@ def index_scores_decode_triton(q: torch.Tensor, w_raw: torch.Tensor, keys: torch
     pdl = use_pdl(progs * B, q.device)
     skey = (id(kernel), dot, HI, DI, pdl)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, DOT=dot, IEEE=dot == tl.float32, BLOCK_T=BLOCK_T,
-                                        BLOCK_HI=next_pow2(max(HI, 16)), BLOCK_DI=next_pow2(max(DI, 16)), PDL=pdl,
-                                        num_warps=NUM_WARPS, **({"launch_pdl": True} if pdl else {}))
+                                        BLOCK_HI=next_pow2(max(HI, 16)), BLOCK_DI=next_pow2(max(DI, 16)),
+                                        num_warps=NUM_WARPS, **pdl_kw(pdl))
     site((progs, B),
         q, w_raw, keys, n_valid, out, T, HI, DI, progs, w_scale, DI ** -0.5,
         q.stride(0), q.stride(2), w_raw.stride(0), keys.stride(0), keys.stride(1), out.stride(0))

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import next_pow2, pdl_enter, use_pdl, INTERPRET
+from .common import next_pow2, pdl_enter, pdl_kw, use_pdl, INTERPRET
 from .device import on_input_device
 from .launch import new_site
 
@@ -114,8 +114,8 @@ def index_top_k_decode_triton(scores: torch.Tensor, n_valid: torch.Tensor, k: in
     kernel, block_k = _top_k_kernel, min(next_pow2(kk), 1024)  # the kernel looked up per call: tests replace it
     pdl = use_pdl(B, scores.device)
     skey = (id(kernel), block_k, pdl)
-    site = _SITES.get(skey) or new_site(_SITES, skey, kernel, BLOCK=BLOCK, BLOCK_K=block_k, PDL=pdl,
-                                        num_warps=1 if INTERPRET else NUM_WARPS, **({"launch_pdl": True} if pdl else {}))
+    site = _SITES.get(skey) or new_site(_SITES, skey, kernel, BLOCK=BLOCK, BLOCK_K=block_k,
+                                        num_warps=1 if INTERPRET else NUM_WARPS, **pdl_kw(pdl))
     site((B,), scores, n_valid, out, T, kk, scores.stride(0), out.stride(0))
     return out
 

@@ -59,6 +59,7 @@ from .common import (
     num_sms,
     pairs_and_inv,
     pairs_descriptor,
+    pdl_kw,
     scratch,
     store_or_fix_up,
     weight_global_scale,
@@ -198,9 +199,9 @@ class GemvTmaPlan:
         self.pdl = bool(cfg.get("PDL", False)) and not INTERPRET and PDL_ON   # DSV4LAB_PDL=0: none
         self.xinv = bool(cfg.get("XINV", True))
         if m1:
-            self.kw = dict(USE_SPLIT=split > 1, BN=bn, G=g, STAGES=cfg["STAGES"], USE_ASM=not INTERPRET, PDL=self.pdl,
+            self.kw = dict(USE_SPLIT=split > 1, BN=bn, G=g, STAGES=cfg["STAGES"], USE_ASM=not INTERPRET,
                            MX=mx, XINV=self.xinv, ROWS_PER_X=N // groups if groups > 1 else 0,
-                           num_warps=cfg["num_warps"], **({"launch_pdl": True} if self.pdl else {}))
+                           num_warps=cfg["num_warps"], **pdl_kw(self.pdl))
             # the descriptors and ints the plan passes on every call (``run_gemv_tma``): keyed by identity;
             # the x-pairs descriptor too (2): over the kept ``x_pairs`` buffer it is one object per size
             self.site = LaunchSite(_gemv_tma_kernel, fixed=(0, 1, 2, 8, 9, 10, 11), **self.kw)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, counters, pdl_enter, scratch, store_or_fix_up, use_pdl, INTERPRET
+from .common import cdiv, next_pow2, counters, pdl_enter, pdl_kw, scratch, store_or_fix_up, use_pdl, INTERPRET
 from .device import on_input_device
 from .launch import new_site
 
@@ -114,7 +114,7 @@ def launch_plain_gemv(x: torch.Tensor, w: torch.Tensor, *, split: int | None = N
     kernel, bm, warps = _gemv_plain_kernel, next_pow2(M), 1 if INTERPRET else cfg.get("WARPS", 4)  # kernel: tests replace it
     pdl = use_pdl(tiles * n_split, x.device)
     skey = (id(kernel), n_split > 1, bm, bn, bk, warps, pdl)
-    site = _SITES.get(skey) or new_site(_SITES, skey, kernel, USE_SPLIT=n_split > 1, BM=bm, BN=bn, BK=bk, PDL=pdl,
-                                        num_warps=warps, **({"launch_pdl": True} if pdl else {}))
+    site = _SITES.get(skey) or new_site(_SITES, skey, kernel, USE_SPLIT=n_split > 1, BM=bm, BN=bn, BK=bk,
+                                        num_warps=warps, **pdl_kw(pdl))
     site((tiles, n_split), x2, w, y, ws, cnt, M, N, K, ch, n_split, x2.stride(0), w.stride(0), y.stride(0))
     return y.view(*x.shape[:-1], N)

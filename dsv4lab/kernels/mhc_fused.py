@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, INTERPRET, counters, pdl_enter, scratch, use_pdl
+from .common import cdiv, next_pow2, INTERPRET, counters, pdl_enter, pdl_kw, scratch, use_pdl
 from .device import on_input_device
 from .launch import new_site
 
@@ -358,8 +358,8 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     site = _SITES.get(skey) or new_site(
         _SITES, skey, kernel, HC=hc, HCP=hcp, BT=bt, BK=bk,
         BD=max(64, (DECODE_COLLAPSE_ELEMS if bt == 1 else COLLAPSE_ELEMS) // bt), SPLIT=n_split,
-        SPLITP=next_pow2(n_split), HEAD=head, BF16_BY_HAND=by_hand, PDL=pdl, num_warps=PRE_WARPS,
-        **({"launch_pdl": True} if pdl else {}))
+        SPLITP=next_pow2(n_split), HEAD=head, BF16_BY_HAND=by_hand, num_warps=PRE_WARPS,
+        **pdl_kw(pdl))
     site((n_tb, n_split),
         x, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,
         T, K, D, ch, int(iters), float(hc_eps), float(norm_eps))
@@ -399,7 +399,7 @@ def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, 
     pdl = use_pdl(grid[0] * grid[1], x.device)
     skey = (id(kernel), hc, by_hand, pdl)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, HC=hc, HCP=next_pow2(hc), BD=POST_BD,
-                                        BF16_BY_HAND=by_hand, PDL=pdl, num_warps=4,
-                                        **({"launch_pdl": True} if pdl else {}))
+                                        BF16_BY_HAND=by_hand, num_warps=4,
+                                        **pdl_kw(pdl))
     site(grid, x, block_out.contiguous(), post.contiguous(), comb.contiguous(), y, D)
     return y

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import cdiv, next_pow2, pdl_enter, use_pdl, INTERPRET
+from .common import cdiv, next_pow2, pdl_enter, pdl_kw, use_pdl, INTERPRET
 from .device import on_input_device
 from .launch import LaunchSite
 
@@ -176,9 +176,9 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
     site = _SITES.get(skey)
     if site is None:
         site = _SITES[skey] = LaunchSite(kernel, D=D, RD=RD, NORM=norm, ROPE=ROPE, FP8=fp8_nope, HB=HB, BP=BP,
-                                         PRECISE=not INTERPRET, PDL=pdl, enable_fp_fusion=False,
+                                         PRECISE=not INTERPRET, enable_fp_fusion=False,
                                          num_warps=1 if INTERPRET else max(1, min(8, HB * BP // 128)),
-                                         **({"launch_pdl": True} if pdl else {}))
+                                         **pdl_kw(pdl))
     site(grid,
          x3, y, x3 if weight is None else weight, positions if rope else x3, inv_freq if rope else x3,
          positions.numel() if rope else 1, H, float(eps), sxt, sxh, syt, syh)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import next_pow2, pdl_enter, use_pdl, INTERPRET
+from .common import next_pow2, pdl_enter, pdl_kw, use_pdl, INTERPRET
 from .device import on_input_device
 from .launch import new_site
 
@@ -124,9 +124,9 @@ def route_triton(logits: torch.Tensor, top_k: int, scoring: str, scale: float, b
     pdl = use_pdl(T, logits.device)
     skey = (id(kernel), top_k, BE, score, hash_, pdl)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, K=top_k, KP=next_pow2(top_k), BE=BE, SCORE=score,
-                                        HASH=hash_, PRECISE=not INTERPRET, PDL=pdl,
+                                        HASH=hash_, PRECISE=not INTERPRET,
                                         num_warps=1 if INTERPRET else max(1, min(8, BE // 128)), enable_fp_fusion=False,
-                                        **({"launch_pdl": True} if pdl else {}))
+                                        **pdl_kw(pdl))
     site((T,), logits, bias if bias is not None else logits, tid2eid.contiguous() if hash_ else logits,
          toks, ids, w, E, logits.stride(0), float(scale))
     return ids, w
