@@ -8,6 +8,12 @@ GPU (@pytest.mark.gpu): V4-Pro's bf16 decode shapes (K = 7168; N = 1024 compress
 compressor, 64 weights_proj, 384 router), deterministic, CUDA-graph replay equal to eager, and the
 installed slot on a bf16 QLinear.
 
+The batched launch (``plain_gemv_batch``: several weights of one x, ``Attention.plain_batch_kernel``):
+each output bit for bit its single launch (interpreter and GPU), and in the model the attention
+offers the outputs to its compressors' and indexer's linears (``QLinear.offer``): the decode is
+unchanged, the linears do not run again, their forward hooks see the offered tensor, a pre-hook
+that replaces x makes its linear compute afresh, and no offer outlives the step.
+
 Tolerance: the kernel sums the exact products in fp32 in its own order, then rounds once to x's
 dtype, so |kernel - fp64| <= one step of the output dtype (2^-7 relative in bf16: the interpreter's
 fp32 -> bf16 cast truncates; 2^-11 in fp16, 2^-24 in fp32) of max|fp64| plus the fp32 sum's error
@@ -20,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4lab.kernels.device import triton_importable
-from dsv4lab.kernels.dispatch import PLAIN_GEMV_MAX_N, plain_linear
+from dsv4lab.kernels.dispatch import PLAIN_GEMV_MAX_N, plain_linear, plain_linear_batch
 from dsv4lab.model.linear import QLinear
 from oracle_util import interp_check_result
 
@@ -37,6 +43,100 @@ def test_interp_plain_gemv_matches_fp64():
         assert v["deterministic"] and v["shape_ok"] and v["dtype_ok"], (case, v)
     assert res["m1_bf16_split"]["splits"] == 3 and res["m4_f16_one_split"]["splits"] == 1
     assert res["m1_bf16_rule"]["splits"] == 1 and res["m1_bf16_long_k"]["splits"] > 1
+
+
+def test_interp_plain_gemv_batch_is_the_single_launch_bit_for_bit():
+    res = interp_check_result("plain_gemv_batch_interp_check.py")
+    assert len(res) == 6
+    for case, v in res.items():
+        unit = next(u for k, u in UNIT.items() if f"_{k}" in case)
+        assert v["bitwise_single"] and v["deterministic"] and v["shapes_ok"] and v["contiguous"], (case, v)
+        assert v["rel"] <= unit + 1e-5, (case, v)
+    assert res["mixed_split_m1_bf16"]["splits"] == [2, 1]                  # a split and an unsplit weight
+    assert res["three_m4_bf16_short_k"]["splits"] == [1, 1, 1] and res["five_m1_bf16"]["splits"][0] > 1
+
+
+def test_plain_gemv_batch_refuses_what_it_cannot_take():
+    from dsv4lab.kernels.linear_plain import plain_gemv_batch
+
+    x = torch.zeros(1, 64)
+    with pytest.raises(ValueError, match="plain_gemv_batch: needs 1..5 weights.*\\(8, 32\\)"):
+        plain_gemv_batch(x, [torch.zeros(8, 64), torch.zeros(8, 32)])       # K mismatch in the second
+    with pytest.raises(ValueError, match="1..5 weights"):
+        plain_gemv_batch(x, [torch.zeros(8, 64)] * 6)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        plain_gemv_batch(x, [torch.zeros(8, 128)[:, :64]])                   # row stride 128 for K = 64
+    assert plain_linear_batch(x, [torch.zeros(8, 64)] * 2) is None        # CPU: the callers run each linear
+
+
+def _offering_layer(seed: int = 4):
+    """A tiny model's CSA attention (layer 1) with counting ``plain_kernel`` slots (F.linear) on its
+    batchable linears and a counting ``plain_batch_kernel`` (F.linear per weight) on the attention."""
+    from dsv4lab.workbench import random_model
+    from oracle_util import random_ids, tiny_config
+
+    cfg = tiny_config()
+    m = random_model(cfg, seed=seed)
+    attn = m.layers[1].attn
+    single, batches = [], []
+    for lin in attn.plain_batch_members():
+        lin.plain_kernel = lambda xx, ww, lin=lin: single.append(lin) or F.linear(xx, ww)
+
+    def batch(x, weights):
+        batches.append(len(weights))
+        return [F.linear(x, w) for w in weights]
+
+    return m, attn, random_ids(cfg, n=14, b=2), single, batches, batch
+
+
+def test_attention_offers_batched_projections_to_its_linears():
+    from oracle_util import decode_logits
+
+    m, attn, ids, single, batches, batch = _offering_layer()
+    members = attn.plain_batch_members()
+    assert [id(x) for x in members] == [id(attn.compressor.wkv), id(attn.compressor.wgate),
+                                        id(attn.indexer.compressor.wkv), id(attn.indexer.compressor.wgate),
+                                        id(attn.indexer.weights_proj)]
+    ref = decode_logits(m, ids, steps=4)
+    n_ref = len(single)
+    assert n_ref > 0 and not batches
+    attn.plain_batch_kernel = batch
+    seen = []
+    with attn.compressor.wkv.register_forward_hook(lambda mod, inp, out: seen.append(out)):
+        got = decode_logits(m, ids, steps=4)
+    assert torch.equal(got, ref)                       # F.linear either way: the same logits
+    assert batches == [5] * 4                          # one batch of the five linears a decode step
+    # prefill ran the linears itself (same count as before); decode took every offer
+    assert len(single) == 2 * n_ref - 4 * 5
+    assert len(seen) == 1 + 4                          # the hook fired in prefill and on every offer taken
+    assert all(lin._offered is None for lin in members)
+
+
+def test_offer_goes_to_the_same_x_only_and_never_outlives_the_step():
+    from oracle_util import decode_logits
+
+    m, attn, ids, single, batches, batch = _offering_layer(seed=5)
+    ref = decode_logits(m, ids, steps=3)
+    attn.plain_batch_kernel = batch
+    single.clear()
+    # a pre-hook that replaces x: that linear computes afresh (its offer was for the old x)
+    with attn.indexer.weights_proj.register_forward_pre_hook(lambda mod, inp: (inp[0].clone(),)):
+        got = decode_logits(m, ids, steps=3)
+    assert torch.equal(got, ref)
+    assert sum(lin is attn.indexer.weights_proj for lin in single) >= 3 + 1   # prefill + every decode step
+    # a disabled indexer takes nothing from weights_proj: it is not batched, and no offer stays behind
+    attn.indexer.enabled = False
+    try:
+        assert attn.indexer.weights_proj not in attn.plain_batch_members()
+        batches.clear()
+        decode_logits(m, ids, steps=2)
+        assert batches == [4, 4]
+        assert all(lin._offered is None for lin in (attn.compressor.wkv, attn.indexer.weights_proj))
+    finally:
+        attn.indexer.enabled = True
+    # a quantised-activation mode (w4a8) is not batchable: every linear runs itself
+    attn.compressor.wkv.set_mode("w4a8")
+    assert attn.compressor.wkv.batchable(torch.zeros(1, 1, attn.compressor.wkv.in_features)) is None
 
 
 def test_plain_gemv_refuses_what_it_cannot_take():
@@ -129,6 +229,38 @@ def test_gpu_plain_gemv_v4_pro_shapes(M):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, eager)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("M", [1, 4])
+def test_gpu_plain_gemv_batch_v4_pro_shapes(M):
+    """A V4-Pro CSA layer's five projections of x (compressor 2 x 1024, indexer compressor 2 x 256,
+    weights_proj 64) and an HCA layer's two (2 x 512) in one launch: each the bits of its single
+    launch and of ``plain_linear``; CUDA-graph replay equal to eager."""
+    from dsv4lab.kernels.linear_plain import plain_gemv, plain_gemv_batch
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(10 + M)
+    x = torch.randn(M, 1, 7168, device=dev, generator=g).bfloat16()
+    for ns in ((1024, 1024, 256, 256, 64), (512, 512)):
+        ws = [(torch.randn(n, 7168, device=dev, generator=g) * 7168 ** -0.5).bfloat16() for n in ns]
+        got = plain_gemv_batch(x, ws)
+        assert [tuple(y.shape) for y in got] == [(M, 1, n) for n in ns]
+        for y, w in zip(got, ws):
+            assert torch.equal(y, plain_gemv(x, w)) and torch.equal(y, plain_linear(x, w))
+        assert all(torch.equal(a, b) for a, b in zip(plain_linear_batch(x, ws), got))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        plain_gemv_batch(x, ws)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = plain_gemv_batch(x, ws)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(static, got))
 
 
 @pytest.mark.gpu

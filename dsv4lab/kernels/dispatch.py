@@ -87,11 +87,12 @@ _tk = _TritonModules()
 
 KERNEL_FORMATS = ("nvfp4", "mxfp4", "fp8_block")
 ROUTE_MAX_EXPERTS = 4096  # the router kernel holds one token's scores in registers
-PLAIN_GEMV_MAX_N = 384  # output rows up to which it does: the widest measured faster on the H200
-                        # (1024 rows: cuBLAS faster; 512, HCA's compressor, not measured with these tiles)
+PLAIN_GEMV_MAX_N = 1024  # output rows up to which it does (H200: 64-384 rows faster than cuBLAS's GEMV +
+                         # reduce; 1024 rows 8.4 vs 8.0 us alone, but one launch instead of two, and the
+                         # same bits as the batched launch that runs the compressors' 512 / 1024 rows)
 
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "plain_linear",
-           "grouped_quant_linear",
+           "plain_linear_batch", "grouped_quant_linear",
            "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention",
            "index_scores_decode", "index_scores_prefill", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "route"]
 
@@ -127,6 +128,16 @@ def plain_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if _tk.linear_plain.plain_gemv_takes(x, w):
             return _tk.linear_plain.launch_plain_gemv(x, w)
     return F.linear(x, w)
+
+
+def plain_linear_batch(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """``Attention.plain_batch_kernel``: [x @ w^T for w in weights] in one launch
+    (``linear_plain.plain_gemv_batch``, each output the bits of ``plain_linear(x, w)``) for bf16 / fp16
+    decode rows on CUDA; None where that does not apply (the callers then run each linear)."""
+    if (kernel_can_take(x) and x.dtype != torch.float32 and all(w.shape[0] <= PLAIN_GEMV_MAX_N for w in weights)
+            and _tk.linear_plain.plain_gemv_batch_takes(x, weights)):
+        return _tk.linear_plain.launch_plain_gemv_batch(x, tuple(weights))
+    return None
 
 
 def grouped_quant_linear(x: torch.Tensor, w, groups: int) -> torch.Tensor:

@@ -6,7 +6,8 @@ scores + choice + weights), every routed ``Experts`` block (``.kernel``: the fus
 grouped-GEMM prefill), every ``Compressor``
 (``.kernel``: the CuTeDSL softmax pool of prefill; ``.decode_kernel``: the Triton decode step), every ``Attention``
 (``.kernel``: the bounded prefill attention; ``.decode_kernel``: the decode attention;
-``.norm_kernel`` / ``.rope_kernel``: the q/kv norms and RoPE, the output's inverse RoPE), every
+``.norm_kernel`` / ``.rope_kernel``: the q/kv norms and RoPE, the output's inverse RoPE;
+``.plain_batch_kernel``: decode's unquantised projections of x in one launch), every
 ``Indexer`` (``.decode_kernel``: the decode scores; ``.prefill_kernel``: the prefill scores; ``.rope_kernel``: the queries' RoPE; ``.topk_kernel``:
 the decode top-k), every layer-level ``RMSNorm`` (``.kernel``; not the norms inside an ``Attention`` or
 ``Compressor``: their own slots fuse those), every mHC site ``HyperConnection`` (``.kernel``:
@@ -34,7 +35,7 @@ from .device import have_triton_cuda
 from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention, plain_linear,
                        grouped_quant_linear,
                        index_scores_decode, index_scores_prefill, index_top_k_decode, mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill,
-                       norm_rope, prefill_attention, quant_linear, rms_norm, route, weight_on_cuda)
+                       norm_rope, plain_linear_batch, prefill_attention, quant_linear, rms_norm, route, weight_on_cuda)
 
 TARGETS = (QLinear, Experts, Compressor, Attention, Indexer, HyperConnection, HyperHead, RMSNorm)
 FUSED_NORM_OWNERS = (Attention, Compressor)  # their RMSNorms run inside their own slots (or as their reference)
@@ -88,7 +89,7 @@ KERNEL_SLOTS: dict[type, tuple[str, ...]] = {  # the first class that matches (R
     QLinear: ("kernel", "act_kernel", "grouped_kernel", "plain_kernel"),
     Experts: ("kernel", "prefill_kernel"),
     HyperConnection: ("kernel", "post_kernel"),
-    Attention: ("kernel", "decode_kernel", "norm_kernel", "rope_kernel"),
+    Attention: ("kernel", "decode_kernel", "norm_kernel", "rope_kernel", "plain_batch_kernel"),
     Indexer: ("decode_kernel", "prefill_kernel", "rope_kernel", "topk_kernel"),
     Compressor: ("kernel", "decode_kernel", "rope_kernel"),
 }
@@ -132,6 +133,7 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
         mod.decode_kernel = decode_attention
         mod.norm_kernel = rms_norm
         mod.rope_kernel = norm_rope
+        mod.plain_batch_kernel = plain_linear_batch
         return True
     if isinstance(mod, Indexer):
         if not (have_triton and _on_cuda(mod.compressor.ape)):
@@ -177,8 +179,9 @@ def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, stri
     (NVFP4), ``route`` as ``Router.route_kernel``, ``moe_decode`` as ``Experts.kernel`` and ``moe_prefill``
     as ``Experts.prefill_kernel`` (NVFP4 or MXFP4 experts), ``compressor_pool`` as ``Compressor.kernel``
     and ``compressor_decode`` / ``norm_rope`` as its ``decode_kernel`` / ``rope_kernel``,
-    ``prefill_attention`` as ``Attention.kernel`` with ``decode_attention`` as its ``decode_kernel`` and
-    ``rms_norm`` / ``norm_rope`` as its ``norm_kernel`` / ``rope_kernel``,
+    ``prefill_attention`` as ``Attention.kernel`` with ``decode_attention`` as its ``decode_kernel``,
+    ``rms_norm`` / ``norm_rope`` as its ``norm_kernel`` / ``rope_kernel`` and ``plain_linear_batch`` as its
+    ``plain_batch_kernel``,
     ``index_scores_decode`` / ``norm_rope`` / ``index_top_k_decode`` as ``Indexer.decode_kernel`` /
     ``.rope_kernel`` / ``.topk_kernel``, ``rms_norm`` as a layer-level ``RMSNorm.kernel``, ``mhc_pre`` / ``mhc_post`` as
     ``HyperConnection.kernel`` / ``.post_kernel``, ``mhc_head_pre`` as ``HyperHead.kernel``, each only

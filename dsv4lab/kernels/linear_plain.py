@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .common import cdiv, next_pow2, counters, pdl_enter, pdl_kw, scratch, store_or_fix_up, use_pdl, INTERPRET
 from .device import on_input_device
-from .launch import new_site
+from .launch import LaunchSite, new_site
 
 MAX_ROWS = 4            # x rows (decode batch) this kernel takes; dispatch.plain_linear sends more to cuBLAS
 # tiles from an H200 sweep (scratch sweep of BN 8-32, BK 256-1024, 128-512 programs, 4 / 8 warps; graph
@@ -37,12 +37,11 @@ _SITES: dict = {}       # (id(kernel), constexprs) -> LaunchSite (4 plain GEMVs 
 
 
 @triton.jit
-def _gemv_plain_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, CH, SPLIT, stride_xm, stride_wn, stride_ym,
-                       USE_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    pdl_enter(PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+def _plain_tile(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, M, N, K, CH, SPLIT, stride_xm, stride_wn,
+                stride_ym, USE_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One program of the GEMV: rows pid_n * BN.. of W against x's K chunk pid_k (of CH), its fp32
+    partial summed by ``store_or_fix_up`` (the one body of the single and the batched kernel, so a
+    weight's outputs are the same bits in either)."""
     rows = pid_n * BN + tl.arange(0, BN)
     r_ok = rows < N
     m = tl.arange(0, BM)
@@ -61,6 +60,60 @@ def _gemv_plain_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, CH, SPLIT,
     mask = m_ok[:, None] & r_ok[None, :]
     store_or_fix_up(out, y_ptr + m[:, None] * stride_ym + rows[None, :], ws_ptr + m[:, None] * N + rows[None, :],
                     mask, cnt_ptr, pid_n, pid_k, M * N, SPLIT, 1.0, USE_SPLIT)
+
+
+@triton.jit
+def _gemv_plain_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, CH, SPLIT, stride_xm, stride_wn, stride_ym,
+                       USE_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    pdl_enter(PDL)
+    _plain_tile(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, tl.program_id(0), tl.program_id(1), M, N, K, CH, SPLIT,
+                stride_xm, stride_wn, stride_ym, USE_SPLIT, BM, BN, BK)
+
+
+@triton.jit
+def _batch_member(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, local, M, N, K, CH, SPLIT, stride_xm,
+                  USE_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Program ``local`` of one weight's block of the batched grid: its (row tile, K split) in the
+    order of the single kernel's 2-D grid; y rows [M, N] contiguous, W rows of stride K."""
+    _plain_tile(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, local // SPLIT, local % SPLIT, M, N, K, CH, SPLIT,
+                stride_xm, K, N, USE_SPLIT, BM, BN, BK)
+
+
+@triton.jit
+def _gemv_plain_batch_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, M, K, stride_xm,
+                             w0, w1, w2, w3, w4, n0, n1, n2, n3, n4, ch0, ch1, ch2, ch3, ch4,
+                             s0, s1, s2, s3, s4,
+                             NW: tl.constexpr, U0: tl.constexpr, U1: tl.constexpr, U2: tl.constexpr,
+                             U3: tl.constexpr, U4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                             BK: tl.constexpr):
+    """Up to five weights [N_i, K] against one x in one launch: weight i owns a block of
+    ceil(N_i / BN) * s_i programs (after the blocks of 0..i-1), its outputs [M, N_i] follow each
+    other in y, its split partials in ws and its tile counters in cnt."""
+    pid = tl.program_id(0)
+    t0 = tl.cdiv(n0, BN)
+    if pid < t0 * s0:
+        _batch_member(x_ptr, w0, y_ptr, ws_ptr, cnt_ptr, pid, M, n0, K, ch0, s0, stride_xm, U0, BM, BN, BK)
+    if NW > 1:
+        p1, y1, q1, t1 = t0 * s0, M * n0, M * n0 * s0, t0
+        if (pid >= p1) & (pid < p1 + tl.cdiv(n1, BN) * s1):
+            _batch_member(x_ptr, w1, y_ptr + y1, ws_ptr + q1, cnt_ptr + t1, pid - p1, M, n1, K, ch1, s1, stride_xm,
+                          U1, BM, BN, BK)
+        if NW > 2:
+            p2, y2, q2, t2 = p1 + tl.cdiv(n1, BN) * s1, y1 + M * n1, q1 + M * n1 * s1, t1 + tl.cdiv(n1, BN)
+            if (pid >= p2) & (pid < p2 + tl.cdiv(n2, BN) * s2):
+                _batch_member(x_ptr, w2, y_ptr + y2, ws_ptr + q2, cnt_ptr + t2, pid - p2, M, n2, K, ch2, s2,
+                              stride_xm, U2, BM, BN, BK)
+            if NW > 3:
+                p3, y3, q3, t3 = p2 + tl.cdiv(n2, BN) * s2, y2 + M * n2, q2 + M * n2 * s2, t2 + tl.cdiv(n2, BN)
+                if (pid >= p3) & (pid < p3 + tl.cdiv(n3, BN) * s3):
+                    _batch_member(x_ptr, w3, y_ptr + y3, ws_ptr + q3, cnt_ptr + t3, pid - p3, M, n3, K, ch3, s3,
+                                  stride_xm, U3, BM, BN, BK)
+                if NW > 4:
+                    p4, y4, q4, t4 = p3 + tl.cdiv(n3, BN) * s3, y3 + M * n3, q3 + M * n3 * s3, t3 + tl.cdiv(n3, BN)
+                    if pid >= p4:
+                        _batch_member(x_ptr, w4, y_ptr + y4, ws_ptr + q4, cnt_ptr + t4, pid - p4, M, n4, K, ch4, s4,
+                                      stride_xm, U4, BM, BN, BK)
 
 
 @functools.lru_cache(maxsize=1024)  # a rule of ints asked on every launch (4 plain GEMVs an eager layer)
@@ -118,3 +171,80 @@ def launch_plain_gemv(x: torch.Tensor, w: torch.Tensor, *, split: int | None = N
                                         num_warps=warps, **pdl_kw(pdl))
     site((tiles, n_split), x2, w, y, ws, cnt, M, N, K, ch, n_split, x2.stride(0), w.stride(0), y.stride(0))
     return y.view(*x.shape[:-1], N)
+
+
+MAX_BATCH = 5           # weights one batched launch takes (a CSA layer's compressor, indexer-compressor, weights_proj)
+_BATCH_PLANS: dict = {}  # (weights' row counts, K, M) -> _BatchPlan
+
+
+class _BatchPlan:
+    """A batched launch's fixed part for one tuple of weight shapes and row count: the int arguments
+    around the weights, the grid, the output split and the sizes of ws and cnt. Holds no tensor (the
+    weights come with each call), so a cached plan keeps no replaced weight alive."""
+
+    __slots__ = ("pad", "head", "tail", "sizes", "shapes", "grid", "ws_elems", "tiles", "site")
+
+    def __init__(self, ns: tuple[int, ...], K: int, M: int):
+        rules = [plain_split(n, K) for n in ns]
+        self.pad = pad = MAX_BATCH - len(ns)
+        self.sizes = [M * n for n in ns]
+        self.shapes = [(M, n) for n in ns]
+        self.grid = (sum(cdiv(n, BN) * s for n, (_, s) in zip(ns, rules)),)
+        self.ws_elems = max(1, sum(M * n * s for n, (_, s) in zip(ns, rules)))
+        self.tiles = sum(cdiv(n, BN) for n in ns)
+        self.head = (M, K, K)   # rows, K, x's row stride (rows contiguous)
+        self.tail = (*ns, *(0,) * pad, *(ch for ch, _ in rules), *(BK,) * pad, *(s for _, s in rules), *(1,) * pad)
+        use = [s > 1 for _, s in rules] + [False] * pad
+        # the ints are this plan's own objects on every call (``fixed``); the weights (7..11) are not
+        self.site = LaunchSite(_gemv_plain_batch_kernel, fixed=(4, 5, 6, *range(12, 12 + len(self.tail))),
+                               NW=len(ns), U0=use[0], U1=use[1], U2=use[2], U3=use[3], U4=use[4],
+                               BM=next_pow2(M), BN=BN, BK=BK, num_warps=1 if INTERPRET else 4)
+
+
+def plain_gemv_batch_takes(x: torch.Tensor, weights) -> bool:
+    """1..MAX_BATCH weights, each ``plain_gemv_takes`` x and with contiguous rows (the batched
+    kernel reads row n at n * K)."""
+    return (0 < len(weights) <= MAX_BATCH
+            and all(plain_gemv_takes(x, w) and w.stride(0) == w.shape[1] for w in weights))
+
+
+def plain_gemv_batch(x: torch.Tensor, weights) -> list[torch.Tensor]:
+    """[x @ w^T for w in weights] in one launch, each output the same bits as ``plain_gemv(x, w)``
+    (the same programs with the same K splits, gathered into one grid). Why: a CSA layer's decode
+    makes five unquantised projections of one x (the compressor's wkv / wgate, the indexer
+    compressor's, the indexer's weights_proj): one launch instead of five (seven kernels where
+    cuBLAS ran the wide ones as GEMV + reduce)."""
+    weights = tuple(weights)
+    if not plain_gemv_batch_takes(x, weights):
+        raise ValueError(f"plain_gemv_batch: needs 1..{MAX_BATCH} weights [N, K] with contiguous rows in x's dtype on "
+                         f"x's device and x [..., K] with at most {MAX_ROWS} rows; got x {tuple(x.shape)} {x.dtype} on "
+                         f"{x.device} and weights {[(tuple(w.shape), w.dtype, str(w.device)) for w in weights]}. "
+                         "Use plain_gemv per weight for other layouts")
+    return launch_plain_gemv_batch(x, weights)
+
+
+@on_input_device
+def launch_plain_gemv_batch(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """``plain_gemv_batch`` for inputs its caller checked with ``plain_gemv_batch_takes`` (the decode
+    hot path: one allocation for every output, views of it returned)."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != K):
+        x2 = x2.contiguous()  # rows at stride K: the plan passes K as x's row stride
+    M = x2.shape[0]
+    ns = tuple(w.shape[0] for w in weights)
+    key = (ns, K, M)
+    plan = _BATCH_PLANS.get(key)
+    if plan is None:
+        if len(_BATCH_PLANS) >= 256:
+            _BATCH_PLANS.clear()
+        plan = _BATCH_PLANS[key] = _BatchPlan(ns, K, M)
+    y = torch.empty(sum(plan.sizes), dtype=x.dtype, device=x.device)
+    lead = x.shape[:-1]
+    if M == 0 or K == 0:
+        y.zero_()
+        return [part.view(*lead, s[1]) for part, s in zip(y.split(plan.sizes), plan.shapes)]
+    ws = scratch("plain_batch_split", (plan.ws_elems,), torch.float32, x.device)
+    cnt = counters(x.device, plan.tiles)
+    plan.site(plan.grid, x2, y, ws, cnt, *plan.head, *weights, *(weights[0],) * plan.pad, *plan.tail)
+    return [part.view(*lead, s[1]) for part, s in zip(y.split(plan.sizes), plan.shapes)]

@@ -70,6 +70,9 @@ class Attention(Component):
         # rms_norm(x, weight, eps), and norm + RoPE as norm_rope_ref(x, positions, inv_freq, ...)
         self.norm_kernel: Callable | None = None
         self.rope_kernel: Callable | None = None
+        # optional f(x, [weights]) -> [x @ w^T] in one launch (dsv4lab.kernels): decode's unquantised
+        # projections of x by the compressors and the indexer (``_offer_plain_batch``)
+        self.plain_batch_kernel: Callable | None = None
         self._prefill_ran: str | None = None  # private: a per-run result, not a switch graphs key on
         self.round_trips: frozenset = frozenset()  # of RoundTrip; set by dsv4lab.precision
         self.hook_q = HookPoint("queries [B,S,H,Dh] after norm and RoPE")
@@ -284,6 +287,41 @@ class Attention(Component):
                 and cls._attend is Attention._attend and cls._logits is Attention._logits
                 and cls._sink_softmax is Attention._sink_softmax)
 
+    def plain_batch_members(self) -> list[QLinear]:
+        """The unquantised linears decode applies to this attention's input x, in call order: the
+        compressor's wkv / wgate, the indexer compressor's, the indexer's weights_proj (when the
+        indexer selects)."""
+        if self.compressor is None:
+            return []
+        out = [self.compressor.wkv, self.compressor.wgate]
+        if self.indexer is not None:
+            out += [self.indexer.compressor.wkv, self.indexer.compressor.wgate]
+            if self.indexer.enabled:
+                out.append(self.indexer.weights_proj)
+        return out
+
+    def _offer_plain_batch(self, x: torch.Tensor) -> list[QLinear]:
+        """Run ``plain_batch_members`` that can share a launch (``QLinear.batchable``: at least two)
+        as one ``plain_batch_kernel`` call and ``offer`` each its output; the offered linears. Each
+        output is the bits its own ``plain_kernel`` launch gives on the GPU, so hooks on a linear fire
+        on the same tensor either way; a hooked compressor or indexer still calls its linears."""
+        if self.plain_batch_kernel is None:
+            return []
+        lins, weights = [], []
+        for lin in self.plain_batch_members():
+            w = lin.batchable(x)
+            if w is not None:
+                lins.append(lin)
+                weights.append(w)
+        if len(lins) < 2:
+            return []
+        ys = self.plain_batch_kernel(x, weights)
+        if ys is None:
+            return []
+        for lin, y in zip(lins, ys):
+            lin.offer(x, y)
+        return lins
+
     def decode(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
         """One token per sequence at device position ``pos``: fixed shapes, no host branches.
         The kernel path (``decode_takes_kernel``) reads the ring and the valid entries in place;
@@ -293,12 +331,17 @@ class Attention(Component):
         st.kv_ring.index_copy_(1, (pos % self.window).view(1), kv.to(st.kv_ring.dtype))
         entries = n_entries = selected = None
         if self.compressor is not None:
-            n_entries = self.compressor.decode(x, pos, st.compressor)
-            entries = st.compressor.entries.to(kv.dtype)
-            if self.indexer is not None:
-                n_idx = self.indexer.compressor.decode(x, pos, st.indexer)
-                if self.indexer.enabled:
-                    selected = self.indexer.decode_select(x, q_res, positions, st.indexer.entries, n_idx)  # [B,1,k]
+            offered = self._offer_plain_batch(x)
+            try:
+                n_entries = self.compressor.decode(x, pos, st.compressor)
+                entries = st.compressor.entries.to(kv.dtype)
+                if self.indexer is not None:
+                    n_idx = self.indexer.compressor.decode(x, pos, st.indexer)
+                    if self.indexer.enabled:
+                        selected = self.indexer.decode_select(x, q_res, positions, st.indexer.entries, n_idx)  # [B,1,k]
+            finally:
+                for lin in offered:  # an offer nobody took (a replaced method, a disabled indexer) goes
+                    lin.offer(None)
         ring = st.kv_ring.to(kv.dtype)
         if self.decode_takes_kernel():
             use = entries is not None and self.use_compressed

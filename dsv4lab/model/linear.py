@@ -36,6 +36,7 @@ class QLinear(Component):
     """Linear y = x W^T with a plain Parameter or a QuantWeight, under a precision mode."""
 
     ROUND_TRIPS = (RoundTrip.ACT_FP8_POW2,)  # the round trips a policy can switch on here
+    _offered: tuple[torch.Tensor, torch.Tensor] | None = None  # (x, y) from ``offer``; per call, not a switch
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -139,7 +140,28 @@ class QLinear(Component):
             gs = A.nvfp4_global_scale(x)
         return (self.act_kernel or A.fake_quant_nvfp4)(x, gs)
 
+    def offer(self, x: torch.Tensor | None, y: torch.Tensor | None = None) -> None:
+        """Hand this linear its output ``y`` for input ``x``, computed elsewhere (one batched launch
+        for several linears of one x: ``Attention.plain_batch_kernel``): the next call returns ``y``
+        if its input is ``x`` itself (forward hooks fire on it as usual; a pre-hook that replaces x
+        computes afresh). The next call takes the offer either way; ``offer(None)`` withdraws it."""
+        self.__dict__["_offered"] = None if x is None else (x, y)  # a per-call value: no Module bookkeeping
+
+    def batchable(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The weight a batched launch may use for this call on x (an unquantised weight in x's
+        dtype, ``plain_kernel`` installed, no activation quantisation, not streamed), else None."""
+        if (self.plain_kernel is None or self.weight_source is not None or self.weight is None
+                or self.weight.dtype != x.dtype or self.act_format() != "none"
+                or not self.uses_plain_kernel(x, self.weight)):
+            return None
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offered = self._offered
+        if offered is not None:
+            self.__dict__["_offered"] = None
+            if offered[0] is x:
+                return offered[1]
         x = self.quantize_input(x)
         if self.uses_kernel():
             return self.kernel(x, self.qweight)
