@@ -53,6 +53,18 @@ for dt in (torch.float32, torch.bfloat16):
         res[f"kv_{str(dt)[6:]}_fp8{fp8}"] = err(
             launch_norm_rope(kv, dt, norm=NORM_WEIGHTED, eps=EPS, weight=w, positions=pos, inv_freq=inv, fp8_nope=fp8),
             norm_rope_ref(kv, pos, inv, EPS, w, fp8_nope=fp8), fp8=fp8)
+    # ... also written into the decode ring [B, W=5, 80] at positions % W (slots 3, 0, 2): the same
+    # bits as the launch without the ring, and the ring's other slots untouched
+    ring = torch.randn(2, 5, 80, generator=g).to(dt)
+    before = ring.clone()
+    plain = launch_norm_rope(kv, dt, norm=NORM_WEIGHTED, eps=EPS, weight=w, positions=pos, inv_freq=inv, fp8_nope=True)
+    got = launch_norm_rope(kv, dt, norm=NORM_WEIGHTED, eps=EPS, weight=w, positions=pos, inv_freq=inv, fp8_nope=True,
+                           ring=ring)
+    slots = pos % 5
+    others = [i for i in range(5) if i not in slots.tolist()]
+    res[f"ring_{str(dt)[6:]}"] = {"same_y": bool(torch.equal(got, plain)),
+                                  "ring_rows": bool(torch.equal(ring[:, slots], plain.squeeze(-2))),
+                                  "others_kept": bool(torch.equal(ring[:, others], before[:, others]))}
     # the kv_fp8 round trip alone (position 0: cos 1, sin 0, RoPE exact): bit-exact
     p0 = torch.zeros(3, dtype=torch.long)
     res[f"fp8_{str(dt)[6:]}"] = err(launch_norm_rope(kv, dt, norm=NORM_NONE, positions=p0, inv_freq=inv, fp8_nope=True),

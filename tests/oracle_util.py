@@ -115,11 +115,14 @@ class Counting:
     """A kernel-slot callable that counts its calls and runs ``fn`` (components() shows fn's name)."""
 
     def __init__(self, fn):
-        self.fn, self.calls = fn, 0
+        self.fn, self.calls, self.keywords = fn, 0, {}
         self.__name__ = fn.__name__
+        self.takes_ring = getattr(fn, "takes_ring", False)  # what the slot's caller asks of fn
 
     def __call__(self, *a, **k):
         self.calls += 1
+        for name in k:
+            self.keywords[name] = self.keywords.get(name, 0) + 1
         return self.fn(*a, **k)
 
 

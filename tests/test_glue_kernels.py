@@ -56,6 +56,8 @@ def test_interp_glue_kernels_match_reference():
     assert res["fp8_float32"]["exact"] and res["fp8_bfloat16"]["exact"]  # the e4m3 bit arithmetic
     for dt in ("float32", "bfloat16"):  # the in-place inverse RoPE: bitwise the copy, written into x
         assert res[f"unrope_inplace_{dt}"]["equal_out_of_place"] and res[f"unrope_inplace_{dt}"]["in_x"], dt
+    for dt in ("float32", "bfloat16"):  # kv also written into the decode ring: the same bits, only its slots
+        assert res[f"ring_{dt}"] == {"same_y": True, "ring_rows": True, "others_kept": True}, dt
     route_cases = [k for k in res if k.startswith(("topk_", "hash_"))]
     assert len(route_cases) == 12
     for case in route_cases:
@@ -90,6 +92,7 @@ def test_attention_glue_slots(tiny, kv_fp8):
         assert torch.equal(_run(m, ids, 20), ref)
         steps = 1 + ids.shape[1] - 20  # one prefill call, then decode steps
         assert norm.calls == len(attns) * steps and rope.calls == 3 * len(attns) * steps
+        assert rope.keywords["ring"] == len(attns) * (steps - 1)  # each decode step's kv launch writes the ring
         norm.calls = rope.calls = 0
         with m.hooks([("layers.1.attn.hook_kv", lambda t, n: None)]):
             assert torch.equal(_run(m, ids, 20), ref)

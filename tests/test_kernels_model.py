@@ -60,12 +60,17 @@ def ref_linear(x, w):
 
 
 class Counting:
+    """A slot callable counting its calls and their keywords; components() shows ``counting_<fn>``."""
+
     def __init__(self, fn):
-        self.fn, self.calls = fn, 0
+        self.fn, self.calls, self.keywords = fn, 0, {}
         self.__name__ = f"counting_{getattr(fn, '__name__', 'fn')}"
+        self.takes_ring = getattr(fn, "takes_ring", False)  # what the slot's caller asks of fn
 
     def __call__(self, *a, **k):
         self.calls += 1
+        for name in k:
+            self.keywords[name] = self.keywords.get(name, 0) + 1
         return self.fn(*a, **k)
 
 

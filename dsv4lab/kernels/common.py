@@ -635,6 +635,15 @@ def weight_global_scale(gs_ptr, idx, MX: tl.constexpr):
         return tl.load(gs_ptr + idx).to(tl.float32)
 
 
+def expert_ids(ids: torch.Tensor) -> torch.Tensor:
+    """The MoE kernels' flat expert ids [T * k]: the router's int64 ids as they are (the kernels load
+    either width), anything else as int32; a ``.to(int32)`` was one more CUDA kernel a decode layer."""
+    flat = ids.reshape(-1)
+    if flat.dtype not in (torch.int32, torch.int64):
+        flat = flat.to(torch.int32)
+    return flat if flat.is_contiguous() else flat.contiguous()
+
+
 def x_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x (any float dtype, contiguous; its K = numel elements: one row) -> (int32 [K/16, 16]: per
     16-group the 8 f16x2 pairs, the bits of 1/xs and 7 unused words; 1/xs fp32 [KGP] again on its

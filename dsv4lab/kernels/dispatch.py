@@ -60,7 +60,7 @@ from ..model.compressor import Compressor
 from ..model.state import CompressorState
 from .moe_decode_ref import moe_decode_plain_ref, moe_decode_ref
 from .moe_prefill_ref import moe_prefill_ref
-from .norm_rope_ref import norm_rope_ref
+from .norm_rope_ref import check_ring, norm_rope_ref
 
 class _TritonModules:
     """The Triton kernel modules, imported together on the first kernel call: triton is an optional
@@ -343,22 +343,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def norm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float | None = None,
               weight: torch.Tensor | None = None, inverse: bool = False, fp8_nope: bool = False,
-              inplace: bool = False) -> torch.Tensor:
+              inplace: bool = False, ring: torch.Tensor | None = None) -> torch.Tensor:
     """``norm_rope_ref`` (same signature; x [..., S, H, D], positions [S] on the device): one Triton
     launch on CUDA, the angles computed from the positions there (no tables, no host sync).
     ``inplace`` (RoPE alone): the kernel may rewrite x's RoPE channels in place (the caller no
-    longer needs x) and reads / writes only those."""
+    longer needs x) and reads / writes only those. ``ring``: the same launch also writes the
+    result into the decode ring (a ring in another dtype or layout: the reference's index_copy_)."""
     if x.dim() < 3 or x.shape[-3] != positions.numel() or 2 * inv_freq.shape[-1] > x.shape[-1]:
         raise ValueError(f"norm_rope: x must be [..., S, H, D] with S = len(positions) and D >= 2 * len(inv_freq); "
                          f"got x {tuple(x.shape)}, {positions.numel()} positions, {inv_freq.shape[-1]} frequencies "
                          "(one head: unsqueeze(-2))")
+    if ring is not None:
+        check_ring(x, positions, ring)
     if kernel_can_take(x) and (weight is None or weight.dtype in KERNEL_DTYPES) and x.shape[-1] % 2 == 0:
         nr = _tk.norm_rope
         norm = nr.NORM_NONE if eps is None else nr.NORM_PLAIN if weight is None else nr.NORM_WEIGHTED
         out_dtype = x.dtype if norm != nr.NORM_WEIGHTED else torch.promote_types(weight.dtype, x.dtype)
-        return nr.launch_norm_rope(x, out_dtype, norm=norm, eps=eps or 0.0, weight=weight, positions=positions,
-                                inv_freq=inv_freq, inverse=inverse, fp8_nope=fp8_nope, inplace=inplace)
-    return norm_rope_ref(x, positions, inv_freq, eps, weight, inverse, fp8_nope, inplace)
+        fused_ring = ring is not None and ring.dtype == out_dtype and ring.stride(-1) == 1
+        y = nr.launch_norm_rope(x, out_dtype, norm=norm, eps=eps or 0.0, weight=weight, positions=positions,
+                                inv_freq=inv_freq, inverse=inverse, fp8_nope=fp8_nope, inplace=inplace,
+                                ring=ring if fused_ring else None)
+        if ring is not None and not fused_ring:
+            ring.index_copy_(1, positions % ring.shape[1], y.squeeze(-2).to(ring.dtype))
+        return y
+    return norm_rope_ref(x, positions, inv_freq, eps, weight, inverse, fp8_nope, inplace, ring)
+
+
+norm_rope.takes_ring = True  # Attention.decode hands it the ring (see norm_rope_ref.takes_ring)
 
 
 def route(logits: torch.Tensor, top_k: int, scoring: str, scale: float, bias: torch.Tensor | None = None,

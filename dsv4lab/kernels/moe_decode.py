@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
-from .common import cdiv, decode_swiglu, INTERPRET, gemv_rows_m1, round_to
+from .common import cdiv, decode_swiglu, expert_ids, INTERPRET, gemv_rows_m1, round_to
 from .device import env_value, on_input_device
 from .launch import launch
 from .moe_decode_tma import moe_decode_tma, tma_moe_supported
@@ -123,7 +123,7 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w
     k = ids.shape[1]
     E, I, _ = w1.shape
     x = x.contiguous()
-    ids_c = ids.reshape(-1).to(torch.int32).contiguous()
+    ids_c = expert_ids(ids)
     wts = weights.reshape(-1).to(torch.float32).contiguous()
     lim = float("inf") if limit is None or limit <= 0 else float(limit)
     if tma:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, cdiv, decode_swiglu, round_to
+from .common import INTERPRET, cdiv, decode_swiglu, expert_ids, round_to
 from .device import on_input_device
 from .launch import LaunchSite
 
@@ -116,7 +116,7 @@ def moe_decode_plain_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
     if T == 0:
         return y
     x = x if x.stride(-1) == 1 else x.contiguous()
-    ids_c = ids.reshape(-1).to(torch.int32)
+    ids_c = expert_ids(ids)
     wts = weights.reshape(-1).to(torch.float32)
     lim = float("inf") if limit is None or limit <= 0 else float(limit)
     h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)

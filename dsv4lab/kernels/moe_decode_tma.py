@@ -95,7 +95,7 @@ def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, sw1_desc, ss1_desc, sw3_d
         gs1 = weight_global_scale(sg1_ptr, 0, MX)
         gs3 = weight_global_scale(sg3_ptr, 0, MX)
     else:
-        e = tl.load(ids_ptr + t * TOPK + j)
+        e = tl.load(ids_ptr + t * TOPK + j).to(tl.int32)  # int32 or the router's int64 ids
         a1, a3 = _up_sums(w1_desc, s1_desc, w3_desc, s3_desc, x_desc, xinv_ptr, t * KG, e * I + n0, KG, BN, G, STAGES,
                           USE_ASM, MX)
         gs1 = weight_global_scale(g1_ptr, e, MX)
@@ -123,7 +123,7 @@ def _moe_down_kernel(w2_desc, s2_desc, sw2_desc, ss2_desc, h_desc, hinv_ptr, ids
         a = _down_sum(sw2_desc, ss2_desc, h_desc, hinv_ptr, pair * KG, n0, KG, BN, G, STAGES, USE_ASM, MX)
         part = a * (16384.0 * weight_global_scale(sg2_ptr, 0, MX))
     else:
-        e = tl.load(ids_ptr + t * TOPK + j)
+        e = tl.load(ids_ptr + t * TOPK + j).to(tl.int32)  # int32 or the router's int64 ids
         a = _down_sum(w2_desc, s2_desc, h_desc, hinv_ptr, pair * KG, e * H + n0, KG, BN, G, STAGES, USE_ASM, MX)
         part = a * (16384.0 * weight_global_scale(g2_ptr, e, MX) * tl.load(wts_ptr + t * TOPK + j).to(tl.float32))
     tile = t * tl.num_programs(0) + pid_n
@@ -205,7 +205,7 @@ def _build_descs(packed: torch.Tensor, scale: torch.Tensor, bn: int, g: int, mx:
 
 def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, w3, w2, lim: float,
                    k: int, shared: tuple | None = None) -> torch.Tensor:
-    """x [T, H] contiguous, ids_c int32 [T*k], wts fp32 [T*k], stacks as in ``moe_decode_triton``
+    """x [T, H] contiguous, ids_c int32 or int64 [T*k], wts fp32 [T*k], stacks as in ``moe_decode_triton``
     (``StackedNVFP4`` or ``StackedMXFP4``: MXFP4 boxes hold 32 groups so the E8M0 box is 16 bytes).
     ``shared``: the shared expert's (w1, w3, w2) as one-expert stacks of the same format, run as a
     (k+1)-th pair of every token in the same two GEMV launches; y = routed + shared, each rounded to

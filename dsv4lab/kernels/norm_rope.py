@@ -69,11 +69,11 @@ def _fp8_nope(xe, xo, nope, HB: tl.constexpr, BP: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, S, H, eps,
-                      stride_xt, stride_xh, stride_yt, stride_yh,
+def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, ring_ptr, S, H, eps,
+                      stride_xt, stride_xh, stride_yt, stride_yh, stride_rb, stride_rs, W,
                       D: tl.constexpr, RD: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
                       FP8: tl.constexpr, HB: tl.constexpr, BP: tl.constexpr, PRECISE: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      RING: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     t = tl.program_id(0)                      # row of [T, H, D] (T = batch * S, positions per S)
     h0 = tl.program_id(1) * HB
@@ -121,6 +121,9 @@ def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, S, H, eps,
         ve, vo = _fp8_nope(ve, vo, nope, HB, BP)
     yy = tl.reshape(tl.join(ve.to(y_ptr.dtype.element_ty), vo.to(y_ptr.dtype.element_ty)), [HB, 2 * BP])
     tl.store(y_ptr + t * stride_yt + heads[:, None] * stride_yh + chans[None, :], yy, mask=ok)
+    if RING:  # the decode's sliding-window write: row t = (sequence b, position s) -> ring[b, pos % W]
+        slot = tl.load(pos_ptr + t % S) % W
+        tl.store(ring_ptr + (t // S) * stride_rb + slot * stride_rs + heads[:, None] * D + chans[None, :], yy, mask=ok)
 
 
 _SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite: no per-call keyword key (7 launches a decode layer)
@@ -131,7 +134,7 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
                      weight: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                      inv_freq: torch.Tensor | None = None, inverse: bool = False, fp8_nope: bool = False,
                      heads_per_program: int | None = None, inplace: bool = False,
-                     one_head: bool = False) -> torch.Tensor:
+                     one_head: bool = False, ring: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., S, H, D] -> y of x's shape in ``out_dtype``: the norm (``NORM_*``), then RoPE on the
     last 2 * len(inv_freq) channels at ``positions`` [S] (``inverse``: at -pos; none without
     positions), then ``fp8_nope`` (kv_fp8 on the other channels). Positions broadcast over the
@@ -139,6 +142,9 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
     only the RoPE channels are read and rewritten, in x's storage where x is a view of it (the
     inverse RoPE of the attention output: 64 of 512 channels, 1/8 of the copy's bytes).
     ``one_head``: x is [..., D], one head a row (``rms_norm``: no unsqueeze / squeeze objects).
+    ``ring`` [B, W, D] in ``out_dtype`` with unit inner stride (x [B, S, 1, D], S <= W; the caller
+    checks: ``dispatch.norm_rope``): y is also stored at ring[b, positions[s] % W], the decode's
+    sliding-window write without its two aten ops (remainder, index_copy_).
 
     Host side: at most one reshape, one allocation and no view for the common layouts (each tensor
     object is ~3 us of host on a slow core; eager decode makes 7 of these calls a layer)."""
@@ -172,14 +178,16 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
     kernel = _norm_rope_kernel  # looked up per call: a test's stand-in replaces the module attribute
     grid = (T, cdiv(H, HB))
     pdl = use_pdl(T * grid[1], x.device)
-    skey = (id(kernel), D, RD, norm, ROPE, fp8_nope, HB, BP, pdl)
+    has_ring = ring is not None
+    skey = (id(kernel), D, RD, norm, ROPE, fp8_nope, HB, BP, pdl, has_ring)
     site = _SITES.get(skey)
     if site is None:
         site = _SITES[skey] = LaunchSite(kernel, D=D, RD=RD, NORM=norm, ROPE=ROPE, FP8=fp8_nope, HB=HB, BP=BP,
-                                         PRECISE=not INTERPRET, enable_fp_fusion=False,
+                                         PRECISE=not INTERPRET, RING=has_ring, enable_fp_fusion=False,
                                          num_warps=1 if INTERPRET else max(1, min(8, HB * BP // 128)),
                                          **pdl_kw(pdl))
     site(grid,
          x3, y, x3 if weight is None else weight, positions if rope else x3, inv_freq if rope else x3,
-         positions.numel() if rope else 1, H, float(eps), sxt, sxh, syt, syh)
+         ring if has_ring else x3, positions.numel() if rope else 1, H, float(eps), sxt, sxh, syt, syh,
+         *((ring.stride(0), ring.stride(1), ring.shape[1]) if has_ring else (0, 0, 1)))
     return whole if whole.shape == shape else whole.view(shape)

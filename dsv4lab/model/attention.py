@@ -109,9 +109,10 @@ class Attention(Component):
         kv = self.hook_kv(kv)
         return q_res, q, kv, cos, sin
 
-    def _q_kv_fused(self, x: torch.Tensor, positions: torch.Tensor):
+    def _q_kv_fused(self, x: torch.Tensor, positions: torch.Tensor, ring: torch.Tensor | None = None):
         """``_q_kv`` in four launches besides the matmuls: q_norm (``norm_kernel``), per-head norm
-        + RoPE of q, kv_norm + RoPE (+ ``kv_fp8``) of kv (``rope_kernel``)."""
+        + RoPE of q, kv_norm + RoPE (+ ``kv_fp8``) of kv (``rope_kernel``); ``ring``: that last
+        launch also writes kv into the decode ring (``rope_kernel.takes_ring``)."""
         B, S, _ = x.shape
         a = self.wq_a(x)
         q_res = self.q_norm(a) if self.norm_kernel is None else self.norm_kernel(a, self.q_norm.weight, self.q_norm.eps)
@@ -119,7 +120,7 @@ class Attention(Component):
         q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
         q = self.hook_q(self.rope_kernel(q, positions, inv, eps=self.eps))
         kv = self.rope_kernel(self.wkv(x).unsqueeze(-2), positions, inv, eps=self.kv_norm.eps, weight=self.kv_norm.weight,
-                              fp8_nope=RoundTrip.KV_FP8 in self.round_trips)
+                              fp8_nope=RoundTrip.KV_FP8 in self.round_trips, **({} if ring is None else {"ring": ring}))
         return q_res, q, self.hook_kv(kv.squeeze(-2)), positions, None
 
     def _logits(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -327,8 +328,11 @@ class Attention(Component):
         The kernel path (``decode_takes_kernel``) reads the ring and the valid entries in place;
         the reference concatenates them with an additive -inf mask (``decode_keys_bias``)."""
         positions = pos.view(1)
-        q_res, q, kv, cos, sin = self._q_kv(x, positions)
-        st.kv_ring.index_copy_(1, (pos % self.window).view(1), kv.to(st.kv_ring.dtype))
+        if self.fused_rows() and getattr(self.rope_kernel, "takes_ring", False):  # hook_kv silent: kv as written
+            q_res, q, kv, cos, sin = self._q_kv_fused(x, positions, ring=st.kv_ring)
+        else:
+            q_res, q, kv, cos, sin = self._q_kv(x, positions)
+            st.kv_ring.index_copy_(1, (pos % self.window).view(1), kv.to(st.kv_ring.dtype))
         entries = n_entries = selected = None
         if self.compressor is not None:
             offered = self._offer_plain_batch(x)
