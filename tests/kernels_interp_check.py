@@ -243,6 +243,25 @@ for lim in (None, 1.5):
     ref = moe_decode_ref(x, ids, wt, w1, w3, w2, lim)
     res[f"moetma_lim{lim}"] = {"max_abs": (y.float() - ref.float()).abs().max().item(), "ref_max": ref.abs().max().item(),
                                "repeat_equal": bool(torch.equal(y, y2))}
+# the up launch writing h's pairs (T * k * I / 16 a multiple of 64: 4 tokens here) against h + the
+# x_pairs prelude: the same bits, one launch fewer
+from dsv4lab.kernels import moe_decode_tma as mdt
+from dsv4lab.kernels.launch import LaunchSite
+x4 = rnd(4, H).to(torch.bfloat16)
+ids4 = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(4)])
+wt4 = torch.rand(4, k, generator=g)
+counts = {}
+real_call = LaunchSite.__call__
+LaunchSite.__call__ = lambda site, *a: (counts.__setitem__(mdt.EMIT_H_PAIRS, counts.get(mdt.EMIT_H_PAIRS, 0) + 1),
+                                        real_call(site, *a))[1]
+y_emit = moe_decode_triton(x4, ids4, wt4, w1, w3, w2, 1.5, tma=True)
+mdt.EMIT_H_PAIRS = False
+y_prelude = moe_decode_triton(x4, ids4, wt4, w1, w3, w2, 1.5, tma=True)
+mdt.EMIT_H_PAIRS = True
+LaunchSite.__call__ = real_call
+ref = moe_decode_ref(x4, ids4, wt4, w1, w3, w2, 1.5)
+res["moetma_h_pairs"] = {"equal": bool(torch.equal(y_emit, y_prelude)), "launches": [counts[True], counts[False]],
+                         "max_abs": (y_emit.float() - ref.float()).abs().max().item(), "ref_max": ref.abs().max().item()}
 try:
     moe_decode_triton(rnd(T, 64).to(torch.bfloat16), ids, wt, mk(32, 64), mk(32, 64), mk(64, 32), None, tma=True)
     res["moetma_rejects"] = False

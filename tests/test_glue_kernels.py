@@ -56,6 +56,11 @@ def test_interp_glue_kernels_match_reference():
     assert res["fp8_float32"]["exact"] and res["fp8_bfloat16"]["exact"]  # the e4m3 bit arithmetic
     for dt in ("float32", "bfloat16"):  # the in-place inverse RoPE: bitwise the copy, written into x
         assert res[f"unrope_inplace_{dt}"]["equal_out_of_place"] and res[f"unrope_inplace_{dt}"]["in_x"], dt
+    for dt in ("float32", "bfloat16"):  # a decode RMSNorm's emitted pairs: x_pairs' bits, no launch for them
+        assert res[f"pairs_{dt}"] == {"skipped": True, "same_buffers": True, "rows_equal": True, "inv_equal": True,
+                                      "changed_relaunched": True}, dt
+        assert res[f"unrope_pairs_{dt}"] == {"same_y": True, "in_x": True, "skipped": True, "rows_equal": True,
+                                             "inv_equal": True}, dt
     for dt in ("float32", "bfloat16"):  # kv also written into the decode ring: the same bits, only its slots
         assert res[f"ring_{dt}"] == {"same_y": True, "ring_rows": True, "others_kept": True}, dt
     route_cases = [k for k in res if k.startswith(("topk_", "hash_"))]

@@ -135,6 +135,8 @@ def test_interp_moe_decode_tma(interp_results):
         assert r["ref_max"] > 0 and r["max_abs"] <= 2e-2 * r["ref_max"], r
         assert r["repeat_equal"], r  # the down kernel's counters were reset; deterministic sum order
     assert interp_results["moetma_rejects"] is True
+    r = interp_results["moetma_h_pairs"]  # the up launch writing h's pairs: the prelude's bits, one launch fewer
+    assert r["equal"] and r["launches"] == [3, 4] and r["max_abs"] <= 2e-2 * r["ref_max"], r
     r = interp_results["moetma_mx"]  # MXFP4 stacks through the same kernels (32-group boxes, E8M0)
     assert r["ref_max"] > 0 and r["max_abs"] <= 2e-2 * r["ref_max"], r
     assert r["dispatch_cpu_is_ref"] and interp_results["moetma_mx_rejects_pointer"] is True

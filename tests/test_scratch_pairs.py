@@ -61,3 +61,31 @@ def test_pairs_live_in_kept_buffers_and_are_made_on_every_call(prelude):
     z = torch.full((1, 32), 5.0)
     zp, _ = common.x_pairs(z)
     assert zp.shape == (2, 16) and zp is not xp1 and int(zp[0, 0]) == 5 and int(xp1[0, 0]) == 3
+
+
+def test_pairs_written_by_a_kernel_are_used_until_x_or_the_buffers_change(prelude):
+    """An emitting kernel (the decode RMSNorm) records that the kept buffers hold its output's
+    pairs: x_pairs of that output, or of a view of all of it, launches nothing; a version bump on
+    x, another row's pairs in the same buffers, or a part of x launches again; other sizes keep
+    their own record."""
+    dev = torch.device("cpu")
+    y = torch.full((1, 1, 64), 2.0)
+    xp, inv = common.pairs_buffers(4, dev)
+    common.pairs_written(4, dev, y)
+    assert common.x_pairs(y) == (xp, inv) and common.x_pairs(y.view(1, 64))[0] is xp
+    assert prelude.launched == []
+    common.pairs_written(2, dev, torch.zeros(32))         # another size: its own buffers
+    common.x_pairs(y)
+    assert prelude.launched == []
+    common.x_pairs(y[..., :32])                           # a part of y: not its pairs
+    assert len(prelude.launched) == 1
+    common.x_pairs(y)                                     # the 2-group launch left y's record alone
+    assert len(prelude.launched) == 1
+    z = torch.full((1, 64), 9.0)
+    common.x_pairs(z)                                     # another row of 4 groups: the buffers now hold z's
+    common.x_pairs(y)
+    assert len(prelude.launched) == 3 and int(xp[0, 0]) == 2
+    common.pairs_written(4, dev, y)
+    y.add_(1)                                             # changed in place: version bumped
+    common.x_pairs(y)
+    assert len(prelude.launched) == 4 and int(xp[0, 0]) == 3

@@ -547,15 +547,11 @@ INV_PAD = 64  # x_pairs' 1/xs is zero-padded to a multiple of this many groups (
 
 
 @triton.jit
-def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, KG, KGP, BG: tl.constexpr, PDL: tl.constexpr):
-    """x [K] -> rows [KG, 16] of f16x2 pairs (columns 0-7) and 1/xs bits (column 8) per 16-group
-    (power-of-two scaling), and 1/xs [KGP] on its own (zeros from KG to KGP)."""
-    if PDL:  # launched early (programmatic dependent launch): wait for the previous grid's writes
-        gdc_wait()
-        gdc_launch_dependents()
-    g = tl.program_id(0) * BG + tl.arange(0, BG)
-    ok = g < KG
-    x = tl.load(x_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+def pair_rows(x, BG: tl.constexpr):
+    """x [BG, 16] fp32 (BG 16-groups of an activation row) -> (rows [BG, 16] int32: the group's 8
+    f16x2 pairs in columns 0-7, the bits of 1/xs in column 8, zeros after; 1/xs [BG] fp32), with a
+    power-of-two xs per group (x * xs exact in f16 for bf16 x). The one body of ``_x_pairs_kernel``
+    and of the norm kernel that emits its output's pairs (``norm_rope``), so both give these bits."""
     e = (tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
     b = tl.minimum(tl.maximum(268 - e, 1), 253)        # xs = 2^(141 - e) = 2^(b - 127)
     xs = (b << 23).to(tl.float32, bitcast=True)
@@ -567,9 +563,30 @@ def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, KG, KGP, BG: tl.constexpr, PDL: tl.c
     pairs = tl.reshape(lo | (hi << 16), (BG, 8))
     c8 = tl.arange(0, 8)[None, :]
     extra = tl.where(c8 == 0, inv.to(tl.int32, bitcast=True)[:, None], 0)   # column 8: 1/xs bits
-    row = tl.reshape(tl.permute(tl.join(pairs, extra), (0, 2, 1)), (BG, 16))
+    return tl.reshape(tl.permute(tl.join(pairs, extra), (0, 2, 1)), (BG, 16)), inv
+
+
+@triton.jit
+def store_pair_rows(x, xp_ptr, inv_ptr, g, KG, KGP, BG: tl.constexpr):
+    """``pair_rows`` of x [BG, 16] (groups ``g``) stored as ``x_pairs`` lays them out: rows g < KG,
+    1/xs for g < KGP with zeros from KG on."""
+    row, inv = pair_rows(x, BG)
+    ok = g < KG
     tl.store(xp_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], row, mask=ok[:, None])
     tl.store(inv_ptr + g, tl.where(ok, inv, 0.0), mask=g < KGP)
+
+
+@triton.jit
+def _x_pairs_kernel(x_ptr, xp_ptr, inv_ptr, KG, KGP, BG: tl.constexpr, PDL: tl.constexpr):
+    """x [K] -> rows [KG, 16] of f16x2 pairs (columns 0-7) and 1/xs bits (column 8) per 16-group
+    (power-of-two scaling), and 1/xs [KGP] on its own (zeros from KG to KGP)."""
+    if PDL:  # launched early (programmatic dependent launch): wait for the previous grid's writes
+        gdc_wait()
+        gdc_launch_dependents()
+    g = tl.program_id(0) * BG + tl.arange(0, BG)
+    ok = g < KG
+    x = tl.load(x_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    store_pair_rows(x, xp_ptr, inv_ptr, g, KG, KGP, BG)
 
 
 @triton.jit
@@ -644,28 +661,58 @@ def expert_ids(ids: torch.Tensor) -> torch.Tensor:
     return flat if flat.is_contiguous() else flat.contiguous()
 
 
+def pairs_buffers(KG: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept ``x_pairs`` buffers of a K/16 = KG row on ``device``: rows int32 [KG, 16] and 1/xs
+    fp32 [KGP] (KG padded to whole ``INV_PAD`` boxes)."""
+    return (scratch("x_pairs", (KG, 16), torch.int32, device),
+            scratch("x_pairs_inv", (cdiv(KG, INV_PAD) * INV_PAD,), torch.float32, device))
+
+
+_EMITTED: dict = {}  # (KG, device) -> (activation, its version, the buffers' generation) whose pairs they hold
+_PAIRS_GEN: dict = {}  # (KG, device) -> how many times the kept pairs buffers of that size were written
+
+
+def pairs_written(KG: int, device: torch.device, x: torch.Tensor | None = None) -> None:
+    """Record a write of the kept pairs buffers of size KG (``x_pairs`` or an emitting kernel):
+    with ``x``, they now hold x's pairs (``emitted``); without, whatever they held is gone."""
+    key = (KG, device)
+    gen = _PAIRS_GEN[key] = _PAIRS_GEN.get(key, 0) + 1
+    if x is None:
+        _EMITTED.pop(key, None)
+    else:  # x kept alive here, so no other tensor can be given its address
+        _EMITTED[key] = (x, x._version, gen, x.data_ptr())
+
+
 def x_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x (any float dtype, contiguous; its K = numel elements: one row) -> (int32 [K/16, 16]: per
     16-group the 8 f16x2 pairs, the bits of 1/xs and 7 unused words; 1/xs fp32 [KGP] again on its
-    own, zeros after the K/16 groups up to whole ``INV_PAD`` boxes). Both are ``scratch`` buffers of
-    this size (valid until the next ``x_pairs`` of the same size on this device: the GEMV launched
-    next reads them), so eager decode, which calls this 8 times a layer, allocates nothing here.
+    own, zeros after the K/16 groups up to whole ``INV_PAD`` boxes). Both are ``pairs_buffers``
+    (valid until the next write of that size on this device: the GEMV launched next reads them),
+    so eager decode allocates nothing here.
 
-    Always launched, also for an activation whose pairs the buffer may still hold (two linears of
-    one input): a memo keyed on address and version counter was tried and dropped, because the
-    MoE's SwiGLU rows live in a kept buffer that a kernel rewrites without bumping its version, so
-    the memo served the previous token's pairs (caught by the launch inventory's count)."""
+    No launch when the buffers hold x's pairs already because the kernel that produced x wrote
+    them (``pairs_written(KG, dev, x)``: the decode's RMSNorm launches for the rows that feed
+    GEMVs) and nothing wrote them since: x that tensor or a view of all of it (same address,
+    dtype and size) at the same version counter, the buffers at the same generation. Otherwise always launched, also for an activation whose
+    pairs the buffer may still hold: a memo of x_pairs' own results keyed on address and version
+    was tried and dropped, because the MoE's SwiGLU rows live in a kept buffer that a kernel
+    rewrites without bumping its version, so the memo served the previous token's pairs; an
+    emitting kernel's output is a new tensor that no kernel writes afterwards."""
     KG = x.numel() // 16
-    kgp = cdiv(KG, INV_PAD) * INV_PAD
     dev = x.device
-    xp = scratch("x_pairs", (KG, 16), torch.int32, dev)
-    inv = scratch("x_pairs_inv", (kgp,), torch.float32, dev)
+    key = (KG, dev)
+    xp, inv = pairs_buffers(KG, dev)
+    got = _EMITTED.get(key)
+    if (got is not None and got[3] == x.data_ptr() and got[1] == x._version and got[2] == _PAIRS_GEN.get(key)
+            and got[0].dtype == x.dtype and got[0].numel() == x.numel()):  # x: it or a view of all of it
+        return xp, inv
     kernel = _x_pairs_kernel  # looked up per call: a test's stand-in replaces the module attribute
     site = _X_PAIRS_SITES.get((id(kernel), pdl))
     if site is None:
         site = _X_PAIRS_SITES[id(kernel), pdl] = LaunchSite(
             kernel, BG=_X_PAIRS_BG, num_warps=1 if INTERPRET else 4, **pdl_kw(pdl))
-    site((cdiv(kgp, _X_PAIRS_BG),), x, xp, inv, KG, kgp)
+    site((cdiv(inv.shape[0], _X_PAIRS_BG),), x, xp, inv, KG, inv.shape[0])
+    pairs_written(KG, dev)
     return xp, inv
 
 

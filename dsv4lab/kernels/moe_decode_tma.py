@@ -7,8 +7,9 @@ expert rows stream through the multi-stage TMA ring and the f16x2 inner loop of
 
 1. ``x_pairs(x)``: per-16-group scaled f16x2 pairs of every token row (one short wave);
 2. ``_moe_up_kernel`` (grid = I tiles x T*k): rows of w1[e] and w3[e] against token t's pairs,
-   the clamped SwiGLU, h[t*k + j] in x.dtype;
-3. ``x_pairs(h)``;
+   the clamped SwiGLU, h[t*k + j] in x.dtype, written as h's pairs where whole 16-groups allow
+   (``PAIRS``: V4-Pro's I = 3072);
+3. else ``x_pairs(h)``;
 4. ``_moe_down_kernel`` (grid = H tiles x T*k): one (token, expert) w2 GEMV per CTA, weighted by
    the routing weight into an fp32 partial; the last of a token's k CTAs (per-tile counter) sums
    the k partials in expert order and stores y (deterministic, no zero-fill, graph-safe).
@@ -32,6 +33,7 @@ from .common import (
     device_capability,
     BOX_GROUPS,
     INTERPRET,
+    INV_PAD,
     arrive,
     block_scales,
     counters,
@@ -40,6 +42,7 @@ from .common import (
     pairs_and_inv,
     pairs_descriptor,
     scratch,
+    store_pair_rows,
     round_to,
     store_or_fix_up,
     sum_partials,
@@ -81,8 +84,9 @@ def _down_sum(w2_desc, s2_desc, h_desc, hinv_ptr, hrow, r0, KG,
 
 @triton.jit
 def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, sw1_desc, ss1_desc, sw3_desc, ss3_desc, x_desc, xinv_ptr,
-                   ids_ptr, g1_ptr, g3_ptr, sg1_ptr, sg3_ptr, h_ptr, I, KG, TOPK, NPAIR, stride_h, limit,
-                   BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr, MX: tl.constexpr):
+                   ids_ptr, g1_ptr, g3_ptr, sg1_ptr, sg3_ptr, h_ptr, hp_ptr, hinv_ptr, I, KG, TOPK, NPAIR, stride_h,
+                   limit, BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr,
+                   MX: tl.constexpr, PAIRS: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)  # t * NPAIR + j: j < TOPK a routed expert, j == TOPK the shared one (NPAIR = TOPK + 1)
     t = pair // NPAIR
@@ -104,7 +108,13 @@ def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, sw1_desc, ss1_desc, sw3_d
     gate = round_to(a1 * (16384.0 * gs1), out_ty)
     up = round_to(a3 * (16384.0 * gs3), out_ty)
     h = decode_swiglu(gate, up, limit, out_ty)
-    tl.store(h_ptr + pair * stride_h + rows, h.to(out_ty), mask=rows < I)
+    if PAIRS:  # the down GEMV's pairs of these BN rows of h (I % BN == 0): no h, no x_pairs(h) launch
+        NG: tl.constexpr = BN // 16
+        g = pair * (I // 16) + n0 // 16 + tl.arange(0, NG)
+        tot = tl.num_programs(1) * (I // 16)   # every pair's groups: all written, no 1/xs padding
+        store_pair_rows(tl.reshape(h.to(out_ty).to(tl.float32), (NG, 16)), hp_ptr, hinv_ptr, g, tot, tot, NG)
+    else:
+        tl.store(h_ptr + pair * stride_h + rows, h.to(out_ty), mask=rows < I)
 
 
 @triton.jit
@@ -167,6 +177,7 @@ def _is_mx(w) -> bool:
 
 
 _BN, _STAGES, _WARPS = (16, 2, 1) if INTERPRET else (64, 3, 4)
+EMIT_H_PAIRS = True  # the up launch writes h's pairs (False: h + the x_pairs prelude; tests compare both)
 
 
 class _StackArgs:
@@ -217,17 +228,29 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     bn, stages, warps = _BN, _STAGES, _WARPS
     npair = k + (shared is not None)
     sw1, sw3, sw2 = shared if shared is not None else (w1, w3, w2)  # stand-ins: no pair reaches them
-    h = scratch("moe_h", (T * npair, I), x.dtype, x.device)   # the SwiGLU rows: read by the down launch only
     y = torch.empty((T, H), dtype=x.dtype, device=x.device)
     xp, xinv = x_pairs(x)
+    # the up launch writes h's pairs itself where its tiles cover whole 16-groups and 1/xs needs no
+    # zero padding (V4-Pro: I = 3072); else h, then the x_pairs prelude over it
+    hkg = T * npair * I // 16
+    emit = EMIT_H_PAIRS and I % bn == 0 and hkg % INV_PAD == 0
+    if emit:  # buffers of their own: x's pairs (read by this launch) never share them
+        h = None
+        hp = scratch("moe_h_pairs", (hkg, 16), torch.int32, x.device)
+        hinv = scratch("moe_h_pairs_inv", (hkg,), torch.float32, x.device)
+    else:
+        h = scratch("moe_h", (T * npair, I), x.dtype, x.device)   # the SwiGLU rows: read by the down launch only
     up_kernel, down_kernel, shared_on = _moe_up_kernel, _moe_down_kernel, shared is not None  # tests replace kernels
-    up = _SITES.get((id(up_kernel), mx)) or new_site(_SITES, (id(up_kernel), mx), up_kernel, BN=bn, G=g, STAGES=stages,
-                                                 USE_ASM=not INTERPRET, MX=mx, num_warps=warps)
+    ukey = (id(up_kernel), mx, emit)
+    up = _SITES.get(ukey) or new_site(_SITES, ukey, up_kernel, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET,
+                                      MX=mx, PAIRS=emit, num_warps=warps)
     a1, a3, s1, s3, a2, s2 = (_stack_args(w) for w in (w1, w3, sw1, sw3, w2, sw2))
     up((cdiv(I, bn), T * npair),
         *a1.descs, *a3.descs, *s1.descs, *s3.descs, pairs_descriptor(xp, g, True), xinv, ids_c,
-        a1.gs, a3.gs, s1.gs, s3.gs, h, I, H // 16, k, npair, h.stride(0), lim)
-    hp, hinv = x_pairs(h)
+        a1.gs, a3.gs, s1.gs, s3.gs, x if emit else h, hp if emit else h, hinv if emit else h, I, H // 16, k, npair,
+        I if emit else h.stride(0), lim)   # emitting: x stands in for h (its dtype is the rounding's; nothing stored)
+    if not emit:
+        hp, hinv = x_pairs(h)
     n_tiles = cdiv(H, bn)
     ws = scratch("moe_down", (T * npair, H), torch.float32, x.device)
     dkey = (id(down_kernel), mx, shared_on)

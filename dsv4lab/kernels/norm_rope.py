@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import cdiv, next_pow2, pdl_enter, pdl_kw, use_pdl, INTERPRET
+from .common import INV_PAD, cdiv, next_pow2, pairs_buffers, pairs_written, pdl_enter, pdl_kw, store_pair_rows, use_pdl, INTERPRET
 from .device import on_input_device
 from .launch import LaunchSite
 
@@ -69,11 +69,11 @@ def _fp8_nope(xe, xo, nope, HB: tl.constexpr, BP: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, ring_ptr, S, H, eps,
-                      stride_xt, stride_xh, stride_yt, stride_yh, stride_rb, stride_rs, W,
+def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, ring_ptr, xp_ptr, xinv_ptr, S, H, eps,
+                      stride_xt, stride_xh, stride_yt, stride_yh, stride_rb, stride_rs, W, KG, KGP,
                       D: tl.constexpr, RD: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
                       FP8: tl.constexpr, HB: tl.constexpr, BP: tl.constexpr, PRECISE: tl.constexpr,
-                      RING: tl.constexpr = False, PDL: tl.constexpr = False):
+                      RING: tl.constexpr = False, PAIRS: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     t = tl.program_id(0)                      # row of [T, H, D] (T = batch * S, positions per S)
     h0 = tl.program_id(1) * HB
@@ -121,6 +121,11 @@ def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, ring_ptr, S, H, eps
         ve, vo = _fp8_nope(ve, vo, nope, HB, BP)
     yy = tl.reshape(tl.join(ve.to(y_ptr.dtype.element_ty), vo.to(y_ptr.dtype.element_ty)), [HB, 2 * BP])
     tl.store(y_ptr + t * stride_yt + heads[:, None] * stride_yh + chans[None, :], yy, mask=ok)
+    if PAIRS:  # the row's x_pairs rows as the next GEMVs read them (common.pair_rows): one head, or
+        NG: tl.constexpr = 2 * BP // 16  # HB heads of D = 2 * BP channels each (whole groups per head)
+        g = ((t * H + heads) * (D // 16))[:, None] + tl.arange(0, NG)[None, :]
+        store_pair_rows(tl.reshape(yy.to(tl.float32), (HB * NG, 16)), xp_ptr, xinv_ptr, tl.reshape(g, (HB * NG,)),
+                        KG, KGP, HB * NG)
     if RING:  # the decode's sliding-window write: row t = (sequence b, position s) -> ring[b, pos % W]
         slot = tl.load(pos_ptr + t % S) % W
         tl.store(ring_ptr + (t // S) * stride_rb + slot * stride_rs + heads[:, None] * D + chans[None, :], yy, mask=ok)
@@ -161,7 +166,15 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
     sxt = x3.stride(0)
     sxh = D if one_head else x3.stride(1)
     rope = positions is not None
-    if inplace and norm == NORM_NONE and not fp8_nope and rope and out_dtype == x.dtype:
+    in_place = inplace and norm == NORM_NONE and not fp8_nope and rope and out_dtype == x.dtype
+    # a decode row rewritten in place whole (the inverse RoPE of the attention output, [1, H, D] with
+    # D a power of two): its program tiles cover whole 16-groups, so it writes the row's pairs for wo_a
+    emit_heads = (in_place and T == 1 and not one_head and D == next_pow2(D) and D % 16 == 0
+                  and (H * D // 16) % INV_PAD == 0 and sxh == D and sxt == H * D)
+    if in_place and emit_heads:
+        whole = y = x3                                  # whole rows in place: the non-RoPE channels as they were
+        syt, syh = sxt, sxh
+    elif in_place:
         whole = x3
         x3 = y = x3[..., D - 2 * inv_freq.shape[-1]:]  # the RoPE channels, row strides of the whole tensor
         D = y.shape[-1]
@@ -179,15 +192,29 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
     grid = (T, cdiv(H, HB))
     pdl = use_pdl(T * grid[1], x.device)
     has_ring = ring is not None
-    skey = (id(kernel), D, RD, norm, ROPE, fp8_nope, HB, BP, pdl, has_ring)
+    # one row normalised whole (a decode RMSNorm): also write its pairs for the GEMVs that read it
+    emit = emit_heads or (one_head and T == 1 and D % 16 == 0 and pairs_capacity(D, BP))
+    kg = T * H * D // 16
+    skey = (id(kernel), D, RD, norm, ROPE, fp8_nope, HB, BP, pdl, has_ring, emit)
     site = _SITES.get(skey)
     if site is None:
         site = _SITES[skey] = LaunchSite(kernel, D=D, RD=RD, NORM=norm, ROPE=ROPE, FP8=fp8_nope, HB=HB, BP=BP,
-                                         PRECISE=not INTERPRET, RING=has_ring, enable_fp_fusion=False,
+                                         PRECISE=not INTERPRET, RING=has_ring, PAIRS=emit, enable_fp_fusion=False,
                                          num_warps=1 if INTERPRET else max(1, min(8, HB * BP // 128)),
                                          **pdl_kw(pdl))
+    xp, xinv = pairs_buffers(kg, x.device) if emit else (x3, x3)
     site(grid,
          x3, y, x3 if weight is None else weight, positions if rope else x3, inv_freq if rope else x3,
-         ring if has_ring else x3, positions.numel() if rope else 1, H, float(eps), sxt, sxh, syt, syh,
-         *((ring.stride(0), ring.stride(1), ring.shape[1]) if has_ring else (0, 0, 1)))
-    return whole if whole.shape == shape else whole.view(shape)
+         ring if has_ring else x3, xp, xinv, positions.numel() if rope else 1, H, float(eps), sxt, sxh, syt, syh,
+         *((ring.stride(0), ring.stride(1), ring.shape[1]) if has_ring else (0, 0, 1)),
+         kg, xinv.shape[0] if emit else 0)
+    out = whole if whole.shape == shape else whole.view(shape)
+    if emit:
+        pairs_written(kg, x.device, out)
+    return out
+
+
+def pairs_capacity(D: int, BP: int) -> bool:
+    """Does a one-row program's [2 * BP] tile cover the kept pairs' padded 1/xs (``INV_PAD`` groups
+    per box) that it must zero-fill? (V4-Pro's 7168 and 1536 do; 512 would not.)"""
+    return 2 * BP // 16 >= cdiv(D // 16, INV_PAD) * INV_PAD
