@@ -188,20 +188,23 @@ def test_gemm_dequant_cpu_smoke():
 
 
 def test_eager_layer_cpu_stub(tmp_path: Path):
-    """benchmarks/eager_layer.py with the launches stubbed: one V4-Pro HCA layer (8 experts) decodes
-    eagerly with the kernels installed, and the JSON carries the host time and a profile whose
-    cumulative list reaches the layer's decode (what the eager target of issue 24 is measured by)."""
+    """benchmarks/eager_layer.py with the launches stubbed: two distinct V4-Pro HCA layers (8 experts,
+    ``--copies 2``) decode eagerly in turn with the kernels installed, and the JSON carries the host
+    time a layer step and a profile whose cumulative list reaches the layer's decode (what the eager
+    target of issue 24 is measured by); bad arguments are one line and exit 2."""
     out = tmp_path / "eager.json"
     r = subprocess.run([sys.executable, "benchmarks/eager_layer.py", "--cpu-stub", "--stub-bf16", "--layer", "hca",
-                        "--steps", "2", "--top", "60", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+                        "--steps", "2", "--top", "60", "--copies", "2", "--json", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     row = json.loads(out.read_text())["rows"][0]
-    assert row["layer"] == "hca" and row["mode"] == "cpu-stub" and row["installed"] >= 30
+    assert row["layer"] == "hca" and row["mode"] == "cpu-stub" and row["installed"] >= 30 and row["copies"] == 2
     assert row["host_us_per_step"] > 0 and "decoder.py" in row["profile"] and "(decode)" in row["profile"]
-    bad = subprocess.run([sys.executable, "benchmarks/eager_layer.py", "--steps", "0"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--steps must be >= 1, got 0" in bad.stderr
+    assert "x2 (cpu-stub): host" in r.stdout
+    for arg, msg in (("--steps", "--steps must be >= 1, got 0"), ("--copies", "--copies must be >= 1, got 0")):
+        bad = subprocess.run([sys.executable, "benchmarks/eager_layer.py", arg, "0"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and msg in bad.stderr, bad.stderr
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
