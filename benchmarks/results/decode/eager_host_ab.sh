@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Old code (.base: a copy of dsv4lab/ + benchmarks/ at d9ba98f), new code, and new code without PDL
+# Old code (.base: a copy of dsv4lab/ + benchmarks/ at the commit compared against: d9ba98f for the
+# PDL runs, d20f72a for stop 41's launch cuts), new code, and new code without PDL
 # (DSV4LAB_PDL=0) on one device machine: full-depth V4-Pro (8 experts) eager / graph decode, then
 # the embedded model's decode (old and new; AB_TINY=0 skips it).
 # Usage (device tool, carry .base): bash benchmarks/results/decode/eager_host_ab.sh $OUT
-# .base, here first: echo /.base/ >> .git/info/exclude; mkdir .base; git archive d9ba98f dsv4lab benchmarks | tar -x -C .base
+# .base, here first: echo /.base/ >> .git/info/exclude; mkdir .base; git archive <commit> dsv4lab benchmarks | tar -x -C .base
 set -u
 OUT=${1:?out dir}
 export PYTHONUNBUFFERED=1
