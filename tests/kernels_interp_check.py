@@ -243,7 +243,7 @@ for lim in (None, 1.5):
     ref = moe_decode_ref(x, ids, wt, w1, w3, w2, lim)
     res[f"moetma_lim{lim}"] = {"max_abs": (y.float() - ref.float()).abs().max().item(), "ref_max": ref.abs().max().item(),
                                "repeat_equal": bool(torch.equal(y, y2))}
-# the up launch writing h's pairs (T * k * I / 16 a multiple of 64: 4 tokens here) against h + the
+# the up launch writing h's pairs (I a multiple of the tile) against h + the
 # x_pairs prelude: the same bits, one launch fewer
 from dsv4lab.kernels import moe_decode_tma as mdt
 from dsv4lab.kernels.launch import LaunchSite

@@ -152,3 +152,23 @@ def benchmark_module(name: str):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def graph_equals_eager(fn, *args) -> bool:
+    """fn(*args) eagerly and replayed from a CUDA graph (warm-up off the capture): bitwise the same.
+    fn may return a tensor or a tuple / list of them."""
+    eager = fn(*args)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(*args)  # warm-up (compiles) off the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    eagers = tuple(eager) if isinstance(eager, (tuple, list)) else (eager,)
+    return len(outs) == len(eagers) and all(torch.equal(a, b) for a, b in zip(outs, eagers))
+

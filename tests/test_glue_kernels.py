@@ -33,7 +33,7 @@ from dsv4lab.model.attention import Attention
 from dsv4lab.model.moe import Router
 from dsv4lab.quant.modes import RoundTrip
 from dsv4lab.workbench import random_model
-from oracle_util import random_ids, tiny_config
+from oracle_util import graph_equals_eager, random_ids, tiny_config
 from test_kernels_model import Counting
 from test_kernels_model import _prefill_decode as _run
 
@@ -161,24 +161,6 @@ def test_glue_entry_points_name_bad_arguments():
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and triton_importable()), reason="needs CUDA + triton")
 
 
-def _graph_equals_eager(fn, *args):
-    """fn(*args) eagerly and replayed from a CUDA graph: bitwise the same (no atomics)."""
-    eager = fn(*args)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(*args)  # warm-up (compiles) off the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(*args)
-    graph.replay()
-    torch.cuda.synchronize()
-    outs = out if isinstance(out, tuple) else (out,)
-    eagers = eager if isinstance(eager, tuple) else (eager,)
-    return all(torch.equal(a, b) for a, b in zip(outs, eagers))
-
-
 def _within(y, r, u):
     y, r = y.float(), r.float()
     return bool(((y - r).abs() <= u * r.abs() + 2 * u * r.abs().max()).all())
@@ -223,9 +205,9 @@ def test_gpu_norm_rope_v4_pro_shapes(pos):
                                         heads_per_program=2))
     assert torch.equal(norm_rope(kv, positions[:1] * 0, inv, fp8_nope=True),
                        norm_rope_ref(kv, positions[:1] * 0, inv, fp8_nope=True))
-    assert _graph_equals_eager(lambda: norm_rope(q, positions, inv, 1e-6))
-    assert _graph_equals_eager(lambda: norm_rope(kv, positions, inv, 1e-6, wkv, fp8_nope=True))
-    assert _graph_equals_eager(lambda: rms_norm(a, wq, 1e-6))
+    assert graph_equals_eager(lambda: norm_rope(q, positions, inv, 1e-6))
+    assert graph_equals_eager(lambda: norm_rope(kv, positions, inv, 1e-6, wkv, fp8_nope=True))
+    assert graph_equals_eager(lambda: rms_norm(a, wq, 1e-6))
 
 
 @pytest.mark.gpu
@@ -252,7 +234,7 @@ def test_gpu_route_v4_pro_shapes(T):
     ri, rw = route_ref(logits, k, "sqrtsoftplus", 1.5, None, tid, toks)
     ki, kw = route(logits, k, "sqrtsoftplus", 1.5, None, tid, toks)
     assert torch.equal(ri, ki) and (kw - rw).abs().max().item() <= 1e-6 * rw.abs().max().item()
-    assert _graph_equals_eager(lambda: route(logits, k, "sqrtsoftplus", 1.5, bias))
+    assert graph_equals_eager(lambda: route(logits, k, "sqrtsoftplus", 1.5, bias))
 
 
 @pytest.mark.gpu

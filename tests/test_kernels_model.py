@@ -45,6 +45,7 @@ from dsv4lab.workbench import random_model
 from dsv4lab.model.linear import QLinear
 from dsv4lab.model.moe import Experts
 from dsv4lab.quant.weights import quantize_nvfp4
+import oracle_util
 from oracle_util import prefill_then_decode, tiny_config
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -59,19 +60,12 @@ def ref_linear(x, w):
     return F.linear(x, w.dequantize(x.dtype))
 
 
-class Counting:
-    """A slot callable counting its calls and their keywords; components() shows ``counting_<fn>``."""
+class Counting(oracle_util.Counting):
+    """``oracle_util.Counting`` that components() shows as ``counting_<fn>``."""
 
     def __init__(self, fn):
-        self.fn, self.calls, self.keywords = fn, 0, {}
+        super().__init__(fn)
         self.__name__ = f"counting_{getattr(fn, '__name__', 'fn')}"
-        self.takes_ring = getattr(fn, "takes_ring", False)  # what the slot's caller asks of fn
-
-    def __call__(self, *a, **k):
-        self.calls += 1
-        for name in k:
-            self.keywords[name] = self.keywords.get(name, 0) + 1
-        return self.fn(*a, **k)
 
 
 def _nvfp4_experts_model(n_experts=24, seed=2):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from dsv4lab.kernels.device import triton_importable
 from dsv4lab.kernels.dispatch import PLAIN_GEMV_MAX_N, plain_linear, plain_linear_batch
 from dsv4lab.model.linear import QLinear
-from oracle_util import interp_check_result
+from oracle_util import graph_equals_eager, interp_check_result
 
 UNIT = {"bf16": 2.0 ** -7, "f16": 2.0 ** -11, "f32": 2.0 ** -24}
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and triton_importable()), reason="needs CUDA + triton")
@@ -216,19 +216,8 @@ def test_gpu_plain_gemv_v4_pro_shapes(M):
             assert torch.equal(plain_linear(x, w), got), n
         else:                                                     # wide weights stay on cuBLAS
             assert torch.equal(plain_linear(x, w), F.linear(x, w)), n
-    s = torch.cuda.Stream()
     w = _v4_pro_weights(dev, g)[1024]
-    eager = plain_gemv(x, w)
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        plain_gemv(x, w)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = plain_gemv(x, w)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static, eager)
+    assert graph_equals_eager(plain_gemv, x, w)
 
 
 @pytest.mark.gpu
@@ -250,17 +239,7 @@ def test_gpu_plain_gemv_batch_v4_pro_shapes(M):
         for y, w in zip(got, ws):
             assert torch.equal(y, plain_gemv(x, w)) and torch.equal(y, plain_linear(x, w))
         assert all(torch.equal(a, b) for a, b in zip(plain_linear_batch(x, ws), got))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        plain_gemv_batch(x, ws)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = plain_gemv_batch(x, ws)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(static, got))
+    assert graph_equals_eager(plain_gemv_batch, x, ws)
 
 
 @pytest.mark.gpu

@@ -353,9 +353,9 @@ def norm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, 
         raise ValueError(f"norm_rope: x must be [..., S, H, D] with S = len(positions) and D >= 2 * len(inv_freq); "
                          f"got x {tuple(x.shape)}, {positions.numel()} positions, {inv_freq.shape[-1]} frequencies "
                          "(one head: unsqueeze(-2))")
-    if ring is not None:
-        check_ring(x, positions, ring)
     if kernel_can_take(x) and (weight is None or weight.dtype in KERNEL_DTYPES) and x.shape[-1] % 2 == 0:
+        if ring is not None:
+            check_ring(x, positions, ring)
         nr = _tk.norm_rope
         norm = nr.NORM_NONE if eps is None else nr.NORM_PLAIN if weight is None else nr.NORM_WEIGHTED
         out_dtype = x.dtype if norm != nr.NORM_WEIGHTED else torch.promote_types(weight.dtype, x.dtype)

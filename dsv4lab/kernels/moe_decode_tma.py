@@ -33,7 +33,6 @@ from .common import (
     device_capability,
     BOX_GROUPS,
     INTERPRET,
-    INV_PAD,
     arrive,
     block_scales,
     counters,
@@ -230,10 +229,11 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     sw1, sw3, sw2 = shared if shared is not None else (w1, w3, w2)  # stand-ins: no pair reaches them
     y = torch.empty((T, H), dtype=x.dtype, device=x.device)
     xp, xinv = x_pairs(x)
-    # the up launch writes h's pairs itself where its tiles cover whole 16-groups and 1/xs needs no
-    # zero padding (V4-Pro: I = 3072); else h, then the x_pairs prelude over it
+    # the up launch writes h's pairs itself where its tiles cover whole 16-groups (V4-Pro: I = 3072;
+    # the down launch reads 1/xs from the pair rows, so its own vector needs no padding); else h,
+    # then the x_pairs prelude over it
     hkg = T * npair * I // 16
-    emit = EMIT_H_PAIRS and I % bn == 0 and hkg % INV_PAD == 0
+    emit = EMIT_H_PAIRS and I % bn == 0
     if emit:  # buffers of their own: x's pairs (read by this launch) never share them
         h = None
         hp = scratch("moe_h_pairs", (hkg, 16), torch.int32, x.device)

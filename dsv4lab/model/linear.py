@@ -150,11 +150,11 @@ class QLinear(Component):
     def batchable(self, x: torch.Tensor) -> torch.Tensor | None:
         """The weight a batched launch may use for this call on x (an unquantised weight in x's
         dtype, ``plain_kernel`` installed, no activation quantisation, not streamed), else None."""
-        if (self.plain_kernel is None or self.weight_source is not None or self.weight is None
-                or self.weight.dtype != x.dtype or self.act_format() != "none"
-                or not self.uses_plain_kernel(x, self.weight)):
+        w = self.weight
+        if (w is None or self.weight_source is not None or w.dtype != x.dtype or self.act_format() != "none"
+                or not self.uses_plain_kernel(x, w)):
             return None
-        return self.weight
+        return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         offered = self._offered
