@@ -152,7 +152,7 @@ def stubbed_launches(log: list | None = None, triton_run: bool = False):
             patch(mod, "num_sms", lambda device: SMS)
     patch(dev_mod, "have_triton_cuda", lambda: os.environ.get("DSV4LAB_NO_KERNELS", "0") != "1")
     patch(torch.Tensor, "is_cuda", property(lambda self: True))
-    patch(torch.cuda, "current_device", lambda: None)   # CPU tensors' device.index is None: "current"
+    patch(torch.cuda, "current_device", lambda: -1)   # CPU tensors' get_device() is -1: "current"
     patch(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     patch(torch.cuda, "is_current_stream_capturing", lambda: False)
     _stub_device_type(patch)

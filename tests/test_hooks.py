@@ -223,3 +223,33 @@ def test_replace_restore_round_trip(model, ids):
     assert (model.components()["impl"] == "reference").all()
     with pytest.raises(KeyError):
         model.replace("layers.9.attn", Compressor)
+
+
+def test_component_call_skips_module_machinery_only_without_hooks(monkeypatch):
+    """``Component.__call__`` runs ``forward`` itself when nothing would run around it; a forward
+    hook, a pre-hook (with kwargs) and a torch global module hook each take ``nn.Module.__call__``,
+    so every hook fires as it does on a plain module."""
+    from torch import nn
+
+    from dsv4lab.model.hooks import HookPoint
+
+    hp = HookPoint("t")
+    x = torch.randn(3)
+    via_module: list = []
+    real_call = nn.Module.__call__
+    monkeypatch.setattr(nn.Module, "__call__", lambda self, *a, **k: via_module.append(1) or real_call(self, *a, **k))
+    assert hp(x) is x and via_module == []                     # no hook: forward directly
+    h = hp.register_forward_hook(lambda m, i, o: o * 2)
+    assert torch.equal(hp(x), x * 2) and via_module == [1]     # a forward hook replaces the output
+    h.remove()
+    pre = hp.register_forward_pre_hook(lambda m, args, kwargs: ((args[0] + 1,), kwargs), with_kwargs=True)
+    assert torch.equal(hp(x), x + 1) and len(via_module) == 2
+    pre.remove()
+    seen: list = []
+    g = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(type(m).__name__))
+    try:
+        hp(x)
+    finally:
+        g.remove()
+    assert seen == ["HookPoint"] and len(via_module) == 3     # a global hook fires too
+    assert hp(x) is x and len(via_module) == 3                # and once removed, the direct path again

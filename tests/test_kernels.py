@@ -520,8 +520,8 @@ def test_on_input_device_switches_to_the_input_device(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: cur["dev"])
     monkeypatch.setattr(torch.cuda, "device", fake_device)
-    on1 = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=1))
-    on0 = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+    on1 = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=1), get_device=lambda: 1)
+    on0 = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), get_device=lambda: 0)
     assert entry(on1, y=5) == "ran" and seen[-1] == (1, 5) and cur["dev"] == 0  # switched, then restored
     assert entry(on0) == "ran" and seen[-1] == (0, 0) and switched == [1]       # already current: no switch
     assert entry(torch.zeros(2)) == "ran" and switched == [1]                  # CPU: untouched

@@ -148,7 +148,7 @@ def decode_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, w
     K = sel.shape[-1] if sel is not None else 0
     cap = W + (K if sel is not None else T)
     n_split = splits or decode_splits(B, H, cap, dev)
-    out = torch.empty(B, 1, H, D, dtype=ring.dtype, device=dev)
+    out = ring.new_empty(B, 1, H, D)
     final = n_split == 1
     if final:
         part = m_part = l_part = out

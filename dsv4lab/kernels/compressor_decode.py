@@ -193,9 +193,11 @@ def compressor_decode_triton(kv: torch.Tensor, z: torch.Tensor, pos: torch.Tenso
     for name, t in (("ring_kv", ring_kv), ("ring_gate", ring_gate), ("entries", entries)):
         if t.stride(-1) != 1:
             raise ValueError(f"compressor_decode_triton: {name} must have a contiguous last dim (stride {t.stride()})")
-    kv2, z2 = kv.reshape(B, C).contiguous(), z.reshape(B, C).contiguous()
+    # [B, 1, C] rows as they are when contiguous (row stride C): no view objects on the decode path
+    kv2 = kv if kv.is_contiguous() else kv.reshape(B, C).contiguous()
+    z2 = z if z.is_contiguous() else z.reshape(B, C).contiguous()
     ape_c, nw, inv = ape.contiguous(), norm_weight.contiguous(), inv_freq.contiguous()
-    n = torch.empty(1, dtype=torch.long, device=kv.device)
+    n = kv.new_empty(pos.shape, dtype=torch.long)   # one element, shaped like pos
     norm_dt = torch.promote_types(norm_weight.dtype, kv.dtype)
     BLOCK_D = next_pow2(d)
     L = c * m
@@ -211,7 +213,7 @@ def compressor_decode_triton(kv: torch.Tensor, z: torch.Tensor, pos: torch.Tenso
         num_warps=num_warps, enable_fp_fusion=False, **pdl_kw(pdl))
     site((B,),
         kv2, z2, ape_c, pos, ring_kv, ring_gate, entries, nw, inv, n,
-        entries.shape[1], float(eps), kv2.stride(0), z2.stride(0), ape_c.stride(0),
+        entries.shape[1], float(eps), C if kv2 is kv else kv2.stride(0), C if z2 is z else z2.stride(0), ape_c.stride(0),
         ring_kv.stride(0), ring_kv.stride(1), ring_gate.stride(0), ring_gate.stride(1),
         entries.stride(0), entries.stride(1))
-    return n.reshape(pos.shape)
+    return n

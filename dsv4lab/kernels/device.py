@@ -79,11 +79,6 @@ def fast_device_getter(getter: Callable[[], int]) -> Callable[[], int]:
     return getter
 
 
-def _current_device() -> int:
-    get = torch.cuda.current_device  # fast_device_getter inlined: this runs on every launcher call
-    return (_GET_DEVICE if get is _TORCH_CURRENT_DEVICE and _GET_DEVICE is not None else get)()
-
-
 def on_input_device(fn):
     """Decorator: run ``fn(x, ...)`` with the current CUDA device set to ``x``'s device (a no-op
     for CPU tensors and when it already is current). The launcher is opaque to ``torch.compile``:
@@ -91,19 +86,22 @@ def on_input_device(fn):
     H200: a SyntaxError in the generated module), so it compiles the glue around the launch."""
 
     is_compiling = torch.compiler.is_compiling
-    current = _current_device
 
     @functools.wraps(fn)
     def guarded(x, *args, **kwargs):
         # Dynamo traces this test as True and hands the call to the opaque launcher (which runs
         # this function again with Dynamo off, where the test is False); eager calls skip the
         # disable wrapper's two eval-frame switches (~13 us of host a launch on a CPU stub).
-        # A CUDA tensor means CUDA is initialised: ``_current_device`` skips torch's lazy-init checks.
+        # A CUDA tensor means CUDA is initialised: the current device is read as ``fast_device_getter``
+        # does (inlined: a frame less on every launch), without torch's lazy-init checks;
+        # ``get_device`` makes no device object.
         if is_compiling():
             return opaque(x, *args, **kwargs)
-        if getattr(x, "is_cuda", False) and x.device.index != current():
-            with torch.cuda.device(x.device):
-                return fn(x, *args, **kwargs)
+        if getattr(x, "is_cuda", False):
+            get = torch.cuda.current_device
+            if x.get_device() != (_GET_DEVICE if get is _TORCH_CURRENT_DEVICE and _GET_DEVICE is not None else get)():
+                with torch.cuda.device(x.device):
+                    return fn(x, *args, **kwargs)
         return fn(x, *args, **kwargs)
 
     opaque = torch.compiler.disable(guarded)

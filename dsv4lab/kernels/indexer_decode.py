@@ -85,7 +85,7 @@ def index_scores_decode_triton(q: torch.Tensor, w_raw: torch.Tensor, keys: torch
     w_raw = w_raw.contiguous()
     keys = keys.contiguous()
     T = keys.shape[1]
-    out = torch.empty(B, 1, T, dtype=torch.float32, device=q.device)
+    out = q.new_empty(B, 1, T, dtype=torch.float32)
     n_tiles = cdiv(T, BLOCK_T)
     progs = programs or max(1, min(n_tiles, cdiv(2 * num_sms(q.device), B)))
     dot = scores_dot_type(q, keys)

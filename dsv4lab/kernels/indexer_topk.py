@@ -110,7 +110,7 @@ def index_top_k_decode_triton(scores: torch.Tensor, n_valid: torch.Tensor, k: in
         raise ValueError(f"index_top_k_decode_triton: scores must be fp32 [B,1,T], got {scores.dtype} {tuple(scores.shape)}")
     kk = min(k, T)
     scores = scores.contiguous()
-    out = torch.empty(B, 1, kk, dtype=torch.int64, device=scores.device)
+    out = scores.new_empty(B, 1, kk, dtype=torch.int64)
     kernel, block_k = _top_k_kernel, min(next_pow2(kk), 1024)  # the kernel looked up per call: tests replace it
     pdl = use_pdl(B, scores.device)
     skey = (id(kernel), block_k, pdl)

@@ -437,12 +437,13 @@ class _DecodePlan:
 
 def _decode_plan(x2: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
                  M: int) -> _DecodePlan | None:
-    """The cached ``_DecodePlan`` of this weight for x2's dtype, device and batch bucket (None when the
-    weight's tensors need a per-call copy: a byte-offset or strided view). Keyed on the weight
-    tensors' identities and data pointers (``common.weight_cached``) and on DSV4LAB_KERNEL_TMA."""
+    """The cached ``_DecodePlan`` of this weight for x2's dtype, device and batch bucket (x2 [..., K]
+    rows; None when the weight's tensors need a per-call copy: a byte-offset or strided view). Keyed
+    on the weight tensors' identities and data pointers (``common.weight_cached``) and on DSV4LAB_KERNEL_TMA."""
     key = (id(block_scale), block_scale.data_ptr(), id(global_scale), global_scale.data_ptr(), M == 1, x2.dtype,
            x2.device, env_value("DSV4LAB_KERNEL_TMA", "1"))
-    return weight_cached(packed, key, lambda: _build_decode_plan(x2, packed, block_scale, global_scale))
+    return weight_cached(packed, key, lambda: _build_decode_plan(x2.reshape(-1, x2.shape[-1]), packed, block_scale,
+                                                                 global_scale))
 
 
 def _build_decode_plan(x2, packed_in, block_scale, global_scale) -> _DecodePlan | None:
@@ -481,6 +482,14 @@ def nvfp4_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
     if x.shape[-1] != K:
         raise ValueError(f"x last dim {x.shape[-1]} != weight in_features {K}")
     lead = x.shape[:-1]
+    if config is None and x.numel() == K and x.is_contiguous():
+        # one token (decode): the M = 1 GEMV reads x by address alone, so no [1, K] view is made
+        plan = _decode_plan(x, packed, block_scale, global_scale, 1)
+        if plan is not None and plan.tma is not None and plan.tma.m1:
+            gs = plan.gs if plan.gs is not None else global_scale.reshape(1).to(device=x.device, dtype=torch.float32)
+            y = x.new_empty((*lead, N), dtype=out_dtype or x.dtype)
+            run_gemv_tma(plan.tma, x, gs, y)
+            return y
     x2 = x if x.dim() == 2 else x.reshape(-1, K)  # reshape makes a new tensor object even when it is one
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -520,13 +529,16 @@ def _grouped_plan(x1: torch.Tensor, packed_in: torch.Tensor, block_scale: torch.
                   groups: int) -> _DecodePlan | None:
     """The cached one-token grouped plan of this weight (``launch_gemv_tma(groups=G)``'s, built once:
     a plan per call rebuilt its descriptors and launch site on every eager step, ~0.5 ms a layer on
-    the H200). None when the row blocks are not a multiple of the tile or the weight needs a copy."""
+    the H200). None when the TMA GEMV does not apply (DSV4LAB_KERNEL_TMA=0, ``tma_supported``), the
+    row blocks are not a multiple of the tile or the weight needs a copy."""
     key = ("grouped", groups, id(block_scale), block_scale.data_ptr(), id(global_scale), global_scale.data_ptr(),
            x1.dtype, x1.device, env_value("DSV4LAB_KERNEL_TMA", "1"))
 
     def build() -> _DecodePlan | None:
         packed, scale = packed_in.view(torch.uint8), block_scale.view(torch.uint8)
         N, K = packed.shape[0], packed.shape[1] * 2
+        if env_value("DSV4LAB_KERNEL_TMA", "1") == "0" or not tma_supported(x1, packed, scale):
+            return None
         cfg = tma_default_config(N, K, x1.device, 1)
         if (N // groups) % cfg["BN"] or not (packed.is_contiguous() and scale.is_contiguous()):
             return None
@@ -553,6 +565,13 @@ def nvfp4_grouped_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: tor
         raise ValueError(f"grouped matmul: {N} weight rows do not split into {G} groups")
     rows = N // G
     lead = x.shape[:-2]
+    if x.is_cuda and x.numel() == G * K and x.is_contiguous():  # one token: the GEMV reads x by address alone
+        plan = _grouped_plan(x, packed, block_scale, global_scale, G)
+        if plan is not None:
+            y = x.new_empty((*lead, G, rows))
+            gs = plan.gs if plan.gs is not None else global_scale.reshape(1).to(device=x.device, dtype=torch.float32)
+            run_gemv_tma(plan.tma, x, gs, y)
+            return y
     x1 = x.reshape(-1, G, K)
     packed_in, packed = packed, packed.view(torch.uint8)
     scale = block_scale.view(torch.uint8)

@@ -215,8 +215,9 @@ class GemvTmaPlan:
 def run_gemv_tma(plan: GemvTmaPlan, x2: torch.Tensor, gs: torch.Tensor, y: torch.Tensor,
                  pairs: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """The launches of ``launch_gemv_tma`` for a ``plan`` made for this weight and x2's dtype (x2
-    [M, K] contiguous rows, M == 1 iff ``plan.m1``; grouped: x2 already [1, groups * K])."""
-    M = x2.shape[0]
+    [M, K] contiguous rows, M == 1 iff ``plan.m1``, where any contiguous shape of one row will do;
+    grouped: x2 already [1, groups * K] or any contiguous shape of those elements)."""
+    M = 1 if plan.m1 else x2.shape[0]
     if plan.split > 1:
         ws = scratch("gemv_split", (plan.split, M, plan.N), torch.float32, x2.device)
         cnt = counters(x2.device, plan.n_tiles)

@@ -155,7 +155,7 @@ def launch_plain_gemv(x: torch.Tensor, w: torch.Tensor, *, split: int | None = N
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = x.new_empty(M, N)
     if M == 0 or N == 0:
         return y.view(*x.shape[:-1], N)
     if K == 0:
@@ -239,7 +239,7 @@ def launch_plain_gemv_batch(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) 
         if len(_BATCH_PLANS) >= 256:
             _BATCH_PLANS.clear()
         plan = _BATCH_PLANS[key] = _BatchPlan(ns, K, M)
-    y = torch.empty(sum(plan.sizes), dtype=x.dtype, device=x.device)
+    y = x.new_empty(sum(plan.sizes))
     lead = x.shape[:-1]
     if M == 0 or K == 0:
         y.zero_()

@@ -335,10 +335,10 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     T, K = B * S, hc * D
     x = streams.contiguous()
     dev = x.device
-    pre = torch.empty(B, S, hc, dtype=torch.float32, device=dev)
-    post = pre if head else torch.empty(B, S, hc, dtype=torch.float32, device=dev)
-    comb = pre if head else torch.empty(B, S, hc, hc, dtype=torch.float32, device=dev)
-    out = torch.empty(B, S, D, dtype=x.dtype, device=dev)
+    pre = x.new_empty(B, S, hc, dtype=torch.float32)
+    post = pre if head else x.new_empty(B, S, hc, dtype=torch.float32)
+    comb = pre if head else x.new_empty(B, S, hc, hc, dtype=torch.float32)
+    out = x.new_empty(B, S, D)
     if T == 0:
         return pre, post, comb, out
     if use_dense(T, x.dtype, dense):

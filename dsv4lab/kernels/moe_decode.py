@@ -129,8 +129,8 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w
     if tma:
         return moe_decode_tma(x, ids_c, wts, w1, w3, w2, lim, k, shared)
     bn, g, warps = _cfg()
-    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
-    y = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    h = x.new_empty((T * k, I))
+    y = x.new_empty((T, H))
 
     def parts(w):
         p = w.packed.view(torch.int64)

@@ -227,7 +227,7 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     bn, stages, warps = _BN, _STAGES, _WARPS
     npair = k + (shared is not None)
     sw1, sw3, sw2 = shared if shared is not None else (w1, w3, w2)  # stand-ins: no pair reaches them
-    y = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    y = x.new_empty((T, H))
     xp, xinv = x_pairs(x)
     # the up launch writes h's pairs itself where its tiles cover whole 16-groups (V4-Pro: I = 3072;
     # the down launch reads 1/xs from the pair rows, so its own vector needs no padding); else h,

@@ -156,15 +156,18 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
     shape = x.shape
     D = shape[-1]
     H = 1 if one_head else shape[-2]
-    if x.stride(-1) == 1 and (x.dim() == (2 if one_head else 3)):
-        x3 = x                        # rows [T, (H,) D] as they are: strides read below
+    if x.is_contiguous():             # any leading dims: rows of H * D elements, no view object made
+        x3, T, sxt, sxh = x, x.numel() // (H * D), H * D, D
     else:
-        x3 = x.reshape(-1, D) if one_head else x.reshape(-1, H, D)
-        if x3.stride(-1) != 1:
-            x3 = x3.contiguous()
-    T = x3.shape[0]
-    sxt = x3.stride(0)
-    sxh = D if one_head else x3.stride(1)
+        if x.stride(-1) == 1 and (x.dim() == (2 if one_head else 3)):
+            x3 = x                    # rows [T, (H,) D] as they are: strides read below
+        else:
+            x3 = x.reshape(-1, D) if one_head else x.reshape(-1, H, D)
+            if x3.stride(-1) != 1:
+                x3 = x3.contiguous()
+        T = x3.shape[0]
+        sxt = x3.stride(0)
+        sxh = D if one_head else x3.stride(1)
     rope = positions is not None
     in_place = inplace and norm == NORM_NONE and not fp8_nope and rope and out_dtype == x.dtype
     # a decode row rewritten in place whole (the inverse RoPE of the attention output, [1, H, D] with
@@ -180,7 +183,7 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
         D = y.shape[-1]
         syt, syh = sxt, sxh
     else:
-        whole = y = torch.empty(shape, device=x.device, dtype=out_dtype)   # contiguous: strides known
+        whole = y = x.new_empty(shape, dtype=out_dtype)   # contiguous: strides known (new_empty: ~1.5 us less)
         syt, syh = H * D, D
     BP = max(next_pow2(D // 2), KV_FP8_BLOCK_PAIRS.value if fp8_nope else 1)
     # heads per program: 2 at decode (H = 128: 64 programs a row), 16 from WIDE_ROWS rows (whole-row

@@ -115,8 +115,8 @@ def route_triton(logits: torch.Tensor, top_k: int, scoring: str, scale: float, b
     T, E = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    ids = torch.empty(T, top_k, device=logits.device, dtype=torch.long)
-    w = torch.empty(T, top_k, device=logits.device, dtype=torch.float32)
+    ids = logits.new_empty(T, top_k, dtype=torch.long)
+    w = logits.new_empty(T, top_k, dtype=torch.float32)
     hash_ = tid2eid is not None
     toks = input_ids.reshape(-1) if hash_ else logits
     BE = next_pow2(E)

@@ -87,8 +87,9 @@ class HyperConnection(Component):
 
     def hooked(self) -> bool:
         """Does any hook point of this site listen? (then the reference runs, kernels or not)"""
-        return (self.hook_pre.active or self.hook_post.active or self.hook_comb.active or self.hook_collapsed.active
-                or self.hook_streams.active)  # no generator: asked 4 times an eager layer
+        m = self._modules  # submodules read from their dict: no nn.Module.__getattr__ call each
+        return (m["hook_pre"].active or m["hook_post"].active or m["hook_comb"].active or m["hook_collapsed"].active
+                or m["hook_streams"].active)  # no generator: asked 4 times an eager layer
 
     def mixes(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pre, post, comb = mix_weights(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps)
