@@ -5,6 +5,7 @@ path (launches stubbed by ``benchmarks/host_overhead.py``)."""
 from __future__ import annotations
 
 import gc
+import math
 
 import pytest
 import torch
@@ -96,6 +97,47 @@ def test_cached_quant_linear_launches_like_uncached(M):
     assert len(cached) == 3 * n and len(uncached) == n
     assert cached[:n] == uncached and cached[n:2 * n] == uncached and cached[2 * n:] == uncached
     assert cached[-1][0] == ("linear_nvfp4_tma._gemv_tma_kernel" if M == 1 else "linear_nvfp4_tma._gemv_tma_dot_kernel")
+
+
+def _flat(launches):
+    """Launches with each activation tensor named by its element count, not its shape and strides."""
+    def f(v):
+        return ("T", math.prod(v[1]), v[2], v[4]) if isinstance(v, tuple) and v[:1] == ("T",) else v
+    return [(name, grid, [f(a) for a in args], {k: f(v) for k, v in kw.items()}) for name, grid, args, kw in launches]
+
+
+def test_one_token_gemvs_read_x_by_address():
+    """The decode GEMVs take a contiguous one-token x of any rank as it is (no [1, K] view made):
+    the launches of the uncached path for the same storage, x's shape aside, and an output shaped
+    like x's leading dims; the grouped one-token GEMV (wo_a) likewise against its explicit launch."""
+    from dsv4lab.kernels import dispatch, linear_nvfp4
+    from dsv4lab.kernels.linear_nvfp4_tma import launch_gemv_tma, tma_default_config
+    from dsv4lab.quant.weights import quantize_nvfp4
+
+    ho = _host_overhead()
+    w = quantize_nvfp4(torch.randn(512, 1024))
+    ptrs = {w.packed.data_ptr(), w.block_scale.data_ptr(), w.global_scale.data_ptr()}
+    x = torch.randn(1, 1, 1024).to(torch.bfloat16)
+    xg = torch.randn(1, 1, 2, 1024).to(torch.bfloat16)
+    log: list = []
+    with ho.stubbed_launches(log):
+        y = dispatch.quant_linear(x, w)
+        fast = _launches(log, ptrs)
+        log.clear()
+        cfg = tma_default_config(512, 1024, x.device, 1)
+        linear_nvfp4.nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, config=cfg)
+        uncached = _launches(log, ptrs)
+        log.clear()
+        yg = linear_nvfp4.nvfp4_grouped_matmul(xg, w.packed, w.block_scale, w.global_scale)
+        grouped = _launches(log, ptrs)
+        log.clear()
+        launch_gemv_tma(xg.reshape(2, 1024), w.packed, w.block_scale.view(torch.uint8), w.global_scale.reshape(1),
+                        torch.empty(512, dtype=torch.bfloat16), cfg, groups=2)
+        explicit = _launches(log, ptrs)
+    assert tuple(y.shape) == (1, 1, 512) and tuple(yg.shape) == (1, 1, 2, 256)
+    assert len(fast) == 2 and fast != uncached and _flat(fast) == _flat(uncached)  # only x's shape differs
+    assert len(grouped) == 2 and _flat(grouped) == _flat(explicit)
+    assert grouped[-1][0] == "linear_nvfp4_tma._gemv_tma_kernel"
 
 
 def test_replaced_weight_gets_a_new_plan():
