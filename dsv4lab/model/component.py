@@ -74,6 +74,25 @@ class Component(nn.Module):
             return self.forward(*args, **kwargs)
         return nn.Module.__call__(self, *args, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        """A submodule, parameter or buffer (what ``nn.Module.__getattr__`` finds, the names unique
+        across the three), looked up with a third of its dict reads: ~130 of these a V4-Pro eager
+        decode layer. Anything else goes to ``nn.Module.__getattr__`` (its error message)."""
+        d = self.__dict__
+        try:
+            m = d["_modules"]
+            if name in m:
+                return m[name]
+            p = d["_parameters"]
+            if name in p:
+                return p[name]
+            b = d["_buffers"]
+            if name in b:
+                return b[name]
+        except KeyError:  # before nn.Module.__init__ made the three dicts
+            pass
+        return nn.Module.__getattr__(self, name)
+
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
         if not name.startswith("_") and name not in PER_RUN_ATTRIBUTES:
