@@ -226,12 +226,15 @@ def plain_gemv_batch(x: torch.Tensor, weights) -> list[torch.Tensor]:
 @on_input_device
 def launch_plain_gemv_batch(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """``plain_gemv_batch`` for inputs its caller checked with ``plain_gemv_batch_takes`` (the decode
-    hot path: one allocation for every output, views of it returned)."""
+    hot path: one allocation for every output, views of it returned; one row: one ``split`` call)."""
     K = x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != K):
-        x2 = x2.contiguous()  # rows at stride K: the plan passes K as x's row stride
-    M = x2.shape[0]
+    if x.is_contiguous():  # rows at stride K as they are: no [M, K] view object
+        x2, M = x, (x.numel() // K if K else 0)
+    else:
+        x2 = x.reshape(-1, K)
+        if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != K):
+            x2 = x2.contiguous()  # rows at stride K: the plan passes K as x's row stride
+        M = x2.shape[0]
     ns = tuple(w.shape[0] for w in weights)
     key = (ns, K, M)
     plan = _BATCH_PLANS.get(key)
@@ -239,12 +242,15 @@ def launch_plain_gemv_batch(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) 
         if len(_BATCH_PLANS) >= 256:
             _BATCH_PLANS.clear()
         plan = _BATCH_PLANS[key] = _BatchPlan(ns, K, M)
-    y = x.new_empty(sum(plan.sizes))
     lead = x.shape[:-1]
+    one_row = M == 1 and K > 0  # y [*lead, sum(ns)]: the outputs are its column blocks, from one split call
+    y = x.new_empty((*lead, sum(ns)) if one_row else (sum(plan.sizes),))
     if M == 0 or K == 0:
         y.zero_()
-        return [part.view(*lead, s[1]) for part, s in zip(y.split(plan.sizes), plan.shapes)]
-    ws = scratch("plain_batch_split", (plan.ws_elems,), torch.float32, x.device)
-    cnt = counters(x.device, plan.tiles)
-    plan.site(plan.grid, x2, y, ws, cnt, *plan.head, *weights, *(weights[0],) * plan.pad, *plan.tail)
+    else:
+        ws = scratch("plain_batch_split", (plan.ws_elems,), torch.float32, x.device)
+        cnt = counters(x.device, plan.tiles)
+        plan.site(plan.grid, x2, y, ws, cnt, *plan.head, *weights, *(weights[0],) * plan.pad, *plan.tail)
+    if one_row:
+        return list(y.split(ns, dim=-1))
     return [part.view(*lead, s[1]) for part, s in zip(y.split(plan.sizes), plan.shapes)]
