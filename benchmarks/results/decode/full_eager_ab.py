@@ -4,27 +4,14 @@ prints one JSON line (ms/token per round: wall after a synchronise; min and medi
 Run it for two trees in alternation on one machine to compare them (host time drifts between runs):
     python3 benchmarks/results/decode/full_eager_ab.py ROOT [ROUNDS] [STEPS]"""
 import json, statistics, sys, time
-root = sys.argv[1] if len(sys.argv) > 1 else "."
+import depth_util
+root = depth_util.use_root(sys.argv)
 rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
 steps = int(sys.argv[3]) if len(sys.argv) > 3 else 20
-sys.path.insert(0, root); sys.path.insert(0, root + "/benchmarks")
 import torch
-import full_model as fm
-from dsv4lab.checkpoint.synth import preset_config
 
-cfg = preset_config("v4-pro", experts=8)
-dev = torch.device("cuda", 0)
-p, devices = fm.plan_placement(cfg, "nvfp4", 1, 600, "141GB", fm.DEFAULT_RESERVE, [dev])
-model = fm.build(cfg, "nvfp4", devices, 0)
-fm.install_kernels_for_load(model, "auto", devices)
-fm.stack_experts(model)
-state = model.new_state(1, 256 + 8 + rounds * steps)
-ids = torch.randint(0, cfg.vocab_size, (1, 256), device=dev)
-model.prefill(ids, state, chunk=256, last_only=True)
-step_ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
-for _ in range(3):
-    logits = model.decode_step(step_ids, state)
-torch.cuda.synchronize()
+model, state, step_ids = depth_util.full_depth(256 + 8 + rounds * steps)
+logits = None
 ms = []
 for _ in range(rounds):
     t = time.perf_counter()

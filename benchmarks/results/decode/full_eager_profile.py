@@ -2,25 +2,11 @@
 where the host time of ``model.decode_step`` goes at depth (what the one-layer ``eager_layer.py``
 cannot show). Usage (device): python3 benchmarks/results/decode/full_eager_profile.py [ROOT]"""
 import cProfile, io, pstats, sys, time
-root = sys.argv[1] if len(sys.argv) > 1 else "."
-sys.path.insert(0, root); sys.path.insert(0, root + "/benchmarks")
+import depth_util
+depth_util.use_root(sys.argv)
 import torch
-import full_model as fm
-from dsv4lab.checkpoint.synth import preset_config
-from dsv4lab.kernels.install import install_kernels  # noqa: F401
 
-cfg = preset_config("v4-pro", experts=8)
-dev = torch.device("cuda", 0)
-p, devices = fm.plan_placement(cfg, "nvfp4", 1, 600, "141GB", fm.DEFAULT_RESERVE, [dev])
-model = fm.build(cfg, "nvfp4", devices, 0)
-fm.install_kernels_for_load(model, "auto", devices)
-fm.stack_experts(model)
-state = model.new_state(1, 600)
-ids = torch.randint(0, cfg.vocab_size, (1, 256), device=dev)
-model.prefill(ids, state, chunk=256, last_only=True)
-step_ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
-for _ in range(3):
-    model.decode_step(step_ids, state)
+model, state, step_ids = depth_util.full_depth(600)
 torch.cuda.synchronize()
 t = time.perf_counter()
 for _ in range(10):
