@@ -3,7 +3,8 @@ shapes (128 heads x 512, window 128, bf16) for one 4k chunk, per (heads per prog
 tile, warps): ms per call, TFLOP/s of its dots, and max |difference| from the default tiles.
 
 Shapes: ``sliding`` (window only), ``hca`` (window + closed entries, ratio 128), ``csa`` (window +
-1024 selected of 16k entries: a chunk at 64k context). The full-depth prefill profile put this kernel
+1024 selected of 16k entries: a chunk at 64k context), ``csa_first`` (a prompt's first 4k chunk: query
+t has (t + 1) // 4 closed entries, all selected, then -1s, as ``Indexer.select`` orders them). The full-depth prefill profile put this kernel
 at ~8 ms a layer on a 4k chunk (``full_model.py --profile``), 10x its dots at the BF16 rate.
 
     python3 benchmarks/prefill_attention.py --json $OUT/prefill_attention.json
@@ -26,7 +27,7 @@ from dsv4lab.model.bounded_attention import bounded_attention  # noqa: E402
 TILES = [(32, 32, 8), (16, 32, 4), (16, 64, 4), (32, 64, 8), (32, 16, 4), (16, 16, 4), (64, 32, 8), (64, 16, 8), (32, 32, 4),
          (64, 32, 4), (64, 64, 8), (128, 32, 8), (128, 16, 8), (64, 32, 16), (128, 32, 16), (128, 64, 16),
          (64, 32, 8, 1), (64, 32, 8, 2), (64, 32, 8, 4), (64, 16, 8, 1), (64, 16, 8, 2), (64, 64, 8, 1)]  # + num_stages
-SHAPES = ("sliding", "hca", "csa")
+SHAPES = ("sliding", "hca", "csa", "csa_first")
 
 
 def inputs(shape: str, dev, S: int = 4096, H: int = 128, D: int = 512, window: int = 128, context: int = 65536,
@@ -49,6 +50,15 @@ def inputs(shape: str, dev, S: int = 4096, H: int = 128, D: int = 512, window: i
         kw = {"entries": torch.randn(1, n, D, device=dev, generator=g).to(dtype), "ratio": 4,
               "selected": torch.randint(0, n - S // 4, (1, S, topk), device=dev, generator=g)}
         keys_per_q += topk
+    elif shape == "csa_first":  # the indexer's rule (top_k_valid): top-k of the closed, -1 after them
+        n = S // 4
+        vis = (torch.arange(S, device=dev) + 1) // 4
+        scores = torch.rand(1, S, n, device=dev, generator=g).masked_fill(
+            torch.arange(n, device=dev) >= vis.view(1, -1, 1), float("-inf"))
+        top = scores.topk(min(topk, n), dim=-1).indices
+        kw = {"entries": torch.randn(1, n, D, device=dev, generator=g).to(dtype), "ratio": 4,
+              "selected": torch.where(top < vis.view(1, -1, 1), top, torch.full_like(top, -1))}
+        keys_per_q = float((torch.arange(S, device=dev) + 1).clamp(max=window).float().mean() + vis.clamp(max=topk).float().mean())
     flops = 4 * S * H * D * keys_per_q
     return (q, sink, D ** -0.5, window, keys, start, k_start), kw, flops
 

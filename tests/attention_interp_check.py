@@ -43,4 +43,21 @@ for dtype in (torch.float32, torch.bfloat16):
             got = bounded_attention_triton(*args, block_n=16).float()
             res[f"{kind}_{str(dtype)[6:]}_s{start}"] = {"max_abs": (got - want).abs().max().item(),
                                                         "ref_max": want.abs().max().item()}
+# CSA with more selected slots than one tile: -1s scattered, -1s only at the head, an all -1 row, and
+# valid slots after -1s (the kernel walks to each row's last valid slot, whatever the order)
+start, S, T, K = 0, 9, 40, 37
+q = torch.randn(B, S, H, D, generator=g)
+wk = torch.randn(B, S, D, generator=g)
+sink = torch.randn(H, generator=g)
+ent = torch.randn(B, T, D, generator=g)
+sel = torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(B * S)]).view(B, S, K)
+sel = torch.where(torch.rand(B, S, K, generator=g) < 0.4, torch.full_like(sel, -1), sel)
+sel[0, 1] = -1                      # nothing selected
+sel[0, 2, :-1] = -1                 # only the last slot
+sel[1, 3, 20:] = -1                 # a tail of -1s (the indexer's order)
+sel[1, 4, :30] = -1                 # a head of -1s
+args = (q, sink, D ** -0.5, W, wk, start, 0, ent, 4, sel)
+want = bounded_attention(*args, q_block=4, k_block=5).float()
+got = bounded_attention_triton(*args, block_n=16).float()
+res["csa_scattered_slots_float32"] = {"max_abs": (got - want).abs().max().item(), "ref_max": want.abs().max().item()}
 print("RESULT" + json.dumps(res))

@@ -24,7 +24,7 @@ from oracle_util import interp_check_result, random_ids, tiny_config
 
 def test_interp_bounded_attention_matches_reference():
     res = interp_check_result("attention_interp_check.py")
-    assert len(res) == 12
+    assert len(res) == 13
     for case, v in res.items():
         tol = 1e-5 * max(1.0, v["ref_max"]) if "float32" in case else 2e-2 * v["ref_max"]
         assert v["max_abs"] <= tol, (case, v)

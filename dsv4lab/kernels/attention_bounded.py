@@ -5,7 +5,8 @@
 One program per (query, block of BLOCK_H = 64 heads, batch row): q [BLOCK_H, Dh] stays in registers,
 keys stream in tiles of BLOCK_N rows: first the window (contiguous positions
 [q_pos - window + 1, q_pos]), then the entries: the CSA indexer's ``selected`` rows gathered by
-index, or HCA's closed entries w < (q_pos + 1) // ratio. Online softmax in fp32 started from the
+index (up to the row's last valid slot: ``common.selected_extent``), or HCA's closed entries
+w < (q_pos + 1) // ratio. Online softmax in fp32 started from the
 sink logit (m = sink, l = 1), P.V with P in the keys' dtype (bf16 / fp16 tensor-core dots; fp32
 inputs and the interpreter: IEEE fp32 dots) and fp32 accumulators, the output rounded once to
 the keys' dtype; nothing of size [H, S, L] exists, only the output [B, S, H, Dh].
@@ -16,9 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, dot_dtype, head_block_query, online_softmax_tile
+from .common import cdiv, next_pow2, dot_dtype, head_block_query, online_softmax_tile, selected_extent
 from .device import on_input_device
 
+SEL_SCAN = 256   # selected slots read per step of ``selected_extent``'s scan
 CSA_STAGES = 2  # pipeline stages of the CSA case (gathered keys); the window-only and HCA cases keep Triton's
 
 
@@ -27,7 +29,8 @@ def _bounded_attention_kernel(q_ptr, wk_ptr, ent_ptr, sel_ptr, sink_ptr, out_ptr
                               S, H, D, P, T, K, q_start, k_start, window, ratio, scale,
                               sq_b, sq_s, sq_h, swk_b, swk_p, sent_b, sent_t, ssel_b, ssel_s, so_b, so_s, so_h,
                               HAS_ENT: tl.constexpr, HAS_SEL: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-                              BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                              BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                              SEL_SCAN: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)  # 64-bit offsets: one call may hold > 2^31 query elements
     hb = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -45,9 +48,10 @@ def _bounded_attention_kernel(q_ptr, wk_ptr, ent_ptr, sel_ptr, sink_ptr, out_ptr
         k = tl.load(wk_ptr + b * swk_b + j[:, None] * swk_p + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
         m_i, l_i, acc = online_softmax_tile(q, k, valid, m_i, l_i, acc, scale, DOT, IEEE)
     if HAS_SEL:
-        for n0 in range(0, K, BLOCK_N):
+        sel_row = sel_ptr + b * ssel_b + t * ssel_s
+        for n0 in range(0, selected_extent(sel_row, K, SEL_SCAN), BLOCK_N):  # -1 tiles after it: no-ops
             c = n0 + offs_n
-            idx = tl.load(sel_ptr + b * ssel_b + t * ssel_s + c, mask=c < K, other=-1)
+            idx = tl.load(sel_row + c, mask=c < K, other=-1)
             valid = idx >= 0
             k = tl.load(ent_ptr + b * sent_b + tl.maximum(idx, 0)[:, None] * sent_t + offs_d[None, :],
                         mask=valid[:, None] & dmask[None, :], other=0.0)
@@ -98,6 +102,6 @@ def bounded_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, 
         q.stride(0), q.stride(1), q.stride(2), wk.stride(0), wk.stride(1), ent.stride(0), ent.stride(1),
         sel_arg.stride(0), sel_arg.stride(1), out.stride(0), out.stride(1), out.stride(2),
         HAS_ENT=entries is not None, HAS_SEL=sel is not None, DOT=dot, IEEE=dot == tl.float32,
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=next_pow2(max(D, 16)), num_warps=num_warps,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=next_pow2(max(D, 16)), SEL_SCAN=SEL_SCAN, num_warps=num_warps,
         **({} if stages is None else {"num_stages": stages}))
     return out

@@ -6,7 +6,8 @@ entries] with the sink, reading only the valid keys in place: the kernel of
 Keys are a virtual sequence of BLOCK_N-row tiles: first the ring's valid slots i < min(pos + 1,
 W) (addressed by slot, the softmax does not care about order), then the entries: w < n_entries
 (HCA, CSA with the indexer off) or the indexer's ``selected`` [B,1,k] gathered by index (-1 =
-none, masked; a masked row is never read). ``pos`` and ``n_entries`` are read on the device, so
+none, masked; a masked row is never read) up to its last valid slot (``common.selected_extent``:
+at position p < 4k, V4-Pro's k = 1024 slots hold about p / 4 valid ones). ``pos`` and ``n_entries`` are read on the device, so
 the grid and every shape are fixed by host ints (CUDA-graph safe, no host sync).
 
 FlashMLA-style split: at batch 1 the 128 heads make only 4 blocks of 32, so the tiles are spread
@@ -25,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .common import (cdiv, next_pow2, dot_dtype, head_block_query, num_sms, online_softmax_tile, pdl_enter, pdl_kw,
-                     scratch, use_pdl)
+                     scratch, selected_extent, use_pdl)
 from .device import on_input_device
 from .launch import new_site
 
@@ -43,7 +44,7 @@ def _decode_split_kernel(q_ptr, ring_ptr, ent_ptr, sel_ptr, n_ent_ptr, pos_ptr, 
                          HAS_ENT: tl.constexpr, HAS_SEL: tl.constexpr, FINAL: tl.constexpr,
                          DOT: tl.constexpr, IEEE: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, SEL_SCAN: tl.constexpr = 256):
     pdl_enter(PDL)
     hb = tl.program_id(0)
     sp = tl.program_id(1)
@@ -52,8 +53,8 @@ def _decode_split_kernel(q_ptr, ring_ptr, ent_ptr, sel_ptr, n_ent_ptr, pos_ptr, 
     offs_n = tl.arange(0, BLOCK_N)
     pos = tl.load(pos_ptr).to(tl.int32)
     n_win = tl.minimum(pos + 1, W)
-    if HAS_SEL:
-        n_ent = K                                   # slots; validity per index
+    if HAS_SEL:  # slots up to the last valid one (validity per index; -1 tiles after it are no-ops)
+        n_ent = selected_extent(sel_ptr + b * ssel_b, K, SEL_SCAN)
     elif HAS_ENT:
         n_ent = tl.minimum(tl.load(n_ent_ptr).to(tl.int32), T)
     else:
