@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.layer_graph_decode import layer_graph_timing  # noqa: E402
-from benchmarks.measure import copy_ceiling, kernels_per_call, timed  # noqa: E402
+from benchmarks.measure import copy_ceiling, host_op_us, kernels_per_call, timed  # noqa: E402
 from dsv4lab.config import config_from_dict  # noqa: E402
 from dsv4lab.model.decoder import DecoderLayer  # noqa: E402
 from dsv4lab.model.linear import QLinear  # noqa: E402
@@ -157,7 +157,10 @@ def bench_tiny(steps: int) -> dict:
     ids = torch.randint(2, m.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
     from dsv4lab.decode.check import sync_inventory
 
+    host_op = host_op_us(torch.device("cuda"))  # eager's floor on this host, next to the eager timing
     res = decode_check(m, ids, steps=steps).summary()
+    res["host_op_us"] = host_op
+    res["eager_over_host_op"] = res["median_step_ms_eager"] * 1e3 / host_op  # bare-op equivalents a step
     res["host_syncs_in_decode_step"] = sync_inventory(m, ids, steps=3)
     st = m.new_state(1, ids.shape[1] + 2 * steps + 16)  # eager + two layer-graph runs, with warm-ups
     m.prefill(ids.cuda(), st)

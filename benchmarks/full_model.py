@@ -17,6 +17,9 @@ each ``--context``; each against its floor measured in the same run:
   flight on every GPU (N sequences at once) could reach per token; one sequence cannot.
 * prefill floor = the same sum of per-GPU max(2 x active parameters x tokens / BF16 matmul rate,
   weight bytes / copy rate).
+* eager decode waits on the host, not the GPU: ``host_op_us`` (one bare torch op's host time,
+  ``measure.host_op_us``) is measured next to it and ``eager_over_host_op`` states a token in those
+  units, comparable across device machines whose hosts differ 2-3x in speed.
 
     python3 benchmarks/full_model.py --preset v4-flash --experts 64 [--gpus 1] [--json out.json]
     python3 benchmarks/full_model.py --preset v4-pro --gpus 8 --context 4096 32768 --out $OUT
@@ -39,8 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.layer_graph_decode import layer_graph_timing  # noqa: E402
-from benchmarks.measure import (copy_ceiling, kernels_per_call, matmul_rate, peak_extra_bytes_by_device,  # noqa: E402
-                                synchronize, timed)
+from benchmarks.measure import (copy_ceiling, host_op_us, kernels_per_call, matmul_rate,  # noqa: E402
+                                peak_extra_bytes_by_device, synchronize, timed)
 from dsv4lab.checkpoint.expected import expected_tensors  # noqa: E402
 from dsv4lab.checkpoint.fake import tiny_config  # noqa: E402
 from dsv4lab.checkpoint.names import layer_of  # noqa: E402
@@ -372,6 +375,7 @@ def run(args) -> dict:
     state.set_pos(0)
     model.prefill(ids, state, chunk=args.chunk or model.prefill_chunk(T, free=budget), last_only=True)
     step_ids = torch.zeros(1, 1, dtype=torch.long, device=used[0])
+    host_op = host_op_us(used[0])  # eager waits on the host: its floor there, measured next to it
     eager = timed(lambda: model.decode_step(step_ids, state), args.steps, used)
     eager_launches = kernels_per_call(lambda: model.decode_step(step_ids, state), reps=1, devices=used)
     gd = GraphDecoder(model, state)
@@ -386,6 +390,7 @@ def run(args) -> dict:
                      "eager_fraction_of_floor": floor / eager, "graph_fraction_of_floor": floor / graph,
                      "graph_speedup": eager / graph, "eager_kernels_per_step": eager_launches["kernels"],
                      "graph_launches": graph_launches, "logits_finite": bool(torch.isfinite(out).all())}
+    res.update(host_op_us=host_op, eager_over_host_op=eager * 1e6 / host_op)
     res.update(floor_ms=floor * 1e3, graph_ms=graph * 1e3, graph_over_floor=graph / floor, eager_ms=eager * 1e3,
                capture_s=capture_s, kernels_per_step=graph_launches["kernels"],
                kernels_per_layer=graph_launches["kernels"] / cfg.num_hidden_layers)

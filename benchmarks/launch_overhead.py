@@ -15,25 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def host_us(fn, iters: int = 2000) -> float:
-    """Mean host microseconds per call, the GPU kept busy enough never to stall the queue."""
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    dt = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return dt / iters * 1e6
+from benchmarks.measure import host_us  # noqa: E402
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ with. Every benchmark states its results as ratios against floors measured in th
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from typing import Callable, Iterable
@@ -50,6 +51,34 @@ def timed(fn: Callable[[], object], iters: int, devices: Iterable = (None,), war
         fn()
     synchronize(devices)
     return (time.perf_counter() - t0) / iters
+
+
+def host_us(fn: Callable[[], object], iters: int = 2000) -> float:
+    """Mean host microseconds per call of ``fn`` (CUDA work queued, not waited for), after 50 calls."""
+    cuda = torch.cuda.is_initialized()
+    for _ in range(50):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    dt = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.synchronize()
+    return dt / iters * 1e6
+
+
+def host_op_us(dev, iters: int = 2000, repeats: int = 5) -> float:
+    """The host's floor for eager work: the median over ``repeats`` of the mean host microseconds of
+    one bare torch op (``x.add_(1)`` on a one-element tensor on ``dev``). Eager decode waits on the
+    host, and device machines of one kind differ 2-3x in host speed (a full-depth eager token 57 ms on
+    one H100's host, 110-186 ms on others), so eager results are also stated in these units."""
+    dev = torch.device(dev)
+    x = torch.zeros(1, device=dev)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        runs = sorted(host_us(lambda: x.add_(1), iters) for _ in range(repeats))
+    return runs[len(runs) // 2]
 
 
 def synchronize(devices: Iterable = (None,)) -> None:

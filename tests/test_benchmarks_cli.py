@@ -135,15 +135,17 @@ def test_prefill_benchmark_cpu_smoke():
 
 
 def test_prefill_attention_benchmark_cpu_smoke():
-    """benchmarks/prefill_attention.py builds its three shapes (window only, HCA entries, CSA
-    selections) and runs them through the reference on the CPU; a bad --shapes is one line."""
+    """benchmarks/prefill_attention.py builds its four shapes (window only, HCA entries, CSA
+    selections at 64k and in a prompt's first chunk) and runs them through the reference on the CPU; a bad --shapes is one line."""
     r = subprocess.run([sys.executable, "benchmarks/prefill_attention.py", "--cpu-smoke"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout)
-    assert sorted(res) == ["csa", "hca", "sliding"]
+    assert sorted(res) == ["csa", "csa_first", "hca", "sliding"]
     assert all(x["finite"] and x["shape"] == [1, 32, 4, 16] for x in res.values()), res
     assert res["csa"]["flops"] > res["sliding"]["flops"]  # selected entries on top of the window
+    # a first chunk's queries see (t + 1) // 4 closed entries: fewer valid keys than k selected ones
+    assert res["sliding"]["flops"] < res["csa_first"]["flops"] < res["csa"]["flops"]
     bad = subprocess.run([sys.executable, "benchmarks/prefill_attention.py", "--cpu-smoke", "--shapes", "mla"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--shapes" in bad.stderr and "Traceback" not in bad.stderr
@@ -236,3 +238,13 @@ def test_idle_gaps_per_device():
     assert r["span_us"] == 31 + 9 and r["idle_us"] == 2 + 10 + 2
     assert r["by_pair"] == {"b -> d": 10, "a -> b": 2, "x -> y": 2}
     assert idle_gaps(spans, top=1)["by_pair"] == {"b -> d": 10}
+
+
+def test_host_op_us_is_a_median_of_positive_host_times(monkeypatch):
+    """The eager benchmarks' host floor: the median of ``repeats`` runs of a bare op's host time."""
+    measure = benchmark_module("measure")
+    times = iter([5.0, 1.0, 3.0])
+    monkeypatch.setattr(measure, "host_us", lambda fn, iters: (fn(), next(times))[1])
+    assert measure.host_op_us("cpu", iters=10, repeats=3) == 3.0
+    monkeypatch.undo()
+    assert measure.host_op_us("cpu", iters=20, repeats=3) > 0
