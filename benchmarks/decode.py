@@ -68,15 +68,18 @@ def build_layer(layer_type: str, dev, small: bool = False, fmt: str = "nvfp4") -
     cfg = config_from_dict(spec)
     with torch.device("meta"):
         layer = DecoderLayer(cfg, 0)
-    layer = layer.to_empty(device=dev)
+    # quantised weights are set while the layer is still on meta, so ``to_empty`` never allocates the
+    # BF16 masters of 384 experts (50 GB: the layer did not fit on an 80 GB H100); the plain ones after
+    # it (``to_empty`` would blank them), drawn in the same order, so the weights are what they were
     g = torch.Generator(device=dev).manual_seed(0)
     active_bytes = 0
+    plain: list[tuple[QLinear, torch.Tensor]] = []
     for name, mod in layer.named_modules():
         if isinstance(mod, QLinear):
             is_expert = ".experts." in f".{name}."
             if any(k in name for k in BF16_KINDS) or name == "mlp.router":
                 w = torch.randn(mod.out_features, mod.in_features, device=dev, generator=g, dtype=torch.bfloat16) * mod.in_features ** -0.5
-                mod.set_weight(w)
+                plain.append((mod, w))
                 nb = w.numel() * 2
             else:
                 if fmt == "official":
@@ -88,6 +91,9 @@ def build_layer(layer_type: str, dev, small: bool = False, fmt: str = "nvfp4") -
                 active_bytes += nb
             elif name.startswith("mlp.experts.0."):
                 active_bytes += nb * cfg.num_experts_per_tok  # top-6 experts of this size
+    layer = layer.to_empty(device=dev)
+    for mod, w in plain:
+        mod.set_weight(w)
     with torch.no_grad():
         for name, p in layer.named_parameters():
             if "norm" in name or name.endswith(".scale"):
