@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (cdiv, next_pow2, dot_dtype, head_block_query, online_softmax_tile, sel_scan_block,
-                     selected_extent)
+from .common import cdiv, next_pow2, dot_dtype, head_block_query, online_softmax_tile, selected_extent
 from .device import on_input_device
 
+SEL_SCAN = 256   # selected slots read per step of ``selected_extent``'s scan
 CSA_STAGES = 2  # pipeline stages of the CSA case (gathered keys); the window-only and HCA cases keep Triton's
 
 
@@ -102,7 +102,6 @@ def bounded_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, 
         q.stride(0), q.stride(1), q.stride(2), wk.stride(0), wk.stride(1), ent.stride(0), ent.stride(1),
         sel_arg.stride(0), sel_arg.stride(1), out.stride(0), out.stride(1), out.stride(2),
         HAS_ENT=entries is not None, HAS_SEL=sel is not None, DOT=dot, IEEE=dot == tl.float32,
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=next_pow2(max(D, 16)),
-        SEL_SCAN=sel_scan_block(sel_arg.shape[-1]), num_warps=num_warps,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=next_pow2(max(D, 16)), SEL_SCAN=SEL_SCAN, num_warps=num_warps,
         **({} if stages is None else {"num_stages": stages}))
     return out
