@@ -3,7 +3,9 @@
 Issue #24 asks eager decode <= 100 ms/token at full depth: ~1.6 ms a layer, where today the GPU
 waits on the host (wall == host). This times ``DecoderLayer.decode`` eagerly (median of
 ``--steps`` after warm-up; on CUDA also the wall time after a synchronise) and profiles it with
-cProfile: the functions with the most own time and the most cumulative time per step.
+cProfile: the functions with the most own time and the most cumulative time per step. Hosts
+differ 2-3x in speed, so each row also gives ``host_op_us`` (``measure.host_op_us``, one bare torch
+op's host time, measured before the timing) and the step in those units (``step_over_host_op``).
 
 * on CUDA (default there): real launches.
 * ``--cpu-stub`` (any machine): CPU tensors with the launches stubbed as in ``host_overhead.py``
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import launch_inventory as inventory  # noqa: E402  (the layer builder and the CPU stubs)
+from measure import host_op_us  # noqa: E402  (the host's floor: one bare torch op)
 
 from dsv4lab.kernels.install import install_kernels  # noqa: E402
 from dsv4lab.model.state import DecodeState  # noqa: E402
@@ -90,6 +93,7 @@ def measure(layer_key: str, experts: int, stub: bool, stub_bf16: bool, steps: in
             step()
         if not stub:
             torch.cuda.synchronize()
+        op_us = host_op_us(dev)  # what one bare torch op costs this host, next to the timing
         host, cpu = [], []
         t_all = time.perf_counter()
         for _ in range(steps):
@@ -109,6 +113,7 @@ def measure(layer_key: str, experts: int, stub: bool, stub_bf16: bool, steps: in
         calls = pstats.Stats(prof).total_calls / n_prof / copies
     return {"layer": layer_key, "experts": experts, "copies": copies, "mode": "cpu-stub" if stub else "cuda",
             "installed": installed, "host_us_per_step": statistics.median(host) / copies * 1e6,
+            "host_op_us": op_us, "step_over_host_op": statistics.median(host) / copies * 1e6 / op_us,
             "thread_cpu_us_per_step": statistics.median(cpu) / copies * 1e6, "calls_per_step": calls,
             "wall_us_per_step": None if stub else wall * 1e6,
             "profile": profile_text(prof, top)}
@@ -145,6 +150,7 @@ def main() -> None:
             print(f"{key} {e} experts x{args.copies} ({r['mode']}): host {r['host_us_per_step']:.0f} us a layer step "
                   f"(thread CPU {r['thread_cpu_us_per_step']:.0f} us){wall}, "
                   f"{r['calls_per_step']:.0f} function calls a step (cProfile, deterministic), "
+                  f"{r['step_over_host_op']:.0f} bare ops of {r['host_op_us']:.2f} us, "
                   f"{r['installed']} kernels installed", flush=True)
             rows.append(r)
             if not stub:

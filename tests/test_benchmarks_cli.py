@@ -202,6 +202,7 @@ def test_eager_layer_cpu_stub(tmp_path: Path):
     row = json.loads(out.read_text())["rows"][0]
     assert row["layer"] == "hca" and row["mode"] == "cpu-stub" and row["installed"] >= 30 and row["copies"] == 2
     assert row["host_us_per_step"] > 0 and "decoder.py" in row["profile"] and "(decode)" in row["profile"]
+    assert row["host_op_us"] > 0 and row["step_over_host_op"] == row["host_us_per_step"] / row["host_op_us"]
     assert "x2 (cpu-stub): host" in r.stdout
     for arg, msg in (("--steps", "--steps must be >= 1, got 0"), ("--copies", "--copies must be >= 1, got 0")):
         bad = subprocess.run([sys.executable, "benchmarks/eager_layer.py", arg, "0"], cwd=ROOT,
