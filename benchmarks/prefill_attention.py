@@ -3,9 +3,10 @@ shapes (128 heads x 512, window 128, bf16) for one 4k chunk, per (heads per prog
 tile, warps): ms per call, TFLOP/s of its dots, and max |difference| from the default tiles.
 
 Shapes: ``sliding`` (window only), ``hca`` (window + closed entries, ratio 128), ``csa`` (window +
-1024 selected of 16k entries: a chunk at 64k context), ``csa_first`` (a prompt's first 4k chunk: query
-t has (t + 1) // 4 closed entries, all selected, then -1s, as ``Indexer.select`` orders them). The full-depth prefill profile put this kernel
-at ~8 ms a layer on a 4k chunk (``full_model.py --profile``), 10x its dots at the BF16 rate.
+1024 selected of 16k entries: a chunk at 64k context), ``csa_first`` (a prompt's first 4k chunk:
+query t has (t + 1) // 4 closed entries, all selected, then -1s, as ``Indexer.select`` orders
+them). The full-depth prefill profile put this kernel at ~8 ms a layer on a 4k chunk
+(``full_model.py --profile``), 10x its dots at the BF16 rate.
 
     python3 benchmarks/prefill_attention.py --json $OUT/prefill_attention.json
     python3 benchmarks/prefill_attention.py --cpu-smoke      # tiny shapes through the reference (tested)
@@ -58,7 +59,8 @@ def inputs(shape: str, dev, S: int = 4096, H: int = 128, D: int = 512, window: i
         top = scores.topk(min(topk, n), dim=-1).indices
         kw = {"entries": torch.randn(1, n, D, device=dev, generator=g).to(dtype), "ratio": 4,
               "selected": torch.where(top < vis.view(1, -1, 1), top, torch.full_like(top, -1))}
-        keys_per_q = float((torch.arange(S, device=dev) + 1).clamp(max=window).float().mean() + vis.clamp(max=topk).float().mean())
+        t = torch.arange(S, device=dev)
+        keys_per_q = float((t + 1).clamp(max=window).float().mean() + vis.clamp(max=topk).float().mean())
     flops = 4 * S * H * D * keys_per_q
     return (q, sink, D ** -0.5, window, keys, start, k_start), kw, flops
 

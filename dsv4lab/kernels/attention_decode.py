@@ -7,8 +7,9 @@ Keys are a virtual sequence of BLOCK_N-row tiles: first the ring's valid slots i
 W) (addressed by slot, the softmax does not care about order), then the entries: w < n_entries
 (HCA, CSA with the indexer off) or the indexer's ``selected`` [B,1,k] gathered by index (-1 =
 none, masked; a masked row is never read) up to its last valid slot (``common.selected_extent``:
-at position p < 4k, V4-Pro's k = 1024 slots hold about p / 4 valid ones). ``pos`` and ``n_entries`` are read on the device, so
-the grid and every shape are fixed by host ints (CUDA-graph safe, no host sync).
+at position p < 4k, V4-Pro's k = 1024 slots hold about p / 4 valid ones). ``pos`` and
+``n_entries`` are read on the device, so the grid and every shape are fixed by host ints
+(CUDA-graph safe, no host sync).
 
 FlashMLA-style split: at batch 1 the 128 heads make only 4 blocks of 32, so the tiles are spread
 over ``splits`` programs per (head block, batch row), a balanced share each (split s takes tiles
