@@ -53,13 +53,13 @@ def inputs(shape: str, dev, S: int = 4096, H: int = 128, D: int = 512, window: i
         keys_per_q += topk
     elif shape == "csa_first":  # the indexer's rule (top_k_valid): top-k of the closed, -1 after them
         n = S // 4
-        vis = (torch.arange(S, device=dev) + 1) // 4
+        t = torch.arange(S, device=dev)
+        vis = (t + 1) // 4
         scores = torch.rand(1, S, n, device=dev, generator=g).masked_fill(
             torch.arange(n, device=dev) >= vis.view(1, -1, 1), float("-inf"))
         top = scores.topk(min(topk, n), dim=-1).indices
         kw = {"entries": torch.randn(1, n, D, device=dev, generator=g).to(dtype), "ratio": 4,
               "selected": torch.where(top < vis.view(1, -1, 1), top, torch.full_like(top, -1))}
-        t = torch.arange(S, device=dev)
         keys_per_q = float((t + 1).clamp(max=window).float().mean() + vis.clamp(max=topk).float().mean())
     flops = 4 * S * H * D * keys_per_q
     return (q, sink, D ** -0.5, window, keys, start, k_start), kw, flops

@@ -17,10 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, dot_dtype, head_block_query, online_softmax_tile, selected_extent
+from .common import SEL_SCAN, cdiv, next_pow2, dot_dtype, head_block_query, online_softmax_tile, selected_extent
 from .device import on_input_device
 
-SEL_SCAN = 256   # selected slots read per step of ``selected_extent``'s scan
 CSA_STAGES = 2  # pipeline stages of the CSA case (gathered keys); the window-only and HCA cases keep Triton's
 
 

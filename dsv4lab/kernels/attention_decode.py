@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (cdiv, next_pow2, dot_dtype, head_block_query, num_sms, online_softmax_tile, pdl_enter, pdl_kw,
+from .common import (SEL_SCAN, cdiv, next_pow2, dot_dtype, head_block_query, num_sms, online_softmax_tile, pdl_enter, pdl_kw,
                      scratch, selected_extent, use_pdl)
 from .device import on_input_device
 from .launch import new_site
@@ -45,7 +45,7 @@ def _decode_split_kernel(q_ptr, ring_ptr, ent_ptr, sel_ptr, n_ent_ptr, pos_ptr, 
                          HAS_ENT: tl.constexpr, HAS_SEL: tl.constexpr, FINAL: tl.constexpr,
                          DOT: tl.constexpr, IEEE: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         PDL: tl.constexpr = False, SEL_SCAN: tl.constexpr = 256):
+                         PDL: tl.constexpr = False, SEL_SCAN: tl.constexpr = SEL_SCAN):
     pdl_enter(PDL)
     hb = tl.program_id(0)
     sp = tl.program_id(1)

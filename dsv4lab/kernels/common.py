@@ -277,6 +277,9 @@ def dequant_tile(w_ptr, s_ptr, rows, row_ok, k0, stride_wn, stride_sn, BN: tl.co
         return tl.reshape(w, (BN, BK)).to(DOT_DTYPE)
 
 
+SEL_SCAN = 256  # selected slots ``selected_extent`` reads a step (the attention kernels' BLOCK for it)
+
+
 @triton.jit
 def selected_extent(sel_row_ptr, K, BLOCK: tl.constexpr):
     """1 + the last slot c < K of one query's selected row (int32 / int64 entry indices) holding an

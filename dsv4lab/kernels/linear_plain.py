@@ -34,7 +34,6 @@ BN = 8                  # weight rows per program
 BK = 1024               # K per step (2 KB of a bf16 row)
 TARGET_PROGRAMS = 512   # row tiles x splits aimed at
 BATCH_WARPS = 4         # warps of a batched program
-BATCH_STAGES: int | None = None  # the batched launch's num_stages (None: Triton's default)
 _SITES: dict = {}       # (id(kernel), constexprs) -> LaunchSite (4 plain GEMVs an eager CSA layer)
 
 
@@ -200,8 +199,7 @@ class _BatchPlan:
         # the ints are this plan's own objects on every call (``fixed``); the weights (7..11) are not
         self.site = LaunchSite(_gemv_plain_batch_kernel, fixed=(4, 5, 6, *range(12, 12 + len(self.tail))),
                                NW=len(ns), U0=use[0], U1=use[1], U2=use[2], U3=use[3], U4=use[4],
-                               BM=next_pow2(M), BN=BN, BK=BK, num_warps=1 if INTERPRET else BATCH_WARPS,
-                               **({} if BATCH_STAGES is None or INTERPRET else {"num_stages": BATCH_STAGES}))
+                               BM=next_pow2(M), BN=BN, BK=BK, num_warps=1 if INTERPRET else BATCH_WARPS)
 
 
 def plain_gemv_batch_takes(x: torch.Tensor, weights) -> bool:

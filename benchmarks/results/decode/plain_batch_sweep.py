@@ -1,7 +1,7 @@
 """Tiles of the plain (bf16) decode GEMVs on the device: the batched launch of a V4-Pro CSA layer's five
 projections of x (compressor wkv / wgate 1024 rows each, the indexer compressor's 256 each, weights_proj
 64; K 7168), an HCA layer's two (512 each) and the router alone (384 rows), per (BN, BK, programs,
-warps, stages): device us per launch from a CUDA graph of 24 launches over 24 weight copies (no L2
+warps): device us per launch from a CUDA graph of 24 launches over 24 weight copies (no L2
 reuse between them), the read rate, and whether the outputs equal F.linear's within bf16 rounding.
 
     python3 benchmarks/results/decode/plain_batch_sweep.py $OUT/plain_batch_sweep.json
@@ -61,12 +61,14 @@ def measure(name):
 
 
 rows = []
-base = (lp.BN, lp.BK, lp.TARGET_PROGRAMS, lp.BATCH_WARPS, lp.BATCH_STAGES)
-grid = [base] + [c for c in itertools.product((8, 16, 32), (1024,), (132, 264, 1024), (4, 8), (None,)) if c != base]
-grid += [(16, 512, 264, 8, None), (16, 1024, 264, 8, 3), (32, 1024, 132, 8, 3), (8, 2048, 264, 4, None)]
-for bn, bk, progs, warps, stages in grid:
-    lp.BN, lp.BK, lp.TARGET_PROGRAMS, lp.BATCH_WARPS, lp.BATCH_STAGES = bn, bk, progs, warps, stages
-    r = {"BN": bn, "BK": bk, "programs": progs, "warps": warps, "stages": stages}
+base = (lp.BN, lp.BK, lp.TARGET_PROGRAMS, lp.BATCH_WARPS)
+grid = [base] + [c for c in itertools.product((8, 16, 32), (1024,), (132, 264, 1024), (4, 8)) if c != base]
+grid += [(16, 512, 264, 8), (8, 2048, 264, 4)]
+# the recorded run (h100_plain_batch_sweep.json, at ed1c00c) also tried num_stages 3 at (16, 1024, 264, 8)
+# and (32, 1024, 132, 8): no faster than Triton's default, so the knob is gone
+for bn, bk, progs, warps in grid:
+    lp.BN, lp.BK, lp.TARGET_PROGRAMS, lp.BATCH_WARPS = bn, bk, progs, warps
+    r = {"BN": bn, "BK": bk, "programs": progs, "warps": warps}
     for name in SHAPES:
         try:
             r[name] = measure(name)
@@ -79,4 +81,4 @@ for name in SHAPES:
     good = [r for r in rows if "us" in r[name] and r[name]["ok"]]
     best = min(good, key=lambda r: r[name]["us"])
     print(f"{name}: default {rows[0][name]}, best {best[name]} at BN {best['BN']} BK {best['BK']} "
-          f"programs {best['programs']} warps {best['warps']} stages {best['stages']}")
+          f"programs {best['programs']} warps {best['warps']}")
