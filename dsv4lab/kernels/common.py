@@ -277,7 +277,14 @@ def dequant_tile(w_ptr, s_ptr, rows, row_ok, k0, stride_wn, stride_sn, BN: tl.co
         return tl.reshape(w, (BN, BK)).to(DOT_DTYPE)
 
 
-SEL_SCAN = 256  # selected slots ``selected_extent`` reads a step (the attention kernels' BLOCK for it)
+SEL_SCAN = 256  # selected slots ``selected_extent`` reads a step in prefill (many programs overlap the loads)
+SEL_SCAN_MAX = 4096  # selected slots ``selected_extent`` reads in one load (V4-Pro's k = 1024: one)
+
+
+def sel_scan_block(k: int) -> int:
+    """Decode's ``selected_extent`` BLOCK for k selected slots: all of them in one load up to SEL_SCAN_MAX
+    (a loop of smaller loads is a chain of dependent reads before the first key tile)."""
+    return min(next_pow2(max(k, 16)), SEL_SCAN_MAX)
 
 
 @triton.jit

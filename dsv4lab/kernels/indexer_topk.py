@@ -6,8 +6,9 @@ select plus a sort of the k: two launches) and turns the indices past n_valid in
 eight small launches. This kernel is one launch, one program per batch row, reading only the n
 valid scores (n read on the device: no host sync, graph safe):
 
-* n <= k: the selection is every valid entry, written in index order, then -1 up to k. No pass
-  over the scores but the one writing them.
+* n <= k: the selection is every valid entry, written in index order (entry t in slot t), then
+  -1 up to k: one pass of stores, no read of the scores (a decode step before position 4k on
+  V4-Pro: n = pos / 4 < k = 1024).
 * n > k: an exact radix select of the k-th largest score over monotone uint32 keys of the fp32
   bits (-0.0 taken as +0.0, as ``torch.topk`` compares values), four passes of 8-bit digits with
   ``tl.histogram``; then one pass writes the entries above that threshold and the first entries
@@ -74,31 +75,32 @@ def _top_k_kernel(s_ptr, n_ptr, out_ptr, T, K, s_b, o_b, BLOCK: tl.constexpr, BL
     row = s_ptr + b * s_b
     orow = out_ptr + b * o_b
     n = tl.minimum(tl.load(n_ptr).to(tl.int32), T)
-    offs = tl.arange(0, BLOCK)
-    every_n = tl.where(n <= K, n, 0)         # n when every valid entry is taken, else 0
-    n_pass = n - every_n                     # no select passes when every valid entry is taken
-    prefix = tl.zeros([], tl.uint32)          # the high digits of the k-th largest key found so far
-    need = K                                  # how many still to take among the keys matching prefix
-    prefix, need = _digit_pass(row, n_pass, prefix, need, 24, BLOCK)
-    prefix, need = _digit_pass(row, n_pass, prefix, need, 16, BLOCK)
-    prefix, need = _digit_pass(row, n_pass, prefix, need, 8, BLOCK)
-    prefix, need = _digit_pass(row, n_pass, prefix, need, 0, BLOCK)
-    written = 0
-    ties = 0
-    for t0 in range(0, n, BLOCK):
-        t = t0 + offs
-        ok = t < n
-        key = _key(tl.load(row + t, mask=ok, other=0.0))
-        eq = ok & (key == prefix)
-        rank = ties + tl.cumsum(eq.to(tl.int32), 0)
-        sel = ok & ((key > prefix) | (eq & (rank <= need)) | (t < every_n))
-        slot = written + tl.cumsum(sel.to(tl.int32), 0) - 1
-        tl.store(orow + slot, t.to(tl.int64), mask=sel)
-        written += tl.sum(sel.to(tl.int32), 0)
-        ties += tl.sum(eq.to(tl.int32), 0)
-    for p0 in range(0, K, BLOCK_K):   # past the selection: -1 (the reference's "none")
-        p = p0 + tl.arange(0, BLOCK_K)
-        tl.store(orow + p, tl.full([BLOCK_K], -1, tl.int64), mask=(p >= written) & (p < K))
+    if n <= K:  # every valid entry, in index order: entry t in slot t, -1 after; no read of the scores
+        for p0 in range(0, K, BLOCK_K):
+            p = p0 + tl.arange(0, BLOCK_K)
+            tl.store(orow + p, tl.where(p < n, p, -1).to(tl.int64), mask=p < K)
+    else:
+        offs = tl.arange(0, BLOCK)
+        prefix = tl.zeros([], tl.uint32)          # the high digits of the k-th largest key found so far
+        need = K                                  # how many still to take among the keys matching prefix
+        prefix, need = _digit_pass(row, n, prefix, need, 24, BLOCK)
+        prefix, need = _digit_pass(row, n, prefix, need, 16, BLOCK)
+        prefix, need = _digit_pass(row, n, prefix, need, 8, BLOCK)
+        prefix, need = _digit_pass(row, n, prefix, need, 0, BLOCK)
+        written = 0
+        ties = 0
+        for t0 in range(0, n, BLOCK):
+            t = t0 + offs
+            ok = t < n
+            key = _key(tl.load(row + t, mask=ok, other=0.0))
+            eq = ok & (key == prefix)
+            rank = ties + tl.cumsum(eq.to(tl.int32), 0)
+            sel = ok & ((key > prefix) | (eq & (rank <= need)))
+            slot = written + tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.store(orow + slot, t.to(tl.int64), mask=sel)
+            written += tl.sum(sel.to(tl.int32), 0)
+            ties += tl.sum(eq.to(tl.int32), 0)
+        # n > k: the passes above took exactly k, so no slot is left for a -1
 
 
 @on_input_device

@@ -166,7 +166,8 @@ def tma_moe_supported(x: torch.Tensor, w1, w3, w2) -> bool:
     mult = 512 if _is_mx(w1) else 256
     if H % mult or I % mult:
         return False
-    if not (_stack_args(w1).aligned and _stack_args(w3).aligned and _stack_args(w2).aligned):
+    if not (_stack_args(w1, UP_TILE[0]).aligned and _stack_args(w3, UP_TILE[0]).aligned
+            and _stack_args(w2, DOWN_TILE[0]).aligned):
         return False
     return INTERPRET or (x.is_cuda and device_capability(x.device) >= (9, 0))
 
@@ -175,7 +176,10 @@ def _is_mx(w) -> bool:
     return isinstance(w, StackedMXFP4)
 
 
-_BN, _STAGES, _WARPS = (16, 2, 1) if INTERPRET else (64, 3, 4)
+# (rows a CTA, TMA ring stages, warps) of each launch; ``benchmarks/results/decode/moe_tile_sweep.py``
+# times the alternatives on V4-Pro's experts (H = 7168, I = 3072)
+UP_TILE = (16, 2, 1) if INTERPRET else (64, 3, 4)
+DOWN_TILE = (16, 2, 1) if INTERPRET else (64, 3, 4)
 EMIT_H_PAIRS = True  # the up launch writes h's pairs (False: h + the x_pairs prelude; tests compare both)
 
 
@@ -186,21 +190,22 @@ class _StackArgs:
     whether its tensors are 16-byte aligned. Built on first use (~22 us of descriptors and
     checks a decode step otherwise); ``packed_ptr`` catches a ``t.data = ...`` swap under the stack."""
 
-    __slots__ = ("packed_ptr", "descs", "gs", "aligned")
+    __slots__ = ("packed_ptr", "bn", "descs", "gs", "aligned")
 
-    def __init__(self, w) -> None:
+    def __init__(self, w, bn: int) -> None:
         mx = _is_mx(w)
         packed, scale = w.packed, (w.scale if mx else w.block_scale)
         self.packed_ptr = packed.data_ptr()
+        self.bn = bn
         self.aligned = packed.data_ptr() % 16 == 0 and scale.data_ptr() % 16 == 0
         self.gs = scale.view(torch.uint8) if mx else w.global_scale.to(torch.float32).contiguous()
-        self.descs = _build_descs(packed, scale, _BN, 32 if mx else BOX_GROUPS, mx) if self.aligned else None
+        self.descs = _build_descs(packed, scale, bn, 32 if mx else BOX_GROUPS, mx) if self.aligned else None
 
 
-def _stack_args(w) -> _StackArgs:
+def _stack_args(w, bn: int) -> _StackArgs:
     got = w.__dict__.get("_tma_args")
-    if got is None or got.packed_ptr != w.packed.data_ptr():
-        got = _StackArgs(w)
+    if got is None or got.packed_ptr != w.packed.data_ptr() or got.bn != bn:
+        got = _StackArgs(w, bn)
         if _is_mx(w) or got.gs is w.global_scale:  # not a per-call fp32 copy: in-place updates are seen
             object.__setattr__(w, "_tma_args", got)  # frozen dataclass: its fields cannot change, a cache may
     return got
@@ -224,7 +229,7 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     E, I, _ = w1.shape
     mx = _is_mx(w1)
     g = 32 if mx else BOX_GROUPS
-    bn, stages, warps = _BN, _STAGES, _WARPS
+    bn, stages, warps = UP_TILE
     npair = k + (shared is not None)
     sw1, sw3, sw2 = shared if shared is not None else (w1, w3, w2)  # stand-ins: no pair reaches them
     y = x.new_empty((T, H))
@@ -241,19 +246,21 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     else:
         h = scratch("moe_h", (T * npair, I), x.dtype, x.device)   # the SwiGLU rows: read by the down launch only
     up_kernel, down_kernel, shared_on = _moe_up_kernel, _moe_down_kernel, shared is not None  # tests replace kernels
-    ukey = (id(up_kernel), mx, emit)
+    ukey = (id(up_kernel), mx, emit, UP_TILE)
     up = _SITES.get(ukey) or new_site(_SITES, ukey, up_kernel, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET,
                                       MX=mx, PAIRS=emit, num_warps=warps)
-    a1, a3, s1, s3, a2, s2 = (_stack_args(w) for w in (w1, w3, sw1, sw3, w2, sw2))
+    a1, a3, s1, s3 = (_stack_args(w, bn) for w in (w1, w3, sw1, sw3))
     up((cdiv(I, bn), T * npair),
         *a1.descs, *a3.descs, *s1.descs, *s3.descs, pairs_descriptor(xp, g, True), xinv, ids_c,
         a1.gs, a3.gs, s1.gs, s3.gs, x if emit else h, hp if emit else h, hinv if emit else h, I, H // 16, k, npair,
         I if emit else h.stride(0), lim)   # emitting: x stands in for h (its dtype is the rounding's; nothing stored)
     if not emit:
         hp, hinv = x_pairs(h)
+    bn, stages, warps = DOWN_TILE
+    a2, s2 = _stack_args(w2, bn), _stack_args(sw2, bn)
     n_tiles = cdiv(H, bn)
     ws = scratch("moe_down", (T * npair, H), torch.float32, x.device)
-    dkey = (id(down_kernel), mx, shared_on)
+    dkey = (id(down_kernel), mx, shared_on, DOWN_TILE)
     down = _SITES.get(dkey) or new_site(_SITES, dkey, down_kernel, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET,
                                         MX=mx, SHARED=shared_on, num_warps=warps)
     down((n_tiles, T * npair),
