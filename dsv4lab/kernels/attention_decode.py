@@ -16,7 +16,8 @@ over ``splits`` programs per (head block, batch row), a balanced share each (spl
 [s*n/S, (s+1)*n/S) of the n valid ones). Every split runs the online softmax of
 ``common.online_softmax_tile`` from m = sink, l = 0 and writes its fp32 (acc, m, l); a second
 launch combines them per head with the sink's exp(sink - M), every split's partials in one load
-and fixed-order reductions over them (deterministic, no atomics). One split (large batches) is one launch that starts from l = 1 and writes the output.
+and fixed-order reductions over them (deterministic, no atomics). One split (large batches) is
+one launch that starts from l = 1 and writes the output.
 """
 from __future__ import annotations
 

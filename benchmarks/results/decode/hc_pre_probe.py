@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from benchmarks.kernels import graph_time_us  # noqa: E402
 from dsv4lab.kernels import mhc_fused as mf  # noqa: E402
 
 HC, D, ITERS, REPS = 4, 7168, 20, 20
@@ -26,26 +27,9 @@ def _empty_kernel(p):
     pass
 
 
-def graph_us(fn, iters: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(REPS):
-                fn()
-    torch.cuda.synchronize()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (iters * REPS)
+def graph_us(fn) -> float:
+    """Device us a call, REPS calls captured in one graph and replayed (``benchmarks.kernels``)."""
+    return graph_time_us([fn] * REPS, reps=50)
 
 
 def main() -> None:

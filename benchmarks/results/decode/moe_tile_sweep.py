@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from benchmarks.kernels import graph_time_us  # noqa: E402
 from benchmarks.measure import copy_ceiling  # noqa: E402
 from dsv4lab.kernels import moe_decode_tma as m  # noqa: E402
 from dsv4lab.quant.stacked import StackedMXFP4, StackedNVFP4, stack_one  # noqa: E402
@@ -33,26 +34,9 @@ def rand_stack(fmt: str, e: int, n: int, k: int, seed: int):
     return StackedNVFP4(packed, bs, torch.full((e,), 1e-3, device="cuda"))
 
 
-def graph_us(fn, iters: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(10):
-                fn()
-    torch.cuda.synchronize()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (iters * 10)
+def graph_us(fn) -> float:
+    """Device us a call, 10 calls captured in one graph and replayed (``benchmarks.kernels``)."""
+    return graph_time_us([fn] * 10, reps=50)
 
 
 def main() -> None:
