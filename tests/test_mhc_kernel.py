@@ -261,10 +261,14 @@ def test_gpu_hc_pre_post_v4_pro_shapes(B, S, dense):
     # the deferred projection (PendingSinkhorn): hc_pre's logits, projected in hc_post's prologue
     logits = hc_pre(streams, fn, base, scale, *args, dense=dense, sinkhorn=False)[2]
     assert (logits - mix_logits(streams, fn, base, scale, cfg.hc_eps, cfg.rms_norm_eps)[2]).abs().max().item() <= 1e-4
-    for settled in (False, True):
+    # its comb is the kernel's (within 2e-5 of the reference's), so a comb entry's bf16 rounding may
+    # land one step away (H100: 3346 of 117M elements at (1, 4096)): sum_j |stream_j| steps more
+    flips = streams.float().abs().sum(dim=-2, keepdim=True)
+    for settled in (False, True):  # settled: launches ran since the logits were written (the reference's)
         frac[f"pending_{settled}"] = _check_bf16(
             hc_post(streams, out, post, logits, sinkhorn_iters=args[0], hc_eps=cfg.hc_eps, logits_settled=settled),
-            HyperConnection.expand(streams, out, post, comb), 0.0, 2 * mixed.float(), name=f"pending settled={settled}")
+            HyperConnection.expand(streams, out, post, comb), 0.0, 2 * mixed.float() + flips,
+            name=f"pending settled={settled}")
 
     hc = cfg.hc_mult
     h_pre = head_weights(streams, fn[:hc], base[:hc], scale[:1], cfg.hc_eps, cfg.rms_norm_eps)
@@ -285,8 +289,8 @@ def test_gpu_hc_pre_graph_replay_is_bitwise_eager():
     out = torch.randn(4, 1, cfg.hidden_size, device="cuda").bfloat16()
 
     def step():
-        _, post, comb, col = hc_pre(streams, fn, base, scale, *args)
         _, post, logits, _ = hc_pre(streams, fn, base, scale, *args, sinkhorn=False)
+        _, post, comb, col = hc_pre(streams, fn, base, scale, *args)  # a launch since the logits: settled
         pending = hc_post(streams, out, post, logits, sinkhorn_iters=args[0], hc_eps=args[1], logits_settled=True)
         return col, hc_post(streams, out, post, comb), pending
 
