@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from dsv4lab.kernels import mhc_fused  # noqa: E402
 from dsv4lab.kernels.mhc_fused import hc_head_pre, hc_post, hc_pre  # noqa: E402
-from dsv4lab.model.mhc import HyperConnection, collapse, head_weights, mix_weights  # noqa: E402
+from dsv4lab.model.mhc import HyperConnection, collapse, head_weights, mix_logits, mix_weights  # noqa: E402
 
 g = torch.Generator().manual_seed(0)
 res = {}
@@ -66,6 +66,12 @@ for name, (hc, D, B, S, dtype, iters, hc_eps, kw, kind, lscale) in CASES.items()
                  "collapsed": diff(k_col, collapse(pre, streams))}
     out = torch.randn(B, S, D, generator=g).to(dtype)
     res[name]["expand"] = diff(hc_post(streams, out, post, comb), HyperConnection.expand(streams, out, post, comb))
+    # the deferred projection: hc_pre's logits, projected by hc_post (PendingSinkhorn's fused pair)
+    logits = mix_logits(streams, fn, base, scale, hc_eps, 1e-6)[2]
+    k_logits = hc_pre(streams, fn, base, scale, iters, hc_eps, 1e-6, sinkhorn=False, **kw)[2]
+    res[name]["logits"] = diff(k_logits, logits)
+    res[name]["expand_pending"] = diff(hc_post(streams, out, post, k_logits, sinkhorn_iters=iters, hc_eps=hc_eps),
+                                       HyperConnection.expand(streams, out, post, comb))
     fn, base, scale = params(hc, D, True, lscale)
     h_pre = head_weights(streams, fn, base, scale, hc_eps, 1e-6)
     k_pre, k_col = hc_head_pre(streams, fn, base, scale, hc_eps, 1e-6, **kw)

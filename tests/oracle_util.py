@@ -118,6 +118,7 @@ class Counting:
         self.fn, self.calls, self.keywords = fn, 0, {}
         self.__name__ = fn.__name__
         self.takes_ring = getattr(fn, "takes_ring", False)  # what the slot's caller asks of fn
+        self.takes_pending_sinkhorn = getattr(fn, "takes_pending_sinkhorn", False)
 
     def __call__(self, *a, **k):
         self.calls += 1

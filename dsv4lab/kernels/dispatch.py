@@ -49,7 +49,7 @@ from . import compressor_pool_cute as pool_cute
 from .device import KERNEL_DTYPES, have_triton_cuda, kernel_can_take
 from ..model.bounded_attention import bounded_attention
 from ..model.linear import grouped_linear
-from ..model.mhc import HyperConnection, collapse, head_weights, mix_weights
+from ..model.mhc import HyperConnection, collapse, head_weights, mix_logits, mix_weights, sinkhorn
 from ..model.moe import route as route_ref
 from ..model.norms import rms_norm as rms_norm_ref
 from ..model.decode_attention import decode_attention as decode_attention_ref
@@ -264,24 +264,40 @@ def _mhc_params_fit(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
 
 
 def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-            hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            hc_eps: float, norm_eps: float, *, sinkhorn: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre, post, comb, collapsed) of one mHC site for streams [B,S,hc,D]: ``mhc_fused.hc_pre`` (one
-    launch) on CUDA, ``mix_weights`` + ``collapse`` elsewhere."""
+    launch) on CUDA, ``mix_weights`` + ``collapse`` elsewhere. ``sinkhorn=False``: comb's logits
+    instead (``mix_logits``), for an ``mhc_post`` that projects them itself."""
     hc = streams.shape[-2] if streams.dim() == 4 else 0
     if _mhc_kernel_can_take(streams, fn, base, scale) and _mhc_params_fit(streams, fn, base, scale, (2 + hc) * hc, 3):
-        return _tk.mhc_fused.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
-    pre, post, comb = mix_weights(streams, fn, base, scale, iters, hc_eps, norm_eps)
+        return _tk.mhc_fused.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, sinkhorn=sinkhorn)
+    if sinkhorn:
+        pre, post, comb = mix_weights(streams, fn, base, scale, iters, hc_eps, norm_eps)
+    else:
+        pre, post, comb = mix_logits(streams, fn, base, scale, hc_eps, norm_eps)
     return pre, post, comb, collapse(pre, streams)
 
 
-def mhc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def mhc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
+             sinkhorn_iters: int = 0, hc_eps: float = 0.0, logits_settled: bool = False) -> torch.Tensor:
     """New streams of one mHC site (``HyperConnection.expand``): ``mhc_fused.hc_post`` on CUDA when
-    block_out has the streams' dtype and every shape is the un-broadcast one, the reference elsewhere."""
+    block_out has the streams' dtype and every shape is the un-broadcast one, the reference elsewhere.
+    ``sinkhorn_iters`` > 0: comb holds logits (``mhc_pre(sinkhorn=False)``), projected here first;
+    ``logits_settled``: they were written at least two launches ago (a block ran since), so the
+    kernel may read them before its PDL wait."""
     if _mhc_kernel_can_take(streams, block_out, post, comb) and block_out.dtype == streams.dtype:
         B, S, hc, D = streams.shape
         if block_out.shape == (B, S, D) and post.shape == (B, S, hc) and comb.shape == (B, S, hc, hc):
-            return _tk.mhc_fused.hc_post(streams, block_out, post, comb)
+            return _tk.mhc_fused.hc_post(streams, block_out, post, comb, sinkhorn_iters=sinkhorn_iters,
+                                         hc_eps=hc_eps, logits_settled=logits_settled)
+    if sinkhorn_iters:
+        comb = sinkhorn(comb, sinkhorn_iters, hc_eps)
     return HyperConnection.expand(streams, block_out, post, comb)
+
+
+mhc_pre.takes_pending_sinkhorn = True   # HyperConnection.defers_sinkhorn: this pair projects comb in mhc_post
+mhc_post.takes_pending_sinkhorn = True
 
 
 def mhc_head_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,

@@ -70,9 +70,23 @@ def _rounded(x, dt: tl.constexpr, BF16_BY_HAND: tl.constexpr):
 
 
 @triton.jit
+def _sinkhorn(logit, ij_ok, iters, hc_eps):
+    """comb [BT, HCP, HCP] from its logits (-inf outside ``ij_ok`` [HCP, HCP]), as the reference's
+    ``sinkhorn``: row softmax + eps, then alternate column / row normalisations (each + eps)."""
+    e = tl.exp(logit - tl.max(logit, axis=2)[:, :, None])
+    c = e / tl.sum(e, axis=2)[:, :, None] + hc_eps          # row softmax + eps
+    c = tl.where(ij_ok[None, :, :], c, 0.0)              # padding stays out of every sum
+    c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+    for _ in range(iters - 1):
+        c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
+        c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+    return c
+
+
+@triton.jit
 def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
             K, D, iters, hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-            HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+            HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr, SINKHORN: tl.constexpr):
     """Totals of one token block -> pre (post, comb) stored in fp32, collapsed stored in x's dtype."""
     r = 1.0 / tl.sqrt(ss / K + norm_eps)                      # unweighted RMS of the flattened streams
     jj = tl.arange(0, HCP)
@@ -93,13 +107,10 @@ def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t,
         b_comb = tl.load(base_ptr + 2 * HC + ij, mask=ij_ok, other=0.0).to(tl.float32)
         logit = tl.reshape(p_comb, (BT, HCP, HCP)) * r[:, None, None] * s_comb + b_comb[None, :, :]
         logit = tl.where(ij_ok[None, :, :], logit, float("-inf"))
-        e = tl.exp(logit - tl.max(logit, axis=2)[:, :, None])
-        c = e / tl.sum(e, axis=2)[:, :, None] + hc_eps          # row softmax + eps
-        c = tl.where(ij_ok[None, :, :], c, 0.0)              # padding stays out of every sum
-        c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-        for _ in range(iters - 1):
-            c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
-            c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+        if SINKHORN:
+            c = _sinkhorn(logit, ij_ok, iters, hc_eps)
+        else:  # the logits, for an hc_post that projects them (``PendingSinkhorn``)
+            c = logit
         tl.store(comb_ptr + t[:, None, None] * (HC * HC) + ij[None, :, :], c, mask=t_ok[:, None, None] & ij_ok[None, :, :])
     for d0 in range(0, D, BD):                                # collapsed = sum_j pre_j * stream_j
         d = d0 + tl.arange(0, BD)
@@ -117,7 +128,8 @@ def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t,
 def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, cnt_ptr,
                    T, K, D, CH, iters, hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr,
                    BK: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
-                   HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr, PDL: tl.constexpr = False):
+                   HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr, PDL: tl.constexpr = False,
+                   SINKHORN: tl.constexpr = True):
     pdl_enter(PDL)
     tb = tl.program_id(0)
     sp = tl.program_id(1)
@@ -154,7 +166,7 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
     p_comb = tl.sum(acc_comb, axis=2)
     if SPLIT == 1:
         _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
-                K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND)
+                K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN)
     else:
         # partial row per (block, split, token): [pre HCP | post HCP | comb HCP^2 | sum x^2]
         W = 2 * HCP + HCP * HCP + 1
@@ -179,7 +191,7 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
             p_comb = tl.sum(tl.load(rows[:, :, None] + 2 * HCP + cc[None, None, :], mask=s_ok, other=0.0,
                                     cache_modifier=".cg"), axis=0)
             _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post,
-                    p_comb, K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND)
+                    p_comb, K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN)
             tl.atomic_xchg(cnt_ptr + tb, 0, sem="relaxed")  # next use is a later launch: no fence
 
 
@@ -202,7 +214,7 @@ def _parts_sum(prod_ptr, t, t_ok, col, col_ok, T, MIX, CHUNKS):
 def _hc_pre_dense_finish_kernel(x_ptr, prod_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr,
                                 T, K, D, MIX, CHUNKS, iters, hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr,
                                 BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, HEAD: tl.constexpr,
-                                BF16_BY_HAND: tl.constexpr):
+                                BF16_BY_HAND: tl.constexpr, SINKHORN: tl.constexpr = True):
     """The dense tier's second launch: sum x^2 of BT tokens, their mixes from the parts' products
     [CHUNKS, T, 3 * MIX] (cuBLAS), then ``_finish``."""
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
@@ -226,26 +238,47 @@ def _hc_pre_dense_finish_kernel(x_ptr, prod_ptr, base_ptr, scale_ptr, pre_ptr, p
         p_comb = _parts_sum(prod_ptr, t, t_ok, 2 * HC + (cc // HCP) * HC + cc % HCP,
                             ((cc // HCP) < HC) & ((cc % HCP) < HC), T, MIX, CHUNKS)
     _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
-            K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND)
+            K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN)
 
 
 @triton.jit
-def _hc_post_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, D, HC: tl.constexpr, HCP: tl.constexpr,
-                    BD: tl.constexpr, BF16_BY_HAND: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
+def _comb_of_logits(comb_ptr, t, k, k_ok, iters, hc_eps, HC: tl.constexpr, HCP: tl.constexpr):
+    """One token's comb [HCP, HCP] from the logits hc_pre stored (``_finish`` with SINKHORN off),
+    read past L1 (``.cg``: they may be read before this grid's PDL wait)."""
+    ij_ok = k_ok[:, None] & k_ok[None, :]
+    logit = tl.load(comb_ptr + t * (HC * HC) + k[:, None] * HC + k[None, :], mask=ij_ok, other=float("-inf"),
+                    cache_modifier=".cg")
+    return tl.reshape(_sinkhorn(tl.reshape(logit, (1, HCP, HCP)), ij_ok, iters, hc_eps), (HCP, HCP))
+
+
+@triton.jit
+def _hc_post_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, D, iters, hc_eps, HC: tl.constexpr, HCP: tl.constexpr,
+                    BD: tl.constexpr, BF16_BY_HAND: tl.constexpr, PDL: tl.constexpr = False,
+                    SINKHORN: tl.constexpr = False, EARLY: tl.constexpr = False):
+    """``SINKHORN``: comb_ptr holds logits, projected here first; ``EARLY`` (the logits were written
+    at least two grids before: a block ran since hc_pre) before the PDL wait, under the previous
+    grid's run."""
     t = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * BD + tl.arange(0, BD)
-    d_ok = d < D
     k = tl.arange(0, HCP)
     k_ok = k < HC
+    if SINKHORN and EARLY:
+        comb = _comb_of_logits(comb_ptr, t, k, k_ok, iters, hc_eps, HC, HCP)
+    pdl_enter(PDL)
+    if SINKHORN and not EARLY:
+        comb = _comb_of_logits(comb_ptr, t, k, k_ok, iters, hc_eps, HC, HCP)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    d_ok = d < D
     dt = y_ptr.dtype.element_ty
     post = _rounded(tl.load(post_ptr + t * HC + k, mask=k_ok, other=0.0).to(tl.float32), dt, BF16_BY_HAND)
     out = tl.load(o_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)
     placed = _rounded(post[:, None] * out[None, :], dt, BF16_BY_HAND)    # post.to(dtype) * out, rounded
     mixed = tl.zeros((HCP, BD), dtype=tl.float32)
     for j in tl.static_range(HC):                                     # comb^T @ streams, stream order
-        cj = _rounded(tl.load(comb_ptr + t * (HC * HC) + j * HC + k, mask=k_ok, other=0.0).to(tl.float32), dt,
-                      BF16_BY_HAND)
+        if SINKHORN:  # row j of comb over k
+            cj = _rounded(tl.sum(tl.where(k[:, None] == j, comb, 0.0), axis=0), dt, BF16_BY_HAND)
+        else:
+            cj = _rounded(tl.load(comb_ptr + t * (HC * HC) + j * HC + k, mask=k_ok, other=0.0).to(tl.float32), dt,
+                          BF16_BY_HAND)
         sj = tl.load(x_ptr + (t * HC + j) * D + d, mask=d_ok, other=0.0).to(tl.float32)
         mixed += cj[:, None] * sj[None, :]
     y = _rounded(placed + _rounded(mixed, dt, BF16_BY_HAND), dt, BF16_BY_HAND).to(dt)
@@ -313,7 +346,7 @@ def use_dense(T: int, dtype: torch.dtype, dense: bool | None = None) -> bool:
     return T >= DENSE_MIN_T if dense is None else dense
 
 
-def _pre_dense(x, fn, base, scale, iters, hc_eps, norm_eps, head, pre, post, comb, out):
+def _pre_dense(x, fn, base, scale, iters, hc_eps, norm_eps, head, pre, post, comb, out, sinkhorn=True):
     """The dense tier: cuBLAS products of x and fn's parts (transient: chunks x T x 3 * mix fp32,
     33 MB for a 4096-token V4-Pro chunk; fn's parts 4 MB), then one finish launch."""
     B, S, hc, D = x.shape
@@ -322,15 +355,16 @@ def _pre_dense(x, fn, base, scale, iters, hc_eps, norm_eps, head, pre, post, com
     prod = _mix_products(x.view(T, hc * D), fn_parts(fn), chunks)
     hcp = next_pow2(hc)
     kernel, by_hand = _hc_pre_dense_finish_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
-    skey = (id(kernel), hc, head, by_hand)
+    skey = (id(kernel), hc, head, by_hand, sinkhorn)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, HC=hc, HCP=hcp, BT=DENSE_BT, BK=COLLAPSE_ELEMS // DENSE_BT,
-                                        BD=COLLAPSE_ELEMS // DENSE_BT, HEAD=head, BF16_BY_HAND=by_hand, num_warps=4)
+                                        BD=COLLAPSE_ELEMS // DENSE_BT, HEAD=head, BF16_BY_HAND=by_hand,
+                                        SINKHORN=sinkhorn, num_warps=4)
     site((cdiv(T, DENSE_BT),),
         x, prod, base.contiguous(), scale.contiguous(), pre, post, comb, out, T, hc * D, D, fn.shape[0], chunks, int(iters),
         float(hc_eps), float(norm_eps))
 
 
-def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, block_k, dense):
+def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, block_k, dense, sinkhorn=True):
     B, S, hc, D = streams.shape
     T, K = B * S, hc * D
     x = streams.contiguous()
@@ -342,7 +376,7 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     if T == 0:
         return pre, post, comb, out
     if use_dense(T, x.dtype, dense):
-        _pre_dense(x, fn, base, scale, iters, hc_eps, norm_eps, head, pre, post, comb, out)
+        _pre_dense(x, fn, base, scale, iters, hc_eps, norm_eps, head, pre, post, comb, out, sinkhorn)
         return pre, post, comb, out
     bt, bk, ch, n_split = pre_split(T, K, split, block_k)
     hcp = next_pow2(hc)
@@ -354,11 +388,11 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
         ws = cnt = pre  # unused
     kernel, by_hand = _hc_pre_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
     pdl = use_pdl(n_tb * n_split, dev)
-    skey = (id(kernel), hc, bt, bk, n_split, head, by_hand, pdl)
+    skey = (id(kernel), hc, bt, bk, n_split, head, by_hand, pdl, sinkhorn)
     site = _SITES.get(skey) or new_site(
         _SITES, skey, kernel, HC=hc, HCP=hcp, BT=bt, BK=bk,
         BD=max(64, (DECODE_COLLAPSE_ELEMS if bt == 1 else COLLAPSE_ELEMS) // bt), SPLIT=n_split,
-        SPLITP=next_pow2(n_split), HEAD=head, BF16_BY_HAND=by_hand, num_warps=PRE_WARPS,
+        SPLITP=next_pow2(n_split), HEAD=head, BF16_BY_HAND=by_hand, num_warps=PRE_WARPS, SINKHORN=sinkhorn,
         **pdl_kw(pdl))
     site((n_tb, n_split),
         x, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,
@@ -369,11 +403,12 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
 @on_input_device
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
            hc_eps: float, norm_eps: float, *, split: int | None = None, block_k: int | None = None,
-           dense: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           dense: bool | None = None, sinkhorn: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [B,S,hc,D] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc] fp32, collapsed [B,S,D] in
-    streams.dtype), as ``mix_weights`` + ``collapse``. ``split`` / ``block_k`` override the tiles'
-    rule, ``dense`` the tier (``use_dense``; tests and benchmarks)."""
-    return _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, split, block_k, dense)
+    streams.dtype), as ``mix_weights`` + ``collapse``; ``sinkhorn=False``: comb's logits instead
+    (``mix_logits``; ``hc_post(sinkhorn_iters=...)`` projects them). ``split`` / ``block_k``
+    override the tiles' rule, ``dense`` the tier (``use_dense``; tests and benchmarks)."""
+    return _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, split, block_k, dense, sinkhorn)
 
 
 @on_input_device
@@ -386,9 +421,12 @@ def hc_head_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
 
 
 @on_input_device
-def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
+            sinkhorn_iters: int = 0, hc_eps: float = 0.0, logits_settled: bool = False) -> torch.Tensor:
     """New streams [B,S,hc,D] = post_k * block_out + sum_j comb[j,k] * stream_j, as ``HyperConnection.expand``
-    (block_out in streams.dtype)."""
+    (block_out in streams.dtype). ``sinkhorn_iters`` > 0: comb holds ``hc_pre(sinkhorn=False)``'s
+    logits, projected per token first (``_sinkhorn``); ``logits_settled``: they were written at
+    least two launches ago, so that runs before the PDL wait (under the previous grid)."""
     B, S, hc, D = streams.shape
     x = streams.contiguous()
     y = torch.empty_like(x)
@@ -397,9 +435,12 @@ def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, 
     kernel, by_hand = _hc_post_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
     grid = (B * S, cdiv(D, POST_BD))
     pdl = use_pdl(grid[0] * grid[1], x.device)
-    skey = (id(kernel), hc, by_hand, pdl)
+    project = sinkhorn_iters > 0
+    early = project and logits_settled and pdl
+    skey = (id(kernel), hc, by_hand, pdl, project, early)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, HC=hc, HCP=next_pow2(hc), BD=POST_BD,
-                                        BF16_BY_HAND=by_hand, num_warps=4,
+                                        BF16_BY_HAND=by_hand, SINKHORN=project, EARLY=early, num_warps=4,
                                         **pdl_kw(pdl))
-    site(grid, x, block_out.contiguous(), post.contiguous(), comb.contiguous(), y, D)
+    site(grid, x, block_out.contiguous(), post.contiguous(), comb.contiguous(), y, D, int(sinkhorn_iters),
+         float(hc_eps))
     return y

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quant.stacked import StackedMXFP4
@@ -120,7 +121,9 @@ def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, sw1_desc, ss1_desc, sw3_d
 def _moe_down_kernel(w2_desc, s2_desc, sw2_desc, ss2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_ptr, sg2_ptr,
                      y_ptr, ws_ptr, cnt_ptr, H, KG, TOPK, NPAIR, stride_yt,
                      BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr, MX: tl.constexpr,
-                     SHARED: tl.constexpr):
+                     SHARED: tl.constexpr, TRIGGER: tl.constexpr = False):
+    if TRIGGER:  # a PDL-launched successor (hc_post) may become resident once this grid's last CTAs run:
+        gdc_launch_dependents()  # it does its own prologue there and waits for this grid's end as usual
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     t = pair // NPAIR
@@ -262,7 +265,7 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     ws = scratch("moe_down", (T * npair, H), torch.float32, x.device)
     dkey = (id(down_kernel), mx, shared_on, DOWN_TILE)
     down = _SITES.get(dkey) or new_site(_SITES, dkey, down_kernel, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET,
-                                        MX=mx, SHARED=shared_on, num_warps=warps)
+                                        MX=mx, SHARED=shared_on, TRIGGER=not INTERPRET, num_warps=warps)
     down((n_tiles, T * npair),
         *a2.descs, *s2.descs, pairs_descriptor(hp, g, True), hinv, ids_c, wts,
         a2.gs, s2.gs, y, ws, counters(x.device, T * n_tiles), H, I // 16, k, npair, y.stride(0))

@@ -41,6 +41,13 @@ def note_change() -> None:
     _changes += 1
 
 
+def module_hooks_listen(module: nn.Module) -> bool:
+    """Would a torch forward hook (the module's own or a process-wide one) see this module's
+    outputs? Fused paths that return something other than the reference's types step aside then."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or not _FAST_CALL
+                or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1])
+
+
 class _CountedHandle:
     """A hook's removal handle that also counts the removal (``with`` works as torch's does)."""
 

@@ -14,12 +14,14 @@ hooks and overriding implementations (docs/components.md) always see the referen
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import DSV4Config
-from .component import Component
+from .component import Component, module_hooks_listen
 from .hooks import HookPoint
 from .norms import unweighted_rms_norm
 
@@ -34,9 +36,10 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
-def mix_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-                hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [B,S,hc,D] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), all fp32."""
+def mix_logits(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+               norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [B,S,hc,D] -> (pre [B,S,hc], post [B,S,hc], comb's logits [B,S,hc,hc]), all fp32:
+    ``mix_weights`` before the Sinkhorn."""
     hc = streams.shape[-2]
     flat = unweighted_rms_norm(streams.flatten(start_dim=2).float(), norm_eps)
     pre_w, post_w, comb_w = F.linear(flat, fn.float()).split([hc, hc, hc * hc], dim=-1)
@@ -44,8 +47,30 @@ def mix_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     s_pre, s_post, s_comb = scale.float().unbind(0)
     pre = torch.sigmoid(pre_w * s_pre + pre_b) + hc_eps
     post = 2 * torch.sigmoid(post_w * s_post + post_b)
-    comb = sinkhorn(comb_w.unflatten(-1, (hc, hc)) * s_comb + comb_b.view(hc, hc), iters, hc_eps)
-    return pre, post, comb
+    return pre, post, comb_w.unflatten(-1, (hc, hc)) * s_comb + comb_b.view(hc, hc)
+
+
+def mix_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [B,S,hc,D] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), all fp32."""
+    pre, post, logits = mix_logits(streams, fn, base, scale, hc_eps, norm_eps)
+    return pre, post, sinkhorn(logits, iters, hc_eps)
+
+
+@dataclass(frozen=True)
+class PendingSinkhorn:
+    """comb's logits [B,S,hc,hc] (fp32) whose Sinkhorn the expansion runs: what
+    ``HyperConnection.forward`` hands to ``combine`` when both fused launches run
+    (``defers_sinkhorn``). The fused expansion then projects in its PDL prologue, under the
+    block's last kernel, instead of on hc_pre's critical path (~2 us a decode site)."""
+
+    logits: torch.Tensor
+    iters: int
+    eps: float
+
+    def resolve(self) -> torch.Tensor:
+        """The doubly stochastic comb (``sinkhorn``), for a reference expansion."""
+        return sinkhorn(self.logits, self.iters, self.eps)
 
 
 def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
@@ -95,19 +120,40 @@ class HyperConnection(Component):
         pre, post, comb = mix_weights(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps)
         return self.hook_pre(pre), self.hook_post(post), self.hook_comb(comb)
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [B,S,hc,D] -> (post, comb, collapsed [B,S,D])."""
+    def defers_sinkhorn(self) -> bool:
+        """Does the fused path hand ``combine`` a ``PendingSinkhorn``? Only when both slots take one
+        (``takes_pending_sinkhorn``: the fused pair of ``dsv4lab.kernels``), the expansion is the
+        reference's and no torch hook on this module would see the forward's outputs."""
+        return (getattr(self.kernel, "takes_pending_sinkhorn", False)
+                and getattr(self.post_kernel, "takes_pending_sinkhorn", False)
+                and type(self).expand is HyperConnection.expand and type(self).combine is HyperConnection.combine
+                and not module_hooks_listen(self))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | PendingSinkhorn, torch.Tensor]:
+        """streams [B,S,hc,D] -> (post, comb, collapsed [B,S,D]); comb is a ``PendingSinkhorn``
+        where ``defers_sinkhorn`` (``combine`` takes either)."""
         if self.kernel is not None and type(self).mixes is HyperConnection.mixes and not self.hooked():
+            if self.defers_sinkhorn():
+                _, post, logits, collapsed = self.kernel(streams, self.fn, self.base, self.scale, self.iters,
+                                                         self.hc_eps, self.norm_eps, sinkhorn=False)
+                return post, PendingSinkhorn(logits, self.iters, self.hc_eps), collapsed
             _, post, comb, collapsed = self.kernel(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps,
                                                    self.norm_eps)
             return post, comb, collapsed
         pre, post, comb = self.mixes(streams)
         return post, comb, self.hook_collapsed(collapse(pre, streams))
 
-    def combine(self, streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    def combine(self, streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
+                comb: torch.Tensor | PendingSinkhorn) -> torch.Tensor:
         """Instance entry point of the expansion (implementations may override ``expand``)."""
+        pending = type(comb) is PendingSinkhorn
         if self.post_kernel is not None and type(self).expand is HyperConnection.expand and not self.hooked():
+            if pending:  # the block's launches ran since hc_pre wrote the logits: hc_post may read them early
+                return self.post_kernel(streams, block_out, post, comb.logits, sinkhorn_iters=comb.iters,
+                                        hc_eps=comb.eps, logits_settled=True)
             return self.post_kernel(streams, block_out, post, comb)
+        if pending:  # a hook started listening since forward: the reference projection, then expand
+            comb = comb.resolve()
         return self.hook_streams(self.expand(streams, block_out, post, comb))
 
     @staticmethod
