@@ -83,9 +83,8 @@ def _gemv_tma_tile(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_p
                    USE_ASM: tl.constexpr, PDL: tl.constexpr, MX: tl.constexpr, XINV: tl.constexpr,
                    ROWS_PER_X: tl.constexpr):
     """One CTA of the M = 1 GEMV: row tile ``pid_n`` x K split ``pid_k`` (the body of the single
-    and the paired kernel, so a weight's outputs are the same bits in either)."""
-    if PDL:  # launched while the x-pair prelude runs; its pairs are visible after the wait
-        gdc_wait()
+    and the paired kernel, so a weight's outputs are the same bits in either). The kernel has
+    waited on the previous grid already where ``PDL``."""
     n0 = pid_n * BN
     rows = n0 + tl.arange(0, BN)
     row_ok = rows < N
@@ -116,6 +115,8 @@ def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt
                      ROWS_PER_X: tl.constexpr = 0):
     """``ROWS_PER_X`` (grouped use, a multiple of BN): row block i of that many rows multiplies
     activation row i (pair rows from i * KG); 0: one activation row for all."""
+    if PDL:  # launched while the x-pair prelude runs; its pairs are visible after the wait
+        gdc_wait()
     _gemv_tma_tile(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, N, KG, gps, SPLIT,
                    tl.program_id(0), tl.program_id(1), USE_SPLIT, BN, G, STAGES, USE_ASM, PDL, MX, XINV, ROWS_PER_X)
 
@@ -129,6 +130,8 @@ def _gemv_tma_pair_kernel(wa_desc, sa_desc, wb_desc, sb_desc, x_desc, inv_ptr, g
     """Two weights against one activation row in one launch (``run_gemv_tma_pair``): programs
     0 .. TILES_A * SPLIT_A - 1 are weight A's (tile, split) CTAs, the rest weight B's, each exactly
     the single kernel's CTA (B's tile counters after A's)."""
+    if PDL:  # launched while the x-pair prelude runs; its pairs are visible after the wait
+        gdc_wait()
     pid = tl.program_id(0)
     n_a = TILES_A * SPLIT_A
     if pid < n_a:
