@@ -137,6 +137,27 @@ for M in (2, 5, 16):  # the tl.dot loop on the same weight ring
         cfg = {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": split, "num_warps": 1}
         y = nvfp4_matmul(x, wt.packed, wt.block_scale, wt.global_scale, out_dtype=torch.float32, config=cfg)
         res[f"tmadot_M{M}_split{split}"] = err(y, nvfp4_matmul_ref(x.float(), wt))
+# two weights of one x in one launch (wq_a + wkv): each output the bits of its own launch; A with 3
+# tiles split 2 (a partial tile), B with 2 tiles split 3 (the pair's counters and partials apart)
+from dsv4lab.kernels.linear_nvfp4_tma import GemvTmaPlan, pair_fits, run_gemv_tma, run_gemv_tma_pair
+wa, wb = random_nvfp4(40, 768), random_nvfp4(32, 768)
+xq = rnd(768).to(torch.bfloat16)
+plans = [GemvTmaPlan(w.packed, w.block_scale.view(torch.uint8), {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": sp,
+                                                                  "num_warps": 1, "XINV": True}, True, xq.dtype)
+         for w, sp in ((wa, 2), (wb, 3))]
+gss = [w.global_scale.reshape(1).float() for w in (wa, wb)]
+alone = []
+for pl, gs in zip(plans, gss):
+    alone.append(torch.empty(pl.N, dtype=torch.bfloat16))
+    run_gemv_tma(pl, xq, gs, alone[-1])
+ya, yb = torch.full((40,), float("nan"), dtype=torch.bfloat16), torch.full((32,), float("nan"), dtype=torch.bfloat16)
+run_gemv_tma_pair(plans[0], plans[1], xq, gss[0], gss[1], ya, yb)
+other = GemvTmaPlan(wb.packed, wb.block_scale.view(torch.uint8), {"TMA": True, "BN": 32, "STAGES": 2, "SPLIT": 1,
+                                                                   "num_warps": 1, "XINV": True}, True, xq.dtype)
+res["tma_pair"] = {"a_bitwise": bool(torch.equal(ya, alone[0])), "b_bitwise": bool(torch.equal(yb, alone[1])),
+                   "splits": [plans[0].split, plans[1].split], "fits": pair_fits(*plans),
+                   "other_tiles_fit": pair_fits(plans[0], other),
+                   "a_err": err(ya.float(), nvfp4_matmul_ref(xq[None].float(), wa)[0])}
 # grouped (block-diagonal, wo_a) use of the TMA GEMV: 3 row blocks of 32 rows (2 tiles each), each
 # times its own x row, in one prelude + one GEMV; and the per-block loop for 2 tokens
 from dsv4lab.kernels.linear_nvfp4 import nvfp4_grouped_matmul

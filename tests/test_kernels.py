@@ -70,7 +70,7 @@ def interp_results():
 
 def test_interp_tma_gemv(interp_results):
     """The TMA GEMV (descriptor loads, per-group x scaling, split-K fix-up) through the interpreter."""
-    r = {k: v for k, v in interp_results.items() if k.startswith("tma_") and k not in ("tma_pairs", "tma_rejects_m17")}
+    r = {k: v for k, v in interp_results.items() if k.startswith("tma_") and k not in ("tma_pairs", "tma_rejects_m17", "tma_pair")}
     assert len(r) == 12  # 5 x kinds x 2 splits + 32-group boxes x 2 splits
     for k, v in r.items():
         assert v["bad"] == 0 and v["ref_max"] > 0, (k, v)
@@ -81,6 +81,15 @@ def test_interp_tma_gemv(interp_results):
         assert v["bad"] == 0 and v["ref_max"] > 0 and v["max_abs"] <= 1e-4 * v["ref_max"], (k, v)
     assert interp_results["tma_pairs"] == {"pairs_exact": True, "inv_exact": True}
     assert interp_results["tma_rejects_m17"] is True
+
+
+def test_interp_tma_gemv_pair(interp_results):
+    """Two weights of one x in one launch (wq_a + wkv): each output bitwise its own launch's, with
+    different splits (the pair's partials and tile counters kept apart); tiles that differ do not fit."""
+    v = interp_results["tma_pair"]
+    assert v["a_bitwise"] and v["b_bitwise"] and v["splits"] == [2, 3], v
+    assert v["fits"] is True and v["other_tiles_fit"] is False, v
+    assert v["a_err"]["bad"] == 0 and v["a_err"]["max_abs"] <= 1e-2 * v["a_err"]["ref_max"], v
 
 
 def test_interp_grouped_tma_gemv(interp_results):

@@ -258,3 +258,52 @@ def test_gpu_bf16_qlinear_gets_plain_slot():
         assert (lin(x).float() - F.linear(x, lin.weight).float()).abs().max().item() <= 2 ** -7 * lin(x).float().abs().max().item()
         xp = torch.randn(1, 600, 7168, device="cuda").bfloat16()
         assert torch.equal(lin(xp), F.linear(xp, lin.weight))   # prefill rows stay on cuBLAS
+
+
+def test_attention_pairs_wq_a_and_wkv_of_one_decode_token():
+    """Decode runs wq_a and wkv of x as one ``quant_pair_kernel`` launch (a counting F.linear pair
+    here) and offers each its output: the same logits, one pair a decode step, neither linear's own
+    kernel called in decode, and no offer left behind; a linear whose kernel the pair does not
+    reproduce (no ``pairs_with``) keeps the two launches."""
+    from dsv4lab.kernels import dispatch
+    from dsv4lab.precision.quantize import quantize_linears
+    from dsv4lab.workbench import random_model
+    from oracle_util import decode_logits, random_ids, tiny_config
+
+    cfg = tiny_config()
+    m = random_model(cfg, seed=6)
+    quantize_linears(m, fmt="nvfp4", pattern="layers.1.attn.w*")
+    attn = m.layers[1].attn
+    assert attn.wq_a.qweight is not None and attn.wkv.qweight is not None
+    own, pairs = [], []
+
+    def pair(x, wa, wb):
+        pairs.append(x.shape)
+        return F.linear(x, wa.dequantize(x.dtype)), F.linear(x, wb.dequantize(x.dtype))
+
+    class Own:  # the slot whose outputs the pair reproduces (dispatch.quant_linear's role)
+        pairs_with = staticmethod(pair)
+
+        def __call__(self, x, w):
+            own.append(x.shape)
+            return F.linear(x, w.dequantize(x.dtype))
+
+    attn.wq_a.kernel = attn.wkv.kernel = Own()
+    attn.norm_kernel, attn.rope_kernel = dispatch.rms_norm, dispatch.norm_rope  # the fused rows (CPU reference)
+    ids = random_ids(cfg, n=12, b=1)
+    ref = decode_logits(m, ids, steps=3)
+    n_own = len(own)
+    attn.quant_pair_kernel = pair
+    got = decode_logits(m, ids, steps=3)
+    assert torch.equal(got, ref)
+    # the prompt ([1, 9, D]: this stand-in takes it; the GPU pair declines more than one token) and 3 steps
+    assert [s[1] for s in pairs] == [9, 1, 1, 1]
+    assert len(own) == n_own                           # every offer taken: neither linear ran itself
+    assert attn.wq_a._offered is None and attn.wkv._offered is None
+    xq = torch.zeros(1, 1, cfg.hidden_size)
+    assert dispatch.quant_linear_pair(xq, attn.wq_a.qweight, attn.wkv.qweight) is None   # CPU: each runs itself
+    attn.wkv.kernel = dispatch.quant_linear            # pairs with another kernel: not with this one
+    assert attn.wkv.pair_weight(torch.zeros(1, 1, cfg.hidden_size), pair) is None
+    pairs.clear()
+    decode_logits(m, ids, steps=2)
+    assert not pairs

@@ -94,7 +94,7 @@ PLAIN_GEMV_MAX_N = 1024  # output rows up to which it does (H200: 64-384 rows fa
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "plain_linear",
            "plain_linear_batch", "grouped_quant_linear",
            "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention",
-           "index_scores_decode", "index_scores_prefill", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "route"]
+           "index_scores_decode", "index_scores_prefill", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "route", "quant_linear_pair"]
 
 
 def weight_on_cuda(w) -> bool:
@@ -117,6 +117,19 @@ def quant_linear(x: torch.Tensor, w) -> torch.Tensor:
 
 
 nvfp4_linear = quant_linear  # the name QLinear.kernel had when only NVFP4 had a kernel
+
+
+def quant_linear_pair(x: torch.Tensor, wa, wb) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``Attention.quant_pair_kernel``: (x @ A^T, x @ B^T) in one launch for one decode token and
+    two NVFP4 weights whose M = 1 GEMVs fit one grid (``linear_nvfp4.nvfp4_pair_matmul``: each
+    output the bits of ``quant_linear(x, w)``); None otherwise (the caller runs each on its own)."""
+    if (getattr(wa, "format", None) == "nvfp4" and getattr(wb, "format", None) == "nvfp4" and kernel_can_take(x)
+            and weight_on_cuda(wa) and weight_on_cuda(wb)):
+        return _tk.linear_nvfp4.nvfp4_pair_matmul(x, wa, wb)
+    return None
+
+
+quant_linear.pairs_with = quant_linear_pair  # QLinear.pair_weight: a slot whose outputs the pair reproduces
 
 
 def plain_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

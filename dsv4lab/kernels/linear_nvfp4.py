@@ -66,7 +66,8 @@ from .dequant_gemm import DENSE_MIN_M, SCRATCH_BYTES, dense_supported, dequantiz
 from .device import env_value, on_input_device
 from .launch import launch
 from .linear_gemm import gemm_supported, prefill_gemm
-from .linear_nvfp4_tma import GemvTmaPlan, launch_gemv_tma, run_gemv_tma, tma_default_config, tma_supported
+from .linear_nvfp4_tma import GemvTmaPlan, launch_gemv_tma, pair_fits, run_gemv_tma, run_gemv_tma_pair, \
+    tma_default_config, tma_supported
 
 
 @triton.jit
@@ -590,6 +591,25 @@ def nvfp4_grouped_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: tor
     ys = [nvfp4_matmul(x1[:, g], packed[g * rows:(g + 1) * rows], block_scale[g * rows:(g + 1) * rows], global_scale)
           for g in range(G)]
     return torch.stack(ys, dim=-2).view(*lead, G, rows)
+
+
+@on_input_device
+def nvfp4_pair_matmul(x: torch.Tensor, a, b) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x @ A^T, x @ B^T) for one decode token x (K elements, contiguous) and two NVFP4 weights of
+    in_features K in one launch, each bitwise ``nvfp4_matmul(x, ...)``; None where their M = 1 TMA
+    GEMVs cannot share a launch (``linear_nvfp4_tma.pair_fits``: q_a and wkv of V4-Pro do)."""
+    if x.numel() != a.packed.shape[1] * 2 or not x.is_contiguous():
+        return None
+    pa = _decode_plan(x, a.packed, a.block_scale, a.global_scale, 1)
+    pb = _decode_plan(x, b.packed, b.block_scale, b.global_scale, 1)
+    if pa is None or pb is None or pa.tma is None or pb.tma is None or pa.gs is None or pb.gs is None \
+            or not pair_fits(pa.tma, pb.tma):
+        return None
+    lead = x.shape[:-1]
+    ya = x.new_empty((*lead, pa.tma.N))
+    yb = x.new_empty((*lead, pb.tma.N))
+    run_gemv_tma_pair(pa.tma, pb.tma, x, pa.gs, pb.gs, ya, yb)
+    return ya, yb
 
 
 def nvfp4_matmul_ref(x: torch.Tensor, w) -> torch.Tensor:

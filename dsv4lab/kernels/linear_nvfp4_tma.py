@@ -78,15 +78,18 @@ def _tile_and_split(N, KG, gps, BN: tl.constexpr):
 
 
 @triton.jit
-def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, N, KG, gps, SPLIT,
-                     USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr,
-                     USE_ASM: tl.constexpr, PDL: tl.constexpr, MX: tl.constexpr, XINV: tl.constexpr,
-                     ROWS_PER_X: tl.constexpr = 0):
-    """``ROWS_PER_X`` (grouped use, a multiple of BN): row block i of that many rows multiplies
-    activation row i (pair rows from i * KG); 0: one activation row for all."""
-    if PDL:  # launched while the x-pair prelude runs; its pairs are visible after the wait
-        gdc_wait()
-    n0, rows, row_ok, g_lo, g_hi = _tile_and_split(N, KG, gps, BN)
+def _gemv_tma_tile(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, N, KG, gps, SPLIT, pid_n, pid_k,
+                   USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr,
+                   USE_ASM: tl.constexpr, PDL: tl.constexpr, MX: tl.constexpr, XINV: tl.constexpr,
+                   ROWS_PER_X: tl.constexpr):
+    """One CTA of the M = 1 GEMV: row tile ``pid_n`` x K split ``pid_k`` (the body of the single
+    and the paired kernel, so a weight's outputs are the same bits in either). The kernel has
+    waited on the previous grid already where ``PDL``."""
+    n0 = pid_n * BN
+    rows = n0 + tl.arange(0, BN)
+    row_ok = rows < N
+    g_lo = pid_k * gps
+    g_hi = tl.minimum(g_lo + gps, KG)
     if ROWS_PER_X:
         row0 = (n0 // ROWS_PER_X) * KG
     else:
@@ -101,8 +104,44 @@ def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt
     if PDL:  # the next launch (e.g. the next call's prelude) may start while this grid finishes
         gdc_launch_dependents()
     res = tl.sum(acc, axis=1) * 16384.0  # undo the 2^-14 of the nibble trick
-    store_or_fix_up(res, y_ptr + rows, ws_ptr + rows, row_ok, cnt_ptr, tl.program_id(0), tl.program_id(1), N, SPLIT,
+    store_or_fix_up(res, y_ptr + rows, ws_ptr + rows, row_ok, cnt_ptr, pid_n, pid_k, N, SPLIT,
                      weight_global_scale(gs_ptr, 0, MX), USE_SPLIT)
+
+
+@triton.jit
+def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, N, KG, gps, SPLIT,
+                     USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr,
+                     USE_ASM: tl.constexpr, PDL: tl.constexpr, MX: tl.constexpr, XINV: tl.constexpr,
+                     ROWS_PER_X: tl.constexpr = 0):
+    """``ROWS_PER_X`` (grouped use, a multiple of BN): row block i of that many rows multiplies
+    activation row i (pair rows from i * KG); 0: one activation row for all."""
+    if PDL:  # launched while the x-pair prelude runs; its pairs are visible after the wait
+        gdc_wait()
+    _gemv_tma_tile(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, N, KG, gps, SPLIT,
+                   tl.program_id(0), tl.program_id(1), USE_SPLIT, BN, G, STAGES, USE_ASM, PDL, MX, XINV, ROWS_PER_X)
+
+
+@triton.jit
+def _gemv_tma_pair_kernel(wa_desc, sa_desc, wb_desc, sb_desc, x_desc, inv_ptr, gsa_ptr, gsb_ptr, ya_ptr, yb_ptr,
+                          wsa_ptr, wsb_ptr, cnt_ptr, NA, NB, KG, gpsa, gpsb, SPLIT_A, SPLIT_B, TILES_A,
+                          USE_SPLIT_A: tl.constexpr, USE_SPLIT_B: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
+                          STAGES: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, MX: tl.constexpr,
+                          XINV: tl.constexpr):
+    """Two weights against one activation row in one launch (``run_gemv_tma_pair``): programs
+    0 .. TILES_A * SPLIT_A - 1 are weight A's (tile, split) CTAs, the rest weight B's, each exactly
+    the single kernel's CTA (B's tile counters after A's)."""
+    if PDL:  # launched while the x-pair prelude runs; its pairs are visible after the wait
+        gdc_wait()
+    pid = tl.program_id(0)
+    n_a = TILES_A * SPLIT_A
+    if pid < n_a:
+        _gemv_tma_tile(wa_desc, sa_desc, x_desc, inv_ptr, gsa_ptr, ya_ptr, wsa_ptr, cnt_ptr, NA, KG, gpsa, SPLIT_A,
+                       pid % TILES_A, pid // TILES_A, USE_SPLIT_A, BN, G, STAGES, USE_ASM, PDL, MX, XINV, 0)
+    else:
+        q = pid - n_a
+        tiles_b = tl.cdiv(NB, BN)
+        _gemv_tma_tile(wb_desc, sb_desc, x_desc, inv_ptr, gsb_ptr, yb_ptr, wsb_ptr, cnt_ptr + TILES_A, NB, KG, gpsb,
+                       SPLIT_B, q % tiles_b, q // tiles_b, USE_SPLIT_B, BN, G, STAGES, USE_ASM, PDL, MX, XINV, 0)
 
 
 @triton.jit
@@ -230,6 +269,42 @@ def run_gemv_tma(plan: GemvTmaPlan, x2: torch.Tensor, gs: torch.Tensor, y: torch
     else:
         plan.site(plan.grid, plan.wd, plan.sd, x2, gs, y, ws, cnt, M, plan.N, plan.KG, x2.stride(0), y.stride(0),
                   plan.gps, plan.split)
+
+
+def pair_fits(a: GemvTmaPlan, b: GemvTmaPlan) -> bool:
+    """Can two weights' M = 1 GEMVs share one launch (``run_gemv_tma_pair``)? The same K, box, tile
+    rows, stages, warps, format, 1/xs placement and PDL choice (their splits may differ), neither
+    grouped: then each weight's CTAs are exactly its own launch's."""
+    if not (a.m1 and b.m1) or a.KG != b.KG or a.g != b.g or a.xinv != b.xinv or a.pdl != b.pdl:
+        return False
+    ka, kb = a.kw, b.kw
+    return all(ka[k] == kb[k] for k in ("BN", "STAGES", "num_warps", "MX")) and not ka["ROWS_PER_X"] \
+        and not kb["ROWS_PER_X"]
+
+
+_PAIR_SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite of _gemv_tma_pair_kernel
+
+
+def run_gemv_tma_pair(a: GemvTmaPlan, b: GemvTmaPlan, x: torch.Tensor, gsa: torch.Tensor, gsb: torch.Tensor,
+                      ya: torch.Tensor, yb: torch.Tensor) -> None:
+    """ya = x @ A^T and yb = x @ B^T for one activation row x in one launch (``pair_fits``): one
+    x_pairs prelude (or the pairs an RMSNorm launch emitted), the same bits as ``run_gemv_tma`` of
+    each. Split partials: one scratch, A's then B's; tile counters: A's then B's."""
+    dev = x.device
+    ws = scratch("gemv_split_pair", (a.split * a.N + b.split * b.N,), torch.float32, dev)
+    cnt = counters(dev, a.n_tiles + b.n_tiles)
+    xp, inv = x_pairs(x, a.pdl)
+    kernel = _gemv_tma_pair_kernel  # looked up per call: a test's stand-in replaces the module attribute
+    key = (id(kernel), a.kw["BN"], a.g, a.kw["STAGES"], a.kw["MX"], a.xinv, a.kw["num_warps"], a.pdl, a.split > 1,
+           b.split > 1)
+    site = _PAIR_SITES.get(key)
+    if site is None:
+        site = _PAIR_SITES[key] = LaunchSite(
+            kernel, USE_SPLIT_A=a.split > 1, USE_SPLIT_B=b.split > 1, BN=a.kw["BN"], G=a.g,
+            STAGES=a.kw["STAGES"], USE_ASM=not INTERPRET, MX=a.kw["MX"], XINV=a.xinv, num_warps=a.kw["num_warps"],
+            **pdl_kw(a.pdl))
+    site((a.n_tiles * a.split + b.n_tiles * b.split,), a.wd, a.sd, b.wd, b.sd, pairs_descriptor(xp, a.g, a.xinv), inv,
+         gsa, gsb, ya, yb, ws, ws[a.split * a.N:], cnt, a.N, b.N, a.KG, a.gps, b.gps, a.split, b.split, a.n_tiles)
 
 
 def launch_gemv_tma(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor,

@@ -73,6 +73,9 @@ class Attention(Component):
         # optional f(x, [weights]) -> [x @ w^T] in one launch (dsv4lab.kernels): decode's unquantised
         # projections of x by the compressors and the indexer (``_offer_plain_batch``)
         self.plain_batch_kernel: Callable | None = None
+        # optional f(x, wa, wb) -> (x @ wa^T, x @ wb^T) | None in one launch (dsv4lab.kernels): decode's
+        # wq_a and wkv of the same x (``_offer_quant_pair``)
+        self.quant_pair_kernel: Callable | None = None
         self._prefill_ran: str | None = None  # private: a per-run result, not a switch graphs key on
         self.round_trips: frozenset = frozenset()  # of RoundTrip; set by dsv4lab.precision
         self.hook_q = HookPoint("queries [B,S,H,Dh] after norm and RoPE")
@@ -114,14 +117,38 @@ class Attention(Component):
         + RoPE of q, kv_norm + RoPE (+ ``kv_fp8``) of kv (``rope_kernel``); ``ring``: that last
         launch also writes kv into the decode ring (``rope_kernel.takes_ring``)."""
         B, S, _ = x.shape
-        a = self.wq_a(x)
-        q_res = self.q_norm(a) if self.norm_kernel is None else self.norm_kernel(a, self.q_norm.weight, self.q_norm.eps)
-        inv = self.rotary.inv_freq
-        q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
-        q = self.hook_q(self.rope_kernel(q, positions, inv, eps=self.eps))
-        kv = self.rope_kernel(self.wkv(x).unsqueeze(-2), positions, inv, eps=self.kv_norm.eps, weight=self.kv_norm.weight,
-                              fp8_nope=RoundTrip.KV_FP8 in self.round_trips, **({} if ring is None else {"ring": ring}))
+        paired = self._offer_quant_pair(x)
+        try:
+            a = self.wq_a(x)
+            q_res = self.q_norm(a) if self.norm_kernel is None else self.norm_kernel(a, self.q_norm.weight,
+                                                                                      self.q_norm.eps)
+            inv = self.rotary.inv_freq
+            q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
+            q = self.hook_q(self.rope_kernel(q, positions, inv, eps=self.eps))
+            kv = self.rope_kernel(self.wkv(x).unsqueeze(-2), positions, inv, eps=self.kv_norm.eps,
+                                  weight=self.kv_norm.weight, fp8_nope=RoundTrip.KV_FP8 in self.round_trips,
+                                  **({} if ring is None else {"ring": ring}))
+        finally:
+            if paired:  # an offer nobody took (an exception on the way) goes
+                self.wkv.offer(None)
         return q_res, q, self.hook_kv(kv.squeeze(-2)), positions, None
+
+    def _offer_quant_pair(self, x: torch.Tensor) -> bool:
+        """Run wq_a and wkv of x as one ``quant_pair_kernel`` launch and ``offer`` each its output
+        (both quantised linears read the same x; each output is the bits of its own launch, so hooks
+        on either fire on the same tensor either way). False where a linear cannot take part
+        (``QLinear.pair_weight``) or the kernel declines (not one decode token, tiles that differ)."""
+        k = self.quant_pair_kernel
+        if k is None:
+            return False
+        wa = self.wq_a.pair_weight(x, k)
+        wb = None if wa is None else self.wkv.pair_weight(x, k)
+        ys = None if wb is None else k(x, wa, wb)
+        if ys is None:
+            return False
+        self.wq_a.offer(x, ys[0])
+        self.wkv.offer(x, ys[1])
+        return True
 
     def _logits(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Scaled, masked logits [B,H,S,L] of q [B,S,H,Dh] over keys [B,L,Dh], bias [B or 1,S,L]."""

@@ -156,6 +156,15 @@ class QLinear(Component):
             return None
         return w
 
+    def pair_weight(self, x: torch.Tensor, pair_kernel: Callable):
+        """The quantised weight ``pair_kernel`` may use for this call on x (``Attention.quant_pair_kernel``:
+        two linears of one x in one launch): this linear's kernel is one whose outputs the pair
+        reproduces (``pairs_with``), no activation quantisation, not streamed; else None."""
+        if (not self.uses_kernel() or getattr(self.kernel, "pairs_with", None) is not pair_kernel
+                or self.weight_source is not None or self.act_format() != "none"):
+            return None
+        return self.qweight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         offered = self._offered
         if offered is not None:
