@@ -51,6 +51,42 @@ for dtype in (torch.float32, torch.bfloat16):
         res[f"attn_{name}_{str(dtype)[6:]}"] = {"max_abs": (got - want).abs().max().item(),
                                                 "ref_max": want.abs().max().item()}
 
+# the output's inverse RoPE folded into the combine (inv_freq=): the bits of the kernel's output then
+# norm_rope's in-place inverse launch; at one batch row (H * D / 16 = 64 groups: whole pair boxes) also
+# the row's x_pairs for wo_a, written by the combine (no x_pairs launch after it)
+from dsv4lab.kernels import common  # noqa: E402
+from dsv4lab.kernels.norm_rope import NORM_NONE, NORM_PLAIN, launch_norm_rope  # noqa: E402
+
+inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))  # rope dim 16 of head dim 32
+for dtype in (torch.float32, torch.bfloat16):
+    for b, splits in ((1, 3), (2, 3), (1, 1)):
+        q = torch.randn(b, 1, 32, 32, generator=g).to(dtype)
+        ring = torch.randn(b, W, 32, generator=g).to(dtype)
+        ent = torch.randn(b, T, 32, generator=g).to(dtype)
+        args = (q, torch.randn(32, generator=g), 32 ** -0.5, ring, torch.tensor(43), ent, torch.tensor(10))
+        plain = decode_attention_triton(*args, splits=splits)
+        want = launch_norm_rope(plain.clone(), dtype, norm=NORM_NONE, positions=torch.tensor([43]), inv_freq=inv,
+                                inverse=True, inplace=True)
+        got = decode_attention_triton(*args, splits=splits, inv_freq=inv)
+        gen = dict(common._PAIRS_GEN)
+        entry = {"equal": bool(torch.equal(got, want))}
+        if b == 1:
+            xp, xinv = (t.clone() for t in common.x_pairs(got.reshape(1, -1)))
+            skipped = common._PAIRS_GEN == gen
+            rp, rinv = common.x_pairs(got.clone().reshape(1, -1))   # another address: launched, the reference bits
+            entry.update(pairs_skipped=skipped,
+                         pairs_equal=bool(torch.equal(xp, rp) and torch.equal(xinv, rinv)))
+        res[f"unrope_b{b}_s{splits}_{str(dtype)[6:]}"] = entry
+        # ... and q taken raw (q_eps=): normalised and rotated in the split programs, against the
+        # separate launch's q (the sum of squares in another order: within the attention's tolerance)
+        q_raw = (q.float() * 3).to(dtype)
+        args_raw = (q_raw,) + args[1:]
+        roped = launch_norm_rope(q_raw, dtype, norm=NORM_PLAIN, eps=1e-6, positions=torch.tensor([43]), inv_freq=inv)
+        want = decode_attention_triton(roped, *args[1:], splits=splits, inv_freq=inv).float()
+        got = decode_attention_triton(*args_raw, splits=splits, inv_freq=inv, q_eps=1e-6).float()
+        res[f"attn_qrope_b{b}_s{splits}_{str(dtype)[6:]}"] = {"max_abs": (got - want).abs().max().item(),
+                                                            "ref_max": want.abs().max().item()}
+
 # indexer scores + top-k: Hi 6 heads (padded to 16), Ih 20, capacity 150 (3 tiles of 64), k 9
 Hi, Ih, Tc, k = 6, 20, 150, 9
 for dtype in (torch.float32, torch.bfloat16):

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from dsv4lab.kernels.norm_rope import NORM_NONE, NORM_PLAIN, NORM_WEIGHTED, launch_norm_rope  # noqa: E402
+from dsv4lab.kernels.norm_rope import NORM_NONE, NORM_PLAIN, NORM_WEIGHTED, launch_norm_pair, launch_norm_rope  # noqa: E402
 from dsv4lab.kernels.norm_rope_ref import norm_rope_ref  # noqa: E402
 from dsv4lab.kernels.router_topk import route_triton  # noqa: E402
 from dsv4lab.model.moe import route  # noqa: E402
@@ -125,6 +125,34 @@ for dt in (torch.float32, torch.bfloat16):
                                           "skipped": skipped,
                                           "rows_equal": bool(torch.equal(emitted[0], rp)),
                                           "inv_equal": bool(torch.equal(emitted[1], rinv))}
+    # q_norm of a [1, 1, 1536] and kv_norm + RoPE + kv_fp8 of kv [1, 1, 1, 80] into a ring [1, W=5, 80] as
+    # one launch (launch_norm_pair): each output the bits of its own launch (the interpreter has no
+    # warps), q_res's pairs emitted, kv written at slot pos % W, the other slots kept; declined (None)
+    # for two rows
+    a = (torch.randn(1, 1, 1536, generator=g) * 3).to(dt)
+    wq = (torch.rand(1536, generator=g) + 0.5).to(dt)
+    kv1 = (torch.randn(1, 1, 1, 80, generator=g) * 2).to(dt)
+    w = (torch.rand(80, generator=g) + 0.5).to(dt)
+    p1 = pos[2:3]
+    want_q = launch_norm_rope(a, dt, norm=NORM_WEIGHTED, eps=EPS, weight=wq, one_head=True)
+    want_kv = launch_norm_rope(kv1, dt, norm=NORM_WEIGHTED, eps=EPS, weight=w, positions=p1, inv_freq=inv,
+                               fp8_nope=True)
+    ring = torch.randn(1, 5, 80, generator=g).to(dt)
+    before = ring.clone()
+    got_q, got_kv = launch_norm_pair(a, wq, EPS, kv1, w, EPS, p1, inv, True, ring)
+    gen = dict(common._PAIRS_GEN)
+    xp, xinv = common.x_pairs(got_q)
+    skipped = common._PAIRS_GEN == gen
+    rp, rinv = common.x_pairs(got_q.clone())
+    slot = int(p1) % 5
+    res[f"norm_pair_{str(dt)[6:]}"] = {
+        "q_equal": bool(torch.equal(got_q, want_q)), "kv_equal": bool(torch.equal(got_kv, want_kv)),
+        "ring_row": bool(torch.equal(ring[0, slot], want_kv.reshape(80))),
+        "others_kept": bool(torch.equal(ring[0, [i for i in range(5) if i != slot]],
+                                        before[0, [i for i in range(5) if i != slot]])),
+        "pairs_skipped": skipped, "pairs_equal": bool(torch.equal(xp, rp) and torch.equal(xinv, rinv)),
+        "declines_two_rows": launch_norm_pair(a.expand(2, 1, 1536).contiguous(), wq, EPS, kv1, w, EPS, p1, inv,
+                                              True, ring) is None}
 
 T, E = 7, 40  # E not a power of two
 for scoring in ("sqrtsoftplus", "sigmoid", "softmax"):

@@ -6,7 +6,8 @@ of ``Attention`` and ``Indexer``.
 CPU: the kernels through Triton's interpreter in a subprocess (tests/attention_decode_interp_check.py:
 pos < window, pos > window with the ring wrapped, no entry closed yet, HCA all entries, CSA selected
 with -1s (scattered, and all -1), one and three splits; indexer scores with 0 / some / all entries
-valid), and the slots in a tiny model (reference-equal callables: bitwise the reference; hooks,
+valid; the output's inverse RoPE in the combine: the bits of norm_rope's launch, with the row's x_pairs
+emitted at one batch row; q taken raw and normalised + rotated in the split programs), and the slots in a tiny model (reference-equal callables: bitwise the reference; hooks,
 ``probs_bf16`` and replaced math force the reference; install / uninstall through ``use_kernels``).
 GPU (@pytest.mark.gpu): V4-Pro shapes (128 heads x 512, window 128, CSA top-k 1024 of 64 x 128
 index heads, HCA ratio 128) at batch 1 and 4, and CUDA-graph replay bitwise equal to eager.
@@ -39,9 +40,12 @@ from oracle_util import decode_logits as _decode_logits, interp_check_result, ra
 def test_interp_decode_kernels_match_reference():
     assert triton_importable(), "triton is part of the test set-up (pip install -e '.[kernels]')"
     res = interp_check_result("attention_decode_interp_check.py")
-    assert len(res) == 24
+    assert len(res) == 36
     for case, v in res.items():
-        if case.startswith("index"):
+        if case.startswith("unrope"):  # the inverse RoPE in the combine: the two launches' bits, and the pairs
+            want = {"equal": True} | ({"pairs_skipped": True, "pairs_equal": True} if "_b1_" in case else {})
+            assert v == want, (case, v)
+        elif case.startswith("index"):
             assert v["same_inf"] and v["same_set"], (case, v)
             assert v["max_abs"] <= 1e-5 * max(1.0, v["ref_max"]), (case, v)
         else:
@@ -218,6 +222,22 @@ def test_gpu_decode_attention_v4_pro_shapes(kind, pos, B):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static.float(), got)
+    # the output's inverse RoPE folded into the combine: the bits of norm_rope's launch after it
+    from dsv4lab.kernels.norm_rope import NORM_NONE, launch_norm_rope
+    inv = (1.0 / (160000.0 ** (torch.arange(0, 64, 2, dtype=torch.float) / 64))).cuda()
+    plain = decode_attention_triton(*args)
+    want_rot = launch_norm_rope(plain, plain.dtype, norm=NORM_NONE, positions=args[4].view(1), inv_freq=inv,
+                                inverse=True, inplace=True)
+    assert torch.equal(decode_attention_triton(*args, inv_freq=inv), want_rot)
+    # ... and q taken raw (q_eps=): normalised + rotated in the split programs, within the attention's
+    # bf16 tolerance of the separate launch's q (its sum of squares runs in another order)
+    from dsv4lab.kernels.norm_rope import NORM_PLAIN
+    raw = args[0] * 3
+    roped = launch_norm_rope(raw, raw.dtype, norm=NORM_PLAIN, eps=1e-6, positions=args[4].view(1), inv_freq=inv)
+    want_q = decode_attention_triton(roped, *args[1:], inv_freq=inv).float()
+    got_q = decode_attention_triton(raw, *args[1:], inv_freq=inv, q_eps=1e-6).float()
+    assert (got_q - want_q).abs().max().item() <= 2e-2 * want_q.abs().max().item()
+    assert torch.equal(decode_attention_triton(raw, *args[1:], inv_freq=inv, q_eps=1e-6).float(), got_q)
 
 
 @pytest.mark.gpu

@@ -61,6 +61,9 @@ def test_interp_glue_kernels_match_reference():
                                       "changed_relaunched": True}, dt
         assert res[f"unrope_pairs_{dt}"] == {"same_y": True, "in_x": True, "skipped": True, "rows_equal": True,
                                              "inv_equal": True}, dt
+    for dt in ("float32", "bfloat16"):  # q_norm + kv norm/RoPE/ring as one launch: each half its own launch's bits
+        assert res[f"norm_pair_{dt}"] == {"q_equal": True, "kv_equal": True, "ring_row": True, "others_kept": True,
+                                          "pairs_skipped": True, "pairs_equal": True, "declines_two_rows": True}, dt
     for dt in ("float32", "bfloat16"):  # kv also written into the decode ring: the same bits, only its slots
         assert res[f"ring_{dt}"] == {"same_y": True, "ring_rows": True, "others_kept": True}, dt
     route_cases = [k for k in res if k.startswith(("topk_", "hash_"))]
@@ -74,6 +77,57 @@ def test_interp_glue_kernels_match_reference():
 def tiny():
     cfg = tiny_config()
     return random_model(cfg, seed=4), random_ids(cfg, n=28, b=2)
+
+
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_decode_folds_the_glue_launches(tiny, kv_fp8):
+    """At decode, q_norm + kv's norm/RoPE/ring write run as one ``norm_pair_kernel`` call (while
+    ``norm_kernel`` / ``rope_kernel`` declare it: ``pairs_with``), and a ``decode_kernel`` declaring the
+    rope_kernel takes wq_b's raw q (``q_eps=``) and inverse-rotates its output: no
+    norm or RoPE call of its own at decode (``ropes_q_with`` / ``unropes_with``), the same logits (CPU
+    references: bitwise). A listening
+    ``hook_q`` puts that layer's glue back on the separate slots, the kernel handed q as rotated."""
+    from dsv4lab.kernels.dispatch import decode_attention
+
+    m, ids = tiny
+    attns = [a for a in m.modules() if isinstance(a, Attention)]
+
+    def pair_ref(a, qw, qe, kv, positions, inv, kvw, kve, fp8, ring):
+        return rms_norm(a, qw, qe), norm_rope(kv, positions, inv, kve, kvw, fp8_nope=fp8, ring=ring)
+
+    for a in attns:
+        a.round_trips = frozenset({RoundTrip.KV_FP8}) if kv_fp8 else frozenset()
+    try:
+        ref = _run(m, ids, 20)
+        pair, norm, rope, dec = Counting(pair_ref), Counting(rms_norm), Counting(norm_rope), Counting(decode_attention)
+        norm.pairs_with = rope.pairs_with = pair
+        dec.unropes_with = dec.ropes_q_with = rope
+        for a in attns:
+            a.norm_kernel, a.rope_kernel, a.norm_pair_kernel, a.decode_kernel = norm, rope, pair, dec
+        assert torch.equal(_run(m, ids, 20), ref)
+        decodes = ids.shape[1] - 20
+        assert pair.calls == len(attns) * decodes and dec.keywords.get("q_eps") == len(attns) * decodes
+        assert norm.calls == len(attns) and rope.calls == 3 * len(attns)   # the prefill call only
+        pair.calls = norm.calls = rope.calls = 0
+        dec.keywords.clear()
+        with m.hooks([("layers.1.attn.hook_q", lambda t, n: None)]):
+            assert torch.equal(_run(m, ids, 20), ref)
+        assert pair.calls == (len(attns) - 1) * decodes and dec.keywords.get("q_eps") == (len(attns) - 1) * decodes
+        dec.ropes_q_with = None  # declares the output's inverse RoPE only: q rotated by rope_kernel
+        pair.calls = rope.calls = 0
+        dec.keywords.clear()
+        assert torch.equal(_run(m, ids, 20), ref)
+        assert "q_eps" not in dec.keywords and dec.keywords["inv_freq"] == len(attns) * decodes
+        assert rope.calls == len(attns) * (3 + decodes) and pair.calls == len(attns) * decodes
+        dec.unropes_with = None  # declares neither: q and the output rotated by rope_kernel
+        rope.calls = 0
+        dec.keywords.clear()
+        assert torch.equal(_run(m, ids, 20), ref)
+        assert not dec.keywords and rope.calls == len(attns) * (3 + 2 * decodes)
+    finally:
+        for a in attns:
+            a.round_trips = frozenset()
+        install_kernels(m, "layers.*.attn", enable=False)
 
 
 @pytest.mark.parametrize("kv_fp8", [False, True])
@@ -208,6 +262,16 @@ def test_gpu_norm_rope_v4_pro_shapes(pos):
     assert graph_equals_eager(lambda: norm_rope(q, positions, inv, 1e-6))
     assert graph_equals_eager(lambda: norm_rope(kv, positions, inv, 1e-6, wkv, fp8_nope=True))
     assert graph_equals_eager(lambda: rms_norm(a, wq, 1e-6))
+    # q_norm + kv norm/RoPE/kv_fp8/ring as one launch (norm_pair): q_res the bits of rms_norm's launch
+    # (same tile and warps), kv within the reference's tolerance (the q half's 8 warps sum its norm in
+    # another order than its own launch's 2), the ring slot written, graph == eager
+    from dsv4lab.kernels.dispatch import norm_pair
+    ring = torch.zeros(1, 128, D, device=dev, dtype=bf)
+    q_res, kv_out = norm_pair(a, wq, 1e-6, kv, positions, inv, wkv, 1e-6, True, ring)
+    assert torch.equal(q_res, rms_norm(a, wq, 1e-6))
+    assert _within(kv_out, norm_rope_ref(kv, positions, inv, 1e-6, wkv, fp8_nope=True), 2.0 ** -3)
+    assert torch.equal(ring[0, pos % 128], kv_out.reshape(D)) and int((ring.abs().sum(-1) > 0).sum()) == 1
+    assert graph_equals_eager(lambda: norm_pair(a, wq, 1e-6, kv, positions, inv, wkv, 1e-6, True, ring))
 
 
 @pytest.mark.gpu

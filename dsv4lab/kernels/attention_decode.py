@@ -27,10 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (SEL_SCAN, cdiv, next_pow2, dot_dtype, head_block_query, num_sms, online_softmax_tile, pdl_enter, pdl_kw,
-                     scratch, sel_scan_block, selected_extent, use_pdl)
+from .common import (INTERPRET, INV_PAD, SEL_SCAN, cdiv, next_pow2, dot_dtype, head_block_query, num_sms,
+                     online_softmax_tile, pairs_buffers, pairs_written, pdl_enter, pdl_kw, scratch, sel_scan_block,
+                     selected_extent, store_pair_rows, use_pdl)
 from .device import on_input_device
 from .launch import new_site
+from .norm_rope import NORM_NONE, launch_norm_rope, rope_cos_sin, rotate_pairs
 
 BLOCK_H = 32   # heads per program: the bounded prefill kernel's tile (offline sm_90a: no spills)
 BLOCK_N = 32   # keys per tile
@@ -40,19 +42,43 @@ _SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite (2 launches an eager
 
 
 @triton.jit
+def _normed_roped_query(q, pos, inv_ptr, eps, D, RD: tl.constexpr, XDT: tl.constexpr, DOT: tl.constexpr,
+                        PRECISE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """q [BLOCK_H, BLOCK_D] (x's values, zero padded) -> unweighted_rms_norm then RoPE of its last RD
+    channels at ``pos``, in DOT: ``norm_rope``'s NORM_PLAIN roundings (rsqrt to XDT, the normalised
+    value to XDT, each RoPE product on its own, the result to XDT); the sum of squares runs in this
+    tile's order, so a value may round one ulp from norm_rope's launch."""
+    HALF: tl.constexpr = BLOCK_D // 2
+    ve, vo = tl.split(tl.reshape(q.to(tl.float32), [BLOCK_H, HALF, 2]))
+    r = tl.rsqrt((tl.sum(ve * ve, axis=1) + tl.sum(vo * vo, axis=1)) / D + eps)
+    rq = r.to(XDT).to(tl.float32)[:, None]
+    ve = (ve * rq).to(XDT).to(tl.float32)
+    vo = (vo * rq).to(XDT).to(tl.float32)
+    rot, cos, sin = rope_cos_sin(pos, inv_ptr, tl.arange(0, HALF), D // 2, RD, 1, PRECISE)
+    ve, vo = rotate_pairs(ve, vo, rot[None, :], cos[None, :], sin[None, :], XDT)
+    return tl.reshape(tl.join(ve, vo), [BLOCK_H, BLOCK_D]).to(XDT).to(DOT)
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, ring_ptr, ent_ptr, sel_ptr, n_ent_ptr, pos_ptr, sink_ptr,
                          out_ptr, part_ptr, m_ptr, l_ptr,
                          H, D, W, T, K, SPLITS, scale,
-                         sq_b, sq_h, sr_b, sr_p, se_b, se_t, ssel_b, so_b, so_h,
+                         sq_b, sq_h, sr_b, sr_p, se_b, se_t, ssel_b, so_b, so_h, inv_ptr, q_eps,
                          HAS_ENT: tl.constexpr, HAS_SEL: tl.constexpr, FINAL: tl.constexpr,
                          DOT: tl.constexpr, IEEE: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         PDL: tl.constexpr = False, SEL_SCAN: tl.constexpr = SEL_SCAN):
+                         PDL: tl.constexpr = False, SEL_SCAN: tl.constexpr = SEL_SCAN,
+                         Q_RD: tl.constexpr = 0, PRECISE: tl.constexpr = True):
+    """``Q_RD`` > 0: q arrives as wq_b wrote it; each program normalises its heads (unweighted RMS,
+    ``q_eps``) and rotates their last Q_RD channels at ``pos`` first, as ``norm_rope`` does."""
     pdl_enter(PDL)
     hb = tl.program_id(0)
     sp = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_h, offs_d, hmask, dmask, q, m_i = head_block_query(q_ptr + b * sq_b, sink_ptr, sq_h, H, D, hb, DOT, BLOCK_H, BLOCK_D)
+    if Q_RD > 0:
+        q = _normed_roped_query(q, tl.load(pos_ptr), inv_ptr, q_eps, D, Q_RD, out_ptr.dtype.element_ty, DOT, PRECISE,
+                                BLOCK_H, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     pos = tl.load(pos_ptr).to(tl.int32)
     n_win = tl.minimum(pos + 1, W)
@@ -96,10 +122,15 @@ def _decode_split_kernel(q_ptr, ring_ptr, ent_ptr, sel_ptr, n_ent_ptr, pos_ptr, 
 
 @triton.jit
 def _decode_combine_kernel(part_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, H, D, SPLITS, so_b, so_h,
-                           SPLITSP: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                           pos_ptr, inv_ptr, xp_ptr, xinv_ptr, KG, KGP,
+                           SPLITSP: tl.constexpr, BLOCK_D: tl.constexpr, RD: tl.constexpr = 0,
+                           PRECISE: tl.constexpr = True, PAIRS: tl.constexpr = False, PDL: tl.constexpr = False):
     """One (head, BLOCK_D columns, batch row): every split's (m, l, acc) read in one load each (a loop
     over the splits was a chain of dependent loads: 18 of them for V4-Pro's CSA, ~7.6 us on an H100),
-    combined with the sink's exp(sink - M) by fixed-order reductions over the splits."""
+    combined with the sink's exp(sink - M) by fixed-order reductions over the splits. RD > 0: the
+    output's inverse RoPE at ``pos`` on the last RD channels of each head (the bits of ``norm_rope``'s
+    launch on the rounded output: ``rope_cos_sin``, ``rotate_pairs``, no FMA contraction), and
+    ``PAIRS``: the row's ``x_pairs`` for the grouped wo_a (``store_pair_rows``, one batch row)."""
     pdl_enter(PDL)
     h = tl.program_id(0)
     db = tl.program_id(1)
@@ -116,7 +147,19 @@ def _decode_combine_kernel(part_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, H, D, SPLI
     l_all = tl.exp(sink - m_all) + tl.sum(tl.load(l_ptr + r, mask=s_ok, other=0.0) * w, 0)
     part = tl.load(part_ptr + r[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & dmask[None, :], other=0.0)
     acc = tl.sum(part * w[:, None], 0)
-    tl.store(out_ptr + b * so_b + h * so_h + offs_d, (acc / l_all).to(out_ptr.dtype.element_ty), mask=dmask)
+    y = (acc / l_all).to(out_ptr.dtype.element_ty)
+    if RD > 0:
+        HALF: tl.constexpr = BLOCK_D // 2
+        ve, vo = tl.split(tl.reshape(y.to(tl.float32), [HALF, 2]))
+        rot, cos, sin = rope_cos_sin(tl.load(pos_ptr), inv_ptr, db * HALF + tl.arange(0, HALF), D // 2, RD, -1,
+                                     PRECISE)
+        ve, vo = rotate_pairs(ve, vo, rot, cos, sin, out_ptr.dtype.element_ty)
+        y = tl.reshape(tl.join(ve, vo), [BLOCK_D]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + b * so_b + h * so_h + offs_d, y, mask=dmask)
+    if PAIRS:  # whole 16-groups of the row [H * D] (D a multiple of BLOCK_D): g = (h * D + d) / 16
+        NG: tl.constexpr = BLOCK_D // 16
+        g = (h * D + db * BLOCK_D) // 16 + tl.arange(0, NG)
+        store_pair_rows(tl.reshape(y.to(tl.float32), (NG, 16)), xp_ptr, xinv_ptr, g, KG, KGP, NG)
 
 
 @functools.lru_cache(maxsize=1024)  # a rule of the shapes asked on every decode step
@@ -134,11 +177,18 @@ def decode_splits(batch: int, heads: int, key_capacity: int, device: torch.devic
 def decode_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, window_ring: torch.Tensor,
                             pos: torch.Tensor, entries: torch.Tensor | None = None,
                             n_entries: torch.Tensor | None = None, selected: torch.Tensor | None = None,
-                            splits: int | None = None) -> torch.Tensor:
+                            splits: int | None = None, inv_freq: torch.Tensor | None = None,
+                            q_eps: float | None = None) -> torch.Tensor:
     """``decode_attention`` in one launch (one split) or two (splits + combine). q [B,1,H,Dh];
     window_ring [B,W,Dh]; entries [B,T,Dh] with ``n_entries`` (0-d device tensor) or ``selected``
     [B,1,k]; ``pos`` a 0-d device tensor. Returns [B,1,H,Dh] in the ring's dtype. ``splits``:
-    None = ``decode_splits``."""
+    None = ``decode_splits``. ``inv_freq``: the output's inverse RoPE at ``pos`` too (the bits of
+    ``norm_rope(out, ..., inverse=True)``): in the combine launch, with the row's ``x_pairs`` for the
+    grouped wo_a at one batch row; after one split, its own launch. ``q_eps`` (with ``inv_freq``):
+    q is wq_b's raw output, normalised (``unweighted_rms_norm``) and rotated at ``pos`` in the split
+    programs (``_normed_roped_query``) instead of by a launch of its own."""
+    if q_eps is not None and inv_freq is None:
+        raise ValueError("decode_attention_triton: q_eps (q still to normalise and rotate) needs inv_freq")
     B, S, H, D = q.shape
     if S != 1:
         raise ValueError(f"decode_attention_triton: q must hold one token per sequence, got q.shape={tuple(q.shape)}; "
@@ -172,22 +222,38 @@ def decode_attention_triton(q: torch.Tensor, sink: torch.Tensor, scale: float, w
     grid = (cdiv(H, BLOCK_H), n_split, B)
     pdl = use_pdl(grid[0] * n_split * B, dev)
     scan = sel_scan_block(K)
-    skey = (id(kernel), has_ent, has_sel, final, dot, block_d, pdl, scan)
+    q_rd = 0 if q_eps is None else 2 * inv_freq.shape[-1]
+    skey = (id(kernel), has_ent, has_sel, final, dot, block_d, pdl, scan, q_rd)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, HAS_ENT=has_ent, HAS_SEL=has_sel, FINAL=final, DOT=dot,
                                         IEEE=dot == tl.float32, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-                                        SEL_SCAN=scan, num_warps=NUM_WARPS, **pdl_kw(pdl))
+                                        SEL_SCAN=scan, Q_RD=q_rd, PRECISE=not INTERPRET, num_warps=NUM_WARPS,
+                                        **pdl_kw(pdl))
     site(grid,
         q, ring, ent, sel_arg, n_ent_arg, pos, sink32, out, part, m_part, l_part,
         H, D, W, T, K, n_split, scale,
         q.stride(0), q.stride(2), ring.stride(0), ring.stride(1), ent.stride(0), ent.stride(1),
-        sel.stride(0) if sel is not None else 0, out.stride(0), out.stride(2))
+        sel.stride(0) if sel is not None else 0, out.stride(0), out.stride(2),
+        inv_freq if q_rd else sink32, float(q_eps or 0.0))
     if not final:
         kernel = _decode_combine_kernel
         splits_p, comb_d = next_pow2(n_split), min(block_d, COMBINE_D)
         grid = (H, cdiv(D, comb_d), B)
         pdl = use_pdl(grid[0] * grid[1] * B, dev)
         skey = (id(kernel), splits_p, comb_d, pdl)
-        site = _SITES.get(skey) or new_site(_SITES, skey, kernel, SPLITSP=splits_p, BLOCK_D=comb_d, num_warps=4,
+        rd = 0 if inv_freq is None else 2 * inv_freq.shape[-1]
+        emit = rd > 0 and B == 1 and D % comb_d == 0 and comb_d % 16 == 0 and (H * D // 16) % INV_PAD == 0
+        kg = H * D // 16
+        xp, xinv = pairs_buffers(kg, dev) if emit else (out, out)
+        skey = (id(kernel), splits_p, comb_d, pdl, rd, emit)
+        # no FMA contraction: the RoPE's products round as norm_rope's (and the combine's as before either way)
+        site = _SITES.get(skey) or new_site(_SITES, skey, kernel, SPLITSP=splits_p, BLOCK_D=comb_d, RD=rd,
+                                            PRECISE=not INTERPRET, PAIRS=emit, enable_fp_fusion=False, num_warps=4,
                                             **pdl_kw(pdl))
-        site(grid, part, m_part, l_part, sink32, out, H, D, n_split, out.stride(0), out.stride(2))
+        site(grid, part, m_part, l_part, sink32, out, H, D, n_split, out.stride(0), out.stride(2),
+             pos, out if inv_freq is None else inv_freq, xp, xinv, kg, xinv.shape[0] if emit else 0)
+        if emit:
+            pairs_written(kg, dev, out)
+    elif inv_freq is not None:
+        launch_norm_rope(out, out.dtype, norm=NORM_NONE, positions=pos.view(1), inv_freq=inv_freq, inverse=True,
+                         inplace=True)
     return out

@@ -94,7 +94,7 @@ PLAIN_GEMV_MAX_N = 1024  # output rows up to which it does (H200: 64-384 rows fa
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "plain_linear",
            "plain_linear_batch", "grouped_quant_linear",
            "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention",
-           "index_scores_decode", "index_scores_prefill", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "route", "quant_linear_pair"]
+           "index_scores_decode", "index_scores_prefill", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "norm_pair", "route", "quant_linear_pair"]
 
 
 def weight_on_cuda(w) -> bool:
@@ -326,12 +326,23 @@ def mhc_head_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
 
 def decode_attention(q: torch.Tensor, sink: torch.Tensor, scale: float, window_ring: torch.Tensor, pos: torch.Tensor,
                      entries: torch.Tensor | None = None, n_entries: torch.Tensor | None = None,
-                     selected: torch.Tensor | None = None) -> torch.Tensor:
+                     selected: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
+                     q_eps: float | None = None) -> torch.Tensor:
     """``dsv4lab.model.decode_attention.decode_attention`` (same signature): the Triton kernel for
-    CUDA keys of a kernel dtype, the PyTorch reference elsewhere."""
+    CUDA keys of a kernel dtype, the PyTorch reference elsewhere. The extras (``unropes_with`` /
+    ``ropes_q_with``: the rope_kernel whose results they give): ``inv_freq``, the output also inverse-rotated at
+    ``pos`` as ``norm_rope(out, pos, inv_freq, inverse=True)`` gives it (on CUDA in the combine
+    launch); with ``q_eps`` too, q is wq_b's raw output, first ``norm_rope(q, pos, inv_freq, q_eps)``
+    (on CUDA in the split programs)."""
+    if q_eps is not None and inv_freq is None:
+        raise ValueError(f"decode_attention: q_eps={q_eps} (q still to normalise and rotate) needs inv_freq")
     if kernel_can_take(window_ring):
-        return _tk.attention_decode.decode_attention_triton(q, sink, scale, window_ring, pos, entries, n_entries, selected)
-    return decode_attention_ref(q, sink, scale, window_ring, pos, entries, n_entries, selected)
+        return _tk.attention_decode.decode_attention_triton(q, sink, scale, window_ring, pos, entries, n_entries,
+                                                            selected, inv_freq=inv_freq, q_eps=q_eps)
+    if q_eps is not None:
+        q = norm_rope(q, pos.view(1), inv_freq, q_eps)
+    out = decode_attention_ref(q, sink, scale, window_ring, pos, entries, n_entries, selected)
+    return out if inv_freq is None else norm_rope(out, pos.view(1), inv_freq, inverse=True, inplace=True)
 
 
 def index_scores_decode(q: torch.Tensor, w_raw: torch.Tensor, keys: torch.Tensor, n_valid: torch.Tensor,
@@ -399,6 +410,25 @@ def norm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, 
 
 
 norm_rope.takes_ring = True  # Attention.decode hands it the ring (see norm_rope_ref.takes_ring)
+
+
+def norm_pair(a: torch.Tensor, q_weight: torch.Tensor, q_eps: float, kv: torch.Tensor, positions: torch.Tensor,
+              inv_freq: torch.Tensor, kv_weight: torch.Tensor, kv_eps: float, fp8_nope: bool,
+              ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``Attention.norm_pair_kernel``: one decode token's ``rms_norm(a, q_weight, q_eps)`` and
+    ``norm_rope(kv, positions, inv_freq, kv_eps, kv_weight, fp8_nope=..., ring=ring)`` in one launch
+    (``norm_rope.launch_norm_pair``); None where it does not fit (the caller runs the two slots)."""
+    if (kernel_can_take(a) and kernel_can_take(kv) and q_weight.dtype in KERNEL_DTYPES
+            and kv_weight.dtype in KERNEL_DTYPES and positions.device == a.device and ring.device == a.device):
+        return _tk.norm_rope.launch_norm_pair(a, q_weight, q_eps, kv, kv_weight, kv_eps, positions, inv_freq,
+                                              fp8_nope, ring)
+    return None
+
+
+decode_attention.unropes_with = norm_rope  # Attention: the rope_kernel whose inverse RoPE ``inv_freq=`` gives
+# (``ropes_q_with``, the rope_kernel whose q norm + RoPE ``q_eps=`` gives, is set once the split programs'
+# q path has run on a GPU: interpreter-tested, offline sm_90a 180 registers and no spills)
+rms_norm.pairs_with = norm_rope.pairs_with = norm_pair  # Attention: the slots whose two launches the pair is
 
 
 def route(logits: torch.Tensor, top_k: int, scoring: str, scale: float, bias: torch.Tensor | None = None,

@@ -35,7 +35,7 @@ from .device import have_triton_cuda
 from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention, plain_linear,
                        grouped_quant_linear,
                        index_scores_decode, index_scores_prefill, index_top_k_decode, mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill,
-                       norm_rope, plain_linear_batch, quant_linear_pair, prefill_attention, quant_linear, rms_norm, route, weight_on_cuda)
+                       norm_pair, norm_rope, plain_linear_batch, quant_linear_pair, prefill_attention, quant_linear, rms_norm, route, weight_on_cuda)
 
 TARGETS = (QLinear, Experts, Compressor, Attention, Indexer, HyperConnection, HyperHead, RMSNorm)
 FUSED_NORM_OWNERS = (Attention, Compressor)  # their RMSNorms run inside their own slots (or as their reference)
@@ -89,7 +89,8 @@ KERNEL_SLOTS: dict[type, tuple[str, ...]] = {  # the first class that matches (R
     QLinear: ("kernel", "act_kernel", "grouped_kernel", "plain_kernel"),
     Experts: ("kernel", "prefill_kernel"),
     HyperConnection: ("kernel", "post_kernel"),
-    Attention: ("kernel", "decode_kernel", "norm_kernel", "rope_kernel", "plain_batch_kernel", "quant_pair_kernel"),
+    Attention: ("kernel", "decode_kernel", "norm_kernel", "rope_kernel", "plain_batch_kernel", "quant_pair_kernel",
+                "norm_pair_kernel"),
     Indexer: ("decode_kernel", "prefill_kernel", "rope_kernel", "topk_kernel"),
     Compressor: ("kernel", "decode_kernel", "rope_kernel"),
 }
@@ -134,6 +135,7 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
         mod.norm_kernel = rms_norm
         mod.rope_kernel = norm_rope
         mod.plain_batch_kernel = plain_linear_batch
+        mod.norm_pair_kernel = norm_pair
         mod.quant_pair_kernel = quant_linear_pair
         return True
     if isinstance(mod, Indexer):

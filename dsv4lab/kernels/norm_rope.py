@@ -69,14 +69,40 @@ def _fp8_nope(xe, xo, nope, HB: tl.constexpr, BP: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, ring_ptr, xp_ptr, xinv_ptr, S, H, eps,
-                      stride_xt, stride_xh, stride_yt, stride_yh, stride_rb, stride_rs, W, KG, KGP,
-                      D: tl.constexpr, RD: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
-                      FP8: tl.constexpr, HB: tl.constexpr, BP: tl.constexpr, PRECISE: tl.constexpr,
-                      RING: tl.constexpr = False, PAIRS: tl.constexpr = False, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
-    t = tl.program_id(0)                      # row of [T, H, D] (T = batch * S, positions per S)
-    h0 = tl.program_id(1) * HB
+def rope_cos_sin(pos, inv_ptr, pairs, P: tl.constexpr, RD: tl.constexpr, ROPE: tl.constexpr, PRECISE: tl.constexpr):
+    """(rot, cos, sin) of the RoPE pairs ``pairs`` (indices into a head's P = D / 2 pairs, the last
+    RD / 2 rotated) at position ``pos``: angle pos * inv_freq in fp32, cos/sin as torch's CUDA ones
+    (``PRECISE``: libdevice; the interpreter has none), sin negated for the inverse (ROPE < 0)."""
+    j = pairs - (P - RD // 2)                    # frequency index of a RoPE pair (< 0: not rotated)
+    rot = (j >= 0) & (pairs < P)
+    inv = tl.load(inv_ptr + j, mask=rot, other=0.0).to(tl.float32)
+    ang = pos.to(tl.float32) * inv
+    if PRECISE:
+        cos, sin = libdevice.cos(ang), libdevice.sin(ang)
+    else:
+        cos, sin = tl.cos(ang), tl.sin(ang)
+    if ROPE < 0:
+        sin = -sin
+    return rot, cos, sin
+
+
+@triton.jit
+def rotate_pairs(ve, vo, rot, cos, sin, OUT: tl.constexpr):
+    """The even / odd channels (fp32) rotated where ``rot``, each product and sum rounded on its own
+    (launch with ``enable_fp_fusion=False``) and the result to OUT and back, as ``apply_rope``."""
+    re = (ve * cos - vo * sin).to(OUT).to(tl.float32)
+    ro = (vo * cos + ve * sin).to(OUT).to(tl.float32)
+    return tl.where(rot, re, ve), tl.where(rot, ro, vo)
+
+
+@triton.jit
+def _norm_rope_rows(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, ring_ptr, xp_ptr, xinv_ptr, S, H, eps,
+                    stride_xt, stride_xh, stride_yt, stride_yh, stride_rb, stride_rs, W, KG, KGP, t, h0,
+                    D: tl.constexpr, RD: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+                    FP8: tl.constexpr, HB: tl.constexpr, BP: tl.constexpr, PRECISE: tl.constexpr,
+                    RING: tl.constexpr, PAIRS: tl.constexpr):
+    """Heads h0 .. h0 + HB of row t: the one body of ``_norm_rope_kernel`` and of each half of
+    ``_norm_pair_kernel``, so a paired launch gives each row the bits of its own launch."""
     P: tl.constexpr = D // 2
     heads = h0 + tl.arange(0, HB)
     pairs = tl.arange(0, BP)
@@ -99,23 +125,8 @@ def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, ring_ptr, xp_ptr, x
             ve = (we * (ve * r).to(xdt).to(tl.float32)).to(y_ptr.dtype.element_ty).to(tl.float32)
             vo = (wo * (vo * r).to(xdt).to(tl.float32)).to(y_ptr.dtype.element_ty).to(tl.float32)
     if ROPE != 0:
-        j = pairs - (P - RD // 2)                    # frequency index of a RoPE pair (< 0: not rotated)
-        rot = (j >= 0) & (pairs < P)
-        inv = tl.load(inv_ptr + j, mask=rot, other=0.0).to(tl.float32)
-        ang = tl.load(pos_ptr + t % S).to(tl.float32) * inv
-        if PRECISE:     # libdevice cosf/sinf: what torch's CUDA cos/sin call
-            cos, sin = libdevice.cos(ang), libdevice.sin(ang)
-        else:           # the interpreter has no libdevice
-            cos, sin = tl.cos(ang), tl.sin(ang)
-        if ROPE < 0:
-            sin = -sin
-        cos, sin = cos[None, :], sin[None, :]
-        re = ve * cos - vo * sin
-        ro = vo * cos + ve * sin
-        re = re.to(y_ptr.dtype.element_ty).to(tl.float32)
-        ro = ro.to(y_ptr.dtype.element_ty).to(tl.float32)
-        ve = tl.where(rot[None, :], re, ve)
-        vo = tl.where(rot[None, :], ro, vo)
+        rot, cos, sin = rope_cos_sin(tl.load(pos_ptr + t % S), inv_ptr, pairs, P, RD, ROPE, PRECISE)
+        ve, vo = rotate_pairs(ve, vo, rot[None, :], cos[None, :], sin[None, :], y_ptr.dtype.element_ty)
     if FP8:
         nope = (heads >= 0)[:, None] & (pairs < P - RD // 2)[None, :]
         ve, vo = _fp8_nope(ve, vo, nope, HB, BP)
@@ -129,6 +140,38 @@ def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, ring_ptr, xp_ptr, x
     if RING:  # the decode's sliding-window write: row t = (sequence b, position s) -> ring[b, pos % W]
         slot = tl.load(pos_ptr + t % S) % W
         tl.store(ring_ptr + (t // S) * stride_rb + slot * stride_rs + heads[:, None] * D + chans[None, :], yy, mask=ok)
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, ring_ptr, xp_ptr, xinv_ptr, S, H, eps,
+                      stride_xt, stride_xh, stride_yt, stride_yh, stride_rb, stride_rs, W, KG, KGP,
+                      D: tl.constexpr, RD: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+                      FP8: tl.constexpr, HB: tl.constexpr, BP: tl.constexpr, PRECISE: tl.constexpr,
+                      RING: tl.constexpr = False, PAIRS: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
+    # row t of [T, H, D] (T = batch * S, positions per S), heads from program 1's block
+    _norm_rope_rows(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, ring_ptr, xp_ptr, xinv_ptr, S, H, eps,
+                    stride_xt, stride_xh, stride_yt, stride_yh, stride_rb, stride_rs, W, KG, KGP,
+                    tl.program_id(0), tl.program_id(1) * HB, D, RD, NORM, ROPE, FP8, HB, BP, PRECISE, RING, PAIRS)
+
+
+@triton.jit
+def _norm_pair_kernel(a_ptr, qr_ptr, qw_ptr, xp_ptr, xinv_ptr, KG, KGP, q_eps,
+                      kv_ptr, kvy_ptr, kvw_ptr, pos_ptr, inv_ptr, ring_ptr, stride_rb, stride_rs, W, kv_eps,
+                      DQ: tl.constexpr, BPQ: tl.constexpr, DKV: tl.constexpr, RD: tl.constexpr, BPKV: tl.constexpr,
+                      FP8: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False):
+    """One decode token's q_norm (program 0: weighted RMSNorm of the q latent a [DQ], emitting its
+    pairs for wq_b) and kv_norm + RoPE (+ kv_fp8) with the ring write (program 1: kv [DKV]): the two
+    launches of ``_q_kv_fused`` that read the wq_a / wkv pair's outputs, as one."""
+    pdl_enter(PDL)
+    if tl.program_id(0) == 0:
+        _norm_rope_rows(a_ptr, qr_ptr, qw_ptr, a_ptr, a_ptr, a_ptr, xp_ptr, xinv_ptr, 1, 1, q_eps,
+                        DQ, DQ, DQ, DQ, 0, 0, 1, KG, KGP, 0, 0,
+                        DQ, 0, 2, 0, False, 1, BPQ, PRECISE, False, True)        # NORM 2: weighted
+    else:
+        _norm_rope_rows(kv_ptr, kvy_ptr, kvw_ptr, pos_ptr, inv_ptr, ring_ptr, xp_ptr, xinv_ptr, 1, 1, kv_eps,
+                        DKV, DKV, DKV, DKV, stride_rb, stride_rs, W, 0, 0, 0, 0,
+                        DKV, RD, 2, 1, FP8, 1, BPKV, PRECISE, True, False)
 
 
 _SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite: no per-call keyword key (7 launches a decode layer)
@@ -215,6 +258,47 @@ def launch_norm_rope(x: torch.Tensor, out_dtype: torch.dtype, *, norm: int, eps:
     if emit:
         pairs_written(kg, x.device, out)
     return out
+
+
+_PAIR_SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite of _norm_pair_kernel (1 launch a decode layer)
+
+
+@on_input_device
+def launch_norm_pair(a: torch.Tensor, q_weight: torch.Tensor, q_eps: float, kv: torch.Tensor, kv_weight: torch.Tensor,
+                     kv_eps: float, positions: torch.Tensor, inv_freq: torch.Tensor, fp8_nope: bool,
+                     ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One decode token's (q_norm(a), kv_norm + RoPE (+ kv_fp8) of kv written into ``ring``) in one
+    launch: a [B=1, S=1, DQ], kv [1, 1, 1, DKV] contiguous, the outputs in promote(weight, x) and the
+    ring in kv's output dtype with unit inner stride. None where the pair does not fit (the caller
+    launches the two halves on their own): other rows, layouts or dtypes, or a DQ whose pairs the
+    one-row tile cannot emit (``pairs_capacity``). The q half is ``rms_norm``'s launch (same tile and
+    warps: the same bits, its pairs for wq_b emitted); the kv half runs with the q half's warps, so
+    its statistics may round differently from its own launch's (within the reference's tolerance)."""
+    DQ, DKV = a.shape[-1], kv.shape[-1]
+    q_dtype = torch.promote_types(q_weight.dtype, a.dtype)
+    kv_dtype = torch.promote_types(kv_weight.dtype, kv.dtype)
+    BPQ, BPKV = next_pow2(DQ // 2), max(next_pow2(DKV // 2), KV_FP8_BLOCK_PAIRS.value if fp8_nope else 1)
+    if not (a.numel() == DQ and kv.numel() == DKV and a.is_contiguous() and kv.is_contiguous()
+            and DQ % 16 == 0 and DKV % 2 == 0 and pairs_capacity(DQ, BPQ) and positions.numel() == 1
+            and ring.dtype == kv_dtype and ring.stride(-1) == 1 and ring.dim() == 3 and ring.shape[0] == 1
+            and ring.shape[-1] == DKV and 2 * inv_freq.shape[-1] <= DKV and q_weight.numel() == DQ
+            and kv_weight.numel() == DKV):
+        return None
+    q_res, kv_out = a.new_empty(a.shape, dtype=q_dtype), kv.new_empty(kv.shape, dtype=kv_dtype)
+    kg = DQ // 16
+    xp, xinv = pairs_buffers(kg, a.device)
+    pdl = use_pdl(2, a.device)
+    kernel = _norm_pair_kernel  # looked up per call: a test's stand-in replaces the module attribute
+    key = (id(kernel), DQ, DKV, 2 * inv_freq.shape[-1], fp8_nope, pdl)
+    site = _PAIR_SITES.get(key)
+    if site is None:
+        site = _PAIR_SITES[key] = LaunchSite(kernel, DQ=DQ, BPQ=BPQ, DKV=DKV, RD=2 * inv_freq.shape[-1],
+                                             BPKV=BPKV, FP8=fp8_nope, PRECISE=not INTERPRET, enable_fp_fusion=False,
+                                             num_warps=1 if INTERPRET else max(1, min(8, BPQ // 128)), **pdl_kw(pdl))
+    site((2,), a, q_res, q_weight, xp, xinv, kg, xinv.shape[0], float(q_eps),
+         kv, kv_out, kv_weight, positions, inv_freq, ring, ring.stride(0), ring.stride(1), ring.shape[1], float(kv_eps))
+    pairs_written(kg, a.device, q_res)
+    return q_res, kv_out
 
 
 def pairs_capacity(D: int, BP: int) -> bool:

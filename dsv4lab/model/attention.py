@@ -76,6 +76,10 @@ class Attention(Component):
         # optional f(x, wa, wb) -> (x @ wa^T, x @ wb^T) | None in one launch (dsv4lab.kernels): decode's
         # wq_a and wkv of the same x (``_offer_quant_pair``)
         self.quant_pair_kernel: Callable | None = None
+        # optional f(a, q_weight, q_eps, kv, positions, inv_freq, kv_weight, kv_eps, fp8_nope, ring) ->
+        # (q_res, kv) | None in one launch (dsv4lab.kernels): decode's q_norm and kv norm + RoPE + ring
+        # write, taken only while norm_kernel and rope_kernel are the slots it pairs (``pairs_with``)
+        self.norm_pair_kernel: Callable | None = None
         self._prefill_ran: str | None = None  # private: a per-run result, not a switch graphs key on
         self.round_trips: frozenset = frozenset()  # of RoundTrip; set by dsv4lab.precision
         self.hook_q = HookPoint("queries [B,S,H,Dh] after norm and RoPE")
@@ -112,26 +116,51 @@ class Attention(Component):
         kv = self.hook_kv(kv)
         return q_res, q, kv, cos, sin
 
-    def _q_kv_fused(self, x: torch.Tensor, positions: torch.Tensor, ring: torch.Tensor | None = None):
-        """``_q_kv`` in four launches besides the matmuls: q_norm (``norm_kernel``), per-head norm
-        + RoPE of q, kv_norm + RoPE (+ ``kv_fp8``) of kv (``rope_kernel``); ``ring``: that last
-        launch also writes kv into the decode ring (``rope_kernel.takes_ring``)."""
+    def _q_kv_fused(self, x: torch.Tensor, positions: torch.Tensor, ring: torch.Tensor | None = None,
+                    rope_q: bool = True):
+        """``_q_kv`` in up to three launches besides the matmuls: q_norm (``norm_kernel``), per-head norm
+        + RoPE of q, kv_norm + RoPE (+ ``kv_fp8``) of kv (``rope_kernel``). ``ring``: that last
+        launch also writes kv into the decode ring (``rope_kernel.takes_ring``), and it and q_norm
+        may run as one launch (``_norm_pair``): two launches. ``rope_q`` False: q is wq_b's raw
+        output (the decode kernel normalises and rotates it: ``_decode_unropes``)."""
         B, S, _ = x.shape
         paired = self._offer_quant_pair(x)
+        inv, fp8 = self.rotary.inv_freq, RoundTrip.KV_FP8 in self.round_trips
         try:
             a = self.wq_a(x)
-            q_res = self.q_norm(a) if self.norm_kernel is None else self.norm_kernel(a, self.q_norm.weight,
-                                                                                      self.q_norm.eps)
-            inv = self.rotary.inv_freq
+            kv_lin = self.wkv(x) if self._norm_pairs(ring) else None
+            normed = None if kv_lin is None else self._norm_pair(a, kv_lin.unsqueeze(-2), positions, ring, fp8)
+            if normed is None:
+                q_res = self.q_norm(a) if self.norm_kernel is None else self.norm_kernel(a, self.q_norm.weight,
+                                                                                          self.q_norm.eps)
+            else:
+                q_res, kv = normed
             q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
-            q = self.hook_q(self.rope_kernel(q, positions, inv, eps=self.eps))
-            kv = self.rope_kernel(self.wkv(x).unsqueeze(-2), positions, inv, eps=self.kv_norm.eps,
-                                  weight=self.kv_norm.weight, fp8_nope=RoundTrip.KV_FP8 in self.round_trips,
-                                  **({} if ring is None else {"ring": ring}))
+            if rope_q:
+                q = self.hook_q(self.rope_kernel(q, positions, inv, eps=self.eps))
+            if normed is None:
+                kv = self.rope_kernel((self.wkv(x) if kv_lin is None else kv_lin).unsqueeze(-2), positions, inv,
+                                      eps=self.kv_norm.eps, weight=self.kv_norm.weight, fp8_nope=fp8,
+                                      **({} if ring is None else {"ring": ring}))
         finally:
             if paired:  # an offer nobody took (an exception on the way) goes
                 self.wkv.offer(None)
         return q_res, q, self.hook_kv(kv.squeeze(-2)), positions, None
+
+    def _norm_pairs(self, ring: torch.Tensor | None) -> bool:
+        """May q_norm and kv's norm + RoPE + ring write run as one ``norm_pair_kernel`` launch? At
+        decode (a ring), with ``norm_kernel`` and ``rope_kernel`` the slots it pairs (``pairs_with``:
+        a replaced one runs as itself)."""
+        k = self.norm_pair_kernel
+        return (ring is not None and k is not None and getattr(self.norm_kernel, "pairs_with", None) is k
+                and getattr(self.rope_kernel, "pairs_with", None) is k)
+
+    def _norm_pair(self, a: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, ring: torch.Tensor,
+                   fp8: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """q_norm of a and kv_norm + RoPE (+ kv_fp8) of kv written into ``ring`` as one
+        ``norm_pair_kernel`` launch (``_norm_pairs`` checked); None where the kernel declines."""
+        return self.norm_pair_kernel(a, self.q_norm.weight, self.q_norm.eps, kv, positions, self.rotary.inv_freq,
+                                     self.kv_norm.weight, self.kv_norm.eps, fp8, ring)
 
     def _offer_quant_pair(self, x: torch.Tensor) -> bool:
         """Run wq_a and wkv of x as one ``quant_pair_kernel`` launch and ``offer`` each its output
@@ -186,10 +215,13 @@ class Attention(Component):
         out = torch.matmul(probs[..., :-1].to(keys.dtype), keys.unsqueeze(1))  # [B,H,S,Dh]
         return out.transpose(1, 2)
 
-    def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor | None) -> torch.Tensor:
-        """Inverse RoPE (``rope_kernel`` when ``_q_kv`` handed over positions: ``sin`` is None),
-        the grouped wo_a, wo_b."""
-        if sin is None:
+    def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor | None,
+                unroped: bool = False) -> torch.Tensor:
+        """Inverse RoPE (``rope_kernel`` when ``_q_kv`` handed over positions: ``sin`` is None; none
+        when the decode kernel applied it: ``unroped``), the grouped wo_a, wo_b."""
+        if unroped:
+            pass
+        elif sin is None:
             out = self.rope_kernel(out, cos, self.rotary.inv_freq, inverse=True, inplace=True)  # out is ours
         else:
             out = apply_rope(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))
@@ -355,8 +387,11 @@ class Attention(Component):
         The kernel path (``decode_takes_kernel``) reads the ring and the valid entries in place;
         the reference concatenates them with an additive -inf mask (``decode_keys_bias``)."""
         positions = pos.view(1)
-        if self.fused_rows() and getattr(self.rope_kernel, "takes_ring", False):  # hook_kv silent: kv as written
-            q_res, q, kv, cos, sin = self._q_kv_fused(x, positions, ring=st.kv_ring)
+        fused = self.fused_rows() and getattr(self.rope_kernel, "takes_ring", False)  # hook_kv silent: kv as written
+        unropes = fused and self.decode_takes_kernel() and self._decode_unropes()
+        ropes_q = unropes and getattr(self.decode_kernel, "ropes_q_with", None) is self.rope_kernel  # hook_q silent
+        if fused:
+            q_res, q, kv, cos, sin = self._q_kv_fused(x, positions, ring=st.kv_ring, rope_q=not ropes_q)
         else:
             q_res, q, kv, cos, sin = self._q_kv(x, positions)
             st.kv_ring.index_copy_(1, (pos % self.window).view(1), kv.to(st.kv_ring.dtype))
@@ -377,7 +412,17 @@ class Attention(Component):
         if self.decode_takes_kernel():
             use = entries is not None and self.use_compressed
             out = self.decode_kernel(q, self.sink, self.scale, ring, pos, entries if use else None,
-                                     n_entries if use else None, selected if use else None)
+                                     n_entries if use else None, selected if use else None,
+                                     **({"inv_freq": self.rotary.inv_freq} if unropes else {}),
+                                     **({"q_eps": self.eps} if ropes_q else {}))
         else:
             out = self._attend(q, *decode_keys_bias(ring, pos, entries, n_entries, selected, self.use_compressed))
-        return self._output(out, cos, sin)
+        return self._output(out, cos, sin, unroped=unropes)
+
+    def _decode_unropes(self) -> bool:
+        """Does ``decode_kernel`` take the output's inverse RoPE over (``inv_freq=``: one launch
+        less)? When it declares this ``rope_kernel``'s results (``unropes_with``) and ``_output`` is
+        stock; the caller checks the fused rows' path. It may then also take wq_b's raw q and
+        normalise + rotate it (``q_eps=``, declared by ``ropes_q_with``: one launch less again)."""
+        return (getattr(self.decode_kernel, "unropes_with", None) is self.rope_kernel
+                and type(self)._output is Attention._output)
