@@ -108,4 +108,11 @@ for dtype in (torch.float32, torch.bfloat16):
 
         res[f"index_n{n_valid}_{str(dtype)[6:]}"] = {"max_abs": diff, "ref_max": want[fin].abs().max().item() if fin.any() else 0.0,
                                                     "same_inf": same_inf, "same_set": bool(torch.equal(chosen(got), chosen(want)))}
+        if n_valid == 70:  # q taken raw and rotated in the kernel (rope dim 8 of 20): the separate launch's bits
+            inv8 = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+            p1 = torch.tensor([77])
+            roped = launch_norm_rope(q, dtype, norm=NORM_NONE, positions=p1, inv_freq=inv8)
+            sep = index_scores_decode_triton(roped, w_raw, keys, nv, Hi ** -0.5, programs=2)
+            fold = index_scores_decode_triton(q, w_raw, keys, nv, Hi ** -0.5, programs=2, positions=p1, inv_freq=inv8)
+            res[f"index_qrope_{str(dtype)[6:]}"] = {"equal": bool(torch.equal(fold, sep))}
 print("RESULT" + json.dumps(res))

@@ -40,9 +40,11 @@ from oracle_util import decode_logits as _decode_logits, interp_check_result, ra
 def test_interp_decode_kernels_match_reference():
     assert triton_importable(), "triton is part of the test set-up (pip install -e '.[kernels]')"
     res = interp_check_result("attention_decode_interp_check.py")
-    assert len(res) == 36
+    assert len(res) == 38
     for case, v in res.items():
-        if case.startswith("unrope"):  # the inverse RoPE in the combine: the two launches' bits, and the pairs
+        if case.startswith("index_qrope"):  # the indexer's q RoPE in the scores kernel: the two launches' bits
+            assert v == {"equal": True}, (case, v)
+        elif case.startswith("unrope"):  # the inverse RoPE in the combine: the two launches' bits, and the pairs
             want = {"equal": True} | ({"pairs_skipped": True, "pairs_equal": True} if "_b1_" in case else {})
             assert v == want, (case, v)
         elif case.startswith("index"):
@@ -105,6 +107,49 @@ def test_decode_kernel_slots_run_and_equal_the_reference(tiny):
         m.layers[2].attn.round_trips = frozenset()
         for mod in attns + idxs:
             mod.decode_kernel = None
+
+
+def test_indexer_decode_kernel_rotates_raw_queries(tiny):
+    """An ``Indexer.decode_kernel`` declaring the indexer's ``rope_kernel`` (``ropes_q_with``) is handed
+    wq_b's raw q with ``positions`` / ``inv_freq`` and no RoPE launch runs for it at decode: the same
+    logits (CPU references: bitwise); ``indexer_fp4`` (after the RoPE) or an undeclared kernel keep
+    the RoPE launch."""
+    from dsv4lab.kernels.dispatch import index_scores_decode as scores_entry
+    from dsv4lab.kernels.dispatch import norm_rope
+
+    m, ids = tiny
+    idxs = [i for i in m.modules() if isinstance(i, Indexer)]
+    ref = _decode_logits(m, ids)
+    kwargs, ropes = [], []
+
+    def scores(*a, **k):
+        kwargs.append(sorted(k))
+        return scores_entry(*a, **k)
+
+    def rope(*a, **k):
+        ropes.append(a[0].shape[1])
+        return norm_rope(*a, **k)
+
+    scores.ropes_q_with = rope
+    try:
+        for ix in idxs:
+            ix.decode_kernel, ix.rope_kernel = scores, rope
+        assert torch.equal(_decode_logits(m, ids), ref)
+        assert kwargs == [["inv_freq", "positions"]] * (6 * len(idxs))
+        assert ropes == [24] * len(idxs)                    # the prefill's queries only
+        assert idxs[0]._decode_ropes_q()
+        idxs[0].round_trips = frozenset({RoundTrip.INDEXER_FP4})  # its round trip comes after the RoPE
+        assert not idxs[0]._decode_ropes_q()
+        idxs[0].round_trips = frozenset()
+        scores.ropes_q_with = None
+        kwargs.clear()
+        ropes.clear()
+        assert torch.equal(_decode_logits(m, ids), ref) and kwargs == [[]] * (6 * len(idxs))
+        assert ropes.count(1) == 6 * len(idxs)               # each decode step's RoPE launch is back
+    finally:
+        for ix in idxs:
+            ix.round_trips = frozenset()
+            ix.decode_kernel = ix.rope_kernel = None
 
 
 def test_replaced_attention_math_keeps_the_reference():
@@ -263,3 +308,13 @@ def test_gpu_index_scores_v4_pro_shapes(B, n_valid):
     ref_sel = ix.select(want, nv.view(1)).sort(-1).values
     got_sel = ix.select(got, nv.view(1)).sort(-1).values
     assert torch.equal(got_sel, ref_sel)
+    # q taken raw and rotated in the kernel (V4-Pro's indexer: rope 64 of 128): within the scores'
+    # tolerance of the separate RoPE launch + scores (this variant runs without FMA contraction)
+    from dsv4lab.kernels.norm_rope import NORM_NONE, launch_norm_rope
+    inv = (1.0 / (160000.0 ** (torch.arange(0, 64, 2, dtype=torch.float) / 64))).to(dev)
+    p1 = torch.tensor([n_valid * 4 + 3], device=dev)
+    sep = index_scores_decode_triton(launch_norm_rope(q, q.dtype, norm=NORM_NONE, positions=p1, inv_freq=inv),
+                                     w_raw, keys, nv, Hi ** -0.5)
+    fold = index_scores_decode_triton(q, w_raw, keys, nv, Hi ** -0.5, positions=p1, inv_freq=inv)
+    assert torch.equal(torch.isfinite(fold), torch.isfinite(sep))
+    assert (fold[fin] - sep[fin]).abs().max().item() <= 1e-5 * max(1.0, sep[fin].abs().max().item())

@@ -346,11 +346,21 @@ def decode_attention(q: torch.Tensor, sink: torch.Tensor, scale: float, window_r
 
 
 def index_scores_decode(q: torch.Tensor, w_raw: torch.Tensor, keys: torch.Tensor, n_valid: torch.Tensor,
-                        w_scale: float) -> torch.Tensor:
+                        w_scale: float, positions: torch.Tensor | None = None,
+                        inv_freq: torch.Tensor | None = None) -> torch.Tensor:
     """``dsv4lab.model.indexer.index_scores_decode`` (same signature): the Triton kernel for CUDA
-    keys of a kernel dtype, the PyTorch reference elsewhere."""
+    keys of a kernel dtype, the PyTorch reference elsewhere. ``positions`` / ``inv_freq``
+    (``ropes_q_with``: the rope_kernel whose result it gives): q is wq_b's raw output, first
+    ``norm_rope(q, positions, inv_freq)`` (on CUDA in the scores kernel's programs)."""
+    if (positions is None) != (inv_freq is None):
+        raise ValueError("index_scores_decode: positions and inv_freq come together (q still to rotate); got "
+                         f"positions {'given' if positions is not None else 'None'}, "
+                         f"inv_freq {'given' if inv_freq is not None else 'None'}")
     if kernel_can_take(keys) and q.dtype in KERNEL_DTYPES:
-        return _tk.indexer_decode.index_scores_decode_triton(q, w_raw, keys, n_valid, w_scale)
+        return _tk.indexer_decode.index_scores_decode_triton(q, w_raw, keys, n_valid, w_scale, positions=positions,
+                                                             inv_freq=inv_freq)
+    if positions is not None:
+        q = norm_rope(q, positions, inv_freq)
     return index_scores_decode_ref(q, w_raw, keys, n_valid, w_scale)
 
 
@@ -425,6 +435,7 @@ def norm_pair(a: torch.Tensor, q_weight: torch.Tensor, q_eps: float, kv: torch.T
     return None
 
 
+# index_scores_decode.ropes_q_with (the indexer's q RoPE in the scores kernel) waits on a GPU run too
 decode_attention.unropes_with = norm_rope  # Attention: the rope_kernel whose inverse RoPE ``inv_freq=`` gives
 # (``ropes_q_with``, the rope_kernel whose q norm + RoPE ``q_eps=`` gives, is set once the split programs'
 # q path has run on a GPU: interpreter-tested, offline sm_90a 180 registers and no spills)

@@ -133,11 +133,25 @@ class Indexer(Component):
         (``decode_takes_kernel``; it takes weights_proj(x) unscaled and folds the 1/sqrt(Hi))."""
         if not self.decode_takes_kernel():
             return self.select(self.scores(x, q_res, positions, keys), n_valid.view(1))
-        scores = self.decode_kernel(self.queries(q_res, positions), self.weights_proj(x), keys, n_valid,
-                                    self.n_heads ** -0.5)
+        if self._decode_ropes_q():  # wq_b's raw q; the scores kernel rotates it (hook_q silent: _stock_scoring)
+            B = q_res.shape[0]
+            scores = self.decode_kernel(self.wq_b(q_res).view(B, 1, self.n_heads, self.head_dim), self.weights_proj(x),
+                                        keys, n_valid, self.n_heads ** -0.5, positions=positions,
+                                        inv_freq=self.rotary.inv_freq)
+        else:
+            scores = self.decode_kernel(self.queries(q_res, positions), self.weights_proj(x), keys, n_valid,
+                                        self.n_heads ** -0.5)
         if self.topk_kernel is not None and type(self).select is Indexer.select:
             return self.topk_kernel(scores, n_valid, self.topk)
         return self.select(scores, n_valid.view(1))
+
+    def _decode_ropes_q(self) -> bool:
+        """Does ``decode_kernel`` take wq_b's raw q and rotate it (``positions=`` / ``inv_freq=``: one
+        launch less)? When it declares this ``rope_kernel``'s result (``ropes_q_with``), the RoPE runs
+        on the kernel path (``rope_takes_kernel``), ``queries`` is stock and no ``indexer_fp4`` round
+        trip comes after the RoPE."""
+        return (getattr(self.decode_kernel, "ropes_q_with", None) is self.rope_kernel and self.rope_takes_kernel()
+                and type(self).queries is Indexer.queries and RoundTrip.INDEXER_FP4 not in self.round_trips)
 
     def select(self, scores: torch.Tensor, n_valid_for_query: torch.Tensor) -> torch.Tensor:
         """Top-k valid entries per query; scores [B,S,T], n_valid [S] -> indices [B,S,k]."""
