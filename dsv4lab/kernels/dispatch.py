@@ -435,11 +435,12 @@ def norm_pair(a: torch.Tensor, q_weight: torch.Tensor, q_eps: float, kv: torch.T
     return None
 
 
-# index_scores_decode.ropes_q_with (the indexer's q RoPE in the scores kernel) waits on a GPU run too
-decode_attention.unropes_with = norm_rope  # Attention: the rope_kernel whose inverse RoPE ``inv_freq=`` gives
-# (``ropes_q_with``, the rope_kernel whose q norm + RoPE ``q_eps=`` gives, is set once the split programs'
-# q path has run on a GPU: interpreter-tested, offline sm_90a 180 registers and no spills)
-rms_norm.pairs_with = norm_rope.pairs_with = norm_pair  # Attention: the slots whose two launches the pair is
+# What an entry point's extra arguments reproduce of another slot (Attention / Indexer check it before
+# handing work over): the q_norm + kv pair both norm launches; decode attention's ``inv_freq=`` the
+# rope_kernel's inverse RoPE. ``ropes_q_with`` (decode attention's ``q_eps=``, the indexer scores'
+# ``positions=``) is declared once those q paths have run on a GPU (branch pending-qfolds).
+rms_norm.pairs_with = norm_rope.pairs_with = norm_pair
+decode_attention.unropes_with = norm_rope
 
 
 def route(logits: torch.Tensor, top_k: int, scoring: str, scale: float, bias: torch.Tensor | None = None,

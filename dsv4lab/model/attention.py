@@ -127,21 +127,18 @@ class Attention(Component):
         paired = self._offer_quant_pair(x)
         inv, fp8 = self.rotary.inv_freq, RoundTrip.KV_FP8 in self.round_trips
         try:
-            a = self.wq_a(x)
-            kv_lin = self.wkv(x) if self._norm_pairs(ring) else None
-            normed = None if kv_lin is None else self._norm_pair(a, kv_lin.unsqueeze(-2), positions, ring, fp8)
+            a, kv_lin = self.wq_a(x), self.wkv(x).unsqueeze(-2)
+            normed = self._norm_pair(a, kv_lin, positions, ring, fp8) if self._norm_pairs(ring) else None
             if normed is None:
                 q_res = self.q_norm(a) if self.norm_kernel is None else self.norm_kernel(a, self.q_norm.weight,
                                                                                           self.q_norm.eps)
+                kv = self.rope_kernel(kv_lin, positions, inv, eps=self.kv_norm.eps, weight=self.kv_norm.weight,
+                                      fp8_nope=fp8, **({} if ring is None else {"ring": ring}))
             else:
                 q_res, kv = normed
             q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
             if rope_q:
                 q = self.hook_q(self.rope_kernel(q, positions, inv, eps=self.eps))
-            if normed is None:
-                kv = self.rope_kernel((self.wkv(x) if kv_lin is None else kv_lin).unsqueeze(-2), positions, inv,
-                                      eps=self.kv_norm.eps, weight=self.kv_norm.weight, fp8_nope=fp8,
-                                      **({} if ring is None else {"ring": ring}))
         finally:
             if paired:  # an offer nobody took (an exception on the way) goes
                 self.wkv.offer(None)
@@ -219,11 +216,9 @@ class Attention(Component):
                 unroped: bool = False) -> torch.Tensor:
         """Inverse RoPE (``rope_kernel`` when ``_q_kv`` handed over positions: ``sin`` is None; none
         when the decode kernel applied it: ``unroped``), the grouped wo_a, wo_b."""
-        if unroped:
-            pass
-        elif sin is None:
+        if sin is None and not unroped:
             out = self.rope_kernel(out, cos, self.rotary.inv_freq, inverse=True, inplace=True)  # out is ours
-        else:
+        elif sin is not None:
             out = apply_rope(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))
         B, S = out.shape[:2]
         grouped = self.wo_a.grouped(out.reshape(B, S, self.groups, -1), self.groups).flatten(2)
