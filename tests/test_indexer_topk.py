@@ -103,7 +103,7 @@ def _inventory():
     return benchmark_module("launch_inventory")
 
 
-@pytest.mark.parametrize("layer,most", [("compressed_sparse_attention", 26), ("heavily_compressed_attention", 21)])
+@pytest.mark.parametrize("layer,most", [("compressed_sparse_attention", 24), ("heavily_compressed_attention", 20)])
 def test_launch_inventory_counts_a_v4_pro_step(layer, most):
     """The inventory of one V4-Pro decode step (stubbed launches, 8 experts): every fused component
     launches its kernels, and the estimate stays within what it is today (the issue's budget: 60);
@@ -126,7 +126,7 @@ def test_launch_inventory_counts_a_v4_pro_step(layer, most):
     assert "attn.wq_a" not in comps and "attn.wkv" not in comps, sorted(comps)
     assert not any(c.startswith(("mlp.shared_expert", "mlp.experts")) for c in comps), sorted(comps)
     if layer.startswith("compressed"):
-        assert comps["attn.indexer"] == {"triton": {"norm_rope._norm_rope_kernel": 1, "indexer_decode._index_scores_kernel": 1,
+        assert comps["attn.indexer"] == {"triton": {"indexer_decode._index_scores_kernel": 1,  # the q RoPE folded in
                                                     "indexer_topk._top_k_kernel": 1}, "aten": {}}
 
 

@@ -437,10 +437,11 @@ def norm_pair(a: torch.Tensor, q_weight: torch.Tensor, q_eps: float, kv: torch.T
 
 # What an entry point's extra arguments reproduce of another slot (Attention / Indexer check it before
 # handing work over): the q_norm + kv pair both norm launches; decode attention's ``inv_freq=`` the
-# rope_kernel's inverse RoPE. ``ropes_q_with`` (decode attention's ``q_eps=``, the indexer scores'
-# ``positions=``) is declared once those q paths have run on a GPU (branch pending-qfolds).
+# rope_kernel's inverse RoPE and its ``q_eps=`` the q norm + RoPE; the indexer scores' ``positions=``
+# the indexer's q RoPE.
 rms_norm.pairs_with = norm_rope.pairs_with = norm_pair
-decode_attention.unropes_with = norm_rope
+decode_attention.unropes_with = decode_attention.ropes_q_with = norm_rope
+index_scores_decode.ropes_q_with = norm_rope
 
 
 def route(logits: torch.Tensor, top_k: int, scoring: str, scale: float, bias: torch.Tensor | None = None,
