@@ -3,7 +3,7 @@
 # q RoPE in its scores kernel, declared (ropes_q_with). The GPU tests of the touched modules, the
 # full-depth model on this tree, then main (.base) and this tree alternating, one V4-Pro layer's graph
 # step each (decode.py, 384 experts).
-# Usage (device tool, carry .base = main): bash benchmarks/results/decode/pending_qfolds_ab.sh $OUT
+# Usage (device tool, carry .base = main): bash benchmarks/results/decode/stop46_qfolds/run.sh $OUT
 set -u
 OUT=${1:?out dir}
 export PYTHONUNBUFFERED=1
@@ -19,6 +19,6 @@ timeout 150 python3 benchmarks/full_model.py --preset v4-pro --experts 8 --gpus 
   --prefill-iters 2 --json $OUT/full_model.json > $OUT/full_model.txt 2>&1
 python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('floor_ms', 'graph_ms', 'graph_over_floor', 'eager_ms', 'host_op_us', 'kernels_per_step', 'prefill_tok_s', 'prefill_over_compute_floor')})" $OUT/full_model.json
 echo "full model: ${SECONDS}s"
-. "$(dirname "$0")/ab_layers.sh"
+. "$(dirname "$0")/../ab_layers.sh"
 ab_layers 2 100 $OUT
 echo "done: ${SECONDS}s"
