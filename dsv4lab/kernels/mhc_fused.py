@@ -87,12 +87,17 @@ def _sinkhorn(logit, ij_ok, iters, hc_eps):
 
 @triton.jit
 def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
-            K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, DP, KG, KGP,
+            K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP,
             HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
             HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr, SINKHORN: tl.constexpr, BLOCK_NORM: tl.constexpr,
-            PAIRS: tl.constexpr):
+            PAIRS: tl.constexpr, ONE_ROW: tl.constexpr):
     """Totals of one token block -> pre (post, comb) stored in fp32, collapsed stored in x's dtype;
-    ``BLOCK_NORM``: then the block's RMSNorm of it (``_block_norm``)."""
+    ``BLOCK_NORM``: the block's RMSNorm of it instead: ``ONE_ROW`` (one token, D <= BD) from the
+    registers, the weight loaded first (its latency under the mixes' finish), else stored and
+    normalised in steps (``_block_norm``)."""
+    if BLOCK_NORM and ONE_ROW:
+        dw = tl.arange(0, BD)
+        w_row = tl.load(bn_w_ptr + dw, mask=dw < D, other=0.0).to(tl.float32)
     r = 1.0 / tl.sqrt(ss / K + norm_eps)                      # unweighted RMS of the flattened streams
     jj = tl.arange(0, HCP)
     j_ok = jj < HC
@@ -118,6 +123,22 @@ def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t,
             c = logit
         tl.store(comb_ptr + t[:, None, None] * (HC * HC) + ij[None, :, :], c, mask=t_ok[:, None, None] & ij_ok[None, :, :])
     dt = x_ptr.dtype.element_ty
+    if BLOCK_NORM and ONE_ROW:
+        d = tl.arange(0, BD)
+        m = t_ok[:, None] & (d < D)[None, :]
+        acc = tl.zeros((BT, BD), dtype=tl.float32)
+        for j in tl.static_range(HC):
+            pj = tl.sum(tl.where(jj[None, :] == j, pre, 0.0), axis=1)
+            sj = tl.load(x_ptr + t[:, None] * K + j * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+            acc += pj[:, None] * sj
+        col = _rounded(acc, dt, BF16_BY_HAND)
+        r_row = tl.rsqrt(tl.sum(col * col, axis=1) / D + bn_eps)
+        ydt = bn_y_ptr.dtype.element_ty
+        y = _rounded(w_row[None, :] * _rounded(col * r_row[:, None], dt, BF16_BY_HAND), ydt, BF16_BY_HAND)
+        tl.store(bn_y_ptr + t[:, None] * D + d[None, :], y.to(ydt), mask=m)
+        if PAIRS:
+            store_pair_rows(tl.reshape(y, (BD // 16, 16)), xp_ptr, xinv_ptr, tl.arange(0, BD // 16), KG, KGP, BD // 16)
+        return
     ss_out = tl.zeros((BT,), dtype=tl.float32)
     for d0 in range(0, D, BD):                                # collapsed = sum_j pre_j * stream_j
         d = d0 + tl.arange(0, BD)
@@ -133,21 +154,18 @@ def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t,
             ss_out += tl.sum(col * col, axis=1)
     if BLOCK_NORM:
         tl.debug_barrier()                                    # the collapsed row, as stored, for every thread
-        _block_norm(out_ptr, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, t, t_ok, tl.rsqrt(ss_out / D + bn_eps), D, DP,
-                    KG, KGP, BT, BF16_BY_HAND, PAIRS)
+        _block_norm(out_ptr, bn_w_ptr, bn_y_ptr, t, t_ok, tl.rsqrt(ss_out / D + bn_eps), D, BT, BF16_BY_HAND)
 
 
 @triton.jit
-def _block_norm(c_ptr, w_ptr, y_ptr, xp_ptr, xinv_ptr, t, t_ok, r, D, DP, KG, KGP, BT: tl.constexpr,
-                BF16_BY_HAND: tl.constexpr, PAIRS: tl.constexpr):
+def _block_norm(c_ptr, w_ptr, y_ptr, t, t_ok, r, D, BT: tl.constexpr, BF16_BY_HAND: tl.constexpr):
     """The block's RMSNorm (``rms_norm``) of the collapsed rows [BT, D] at c_ptr, given their
     rsqrt(mean square + eps) ``r`` [BT]: (c * r) rounded to c's dtype, times the weight, rounded to
-    y's; ``PAIRS`` (one row): also its ``x_pairs`` rows for the GEMVs that read it, up to DP
-    channels (KGP 16-groups: the 1/xs zero padding)."""
+    y's; in steps of ``NORM_CHUNK`` channels."""
     NBD: tl.constexpr = NORM_CHUNK // BT
     dt = c_ptr.dtype.element_ty
     ydt = y_ptr.dtype.element_ty
-    for d0 in range(0, DP, NBD):
+    for d0 in range(0, D, NBD):
         d = d0 + tl.arange(0, NBD)
         d_ok = d < D
         m = t_ok[:, None] & d_ok[None, :]
@@ -155,18 +173,16 @@ def _block_norm(c_ptr, w_ptr, y_ptr, xp_ptr, xinv_ptr, t, t_ok, r, D, DP, KG, KG
         w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
         y = _rounded(w[None, :] * _rounded(c * r[:, None], dt, BF16_BY_HAND), ydt, BF16_BY_HAND)
         tl.store(y_ptr + t[:, None] * D + d[None, :], y.to(ydt), mask=m)
-        if PAIRS:
-            store_pair_rows(tl.reshape(y, (NBD // 16, 16)), xp_ptr, xinv_ptr, d0 // 16 + tl.arange(0, NBD // 16),
-                            KG, KGP, NBD // 16)
 
 
 @triton.jit
 def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, cnt_ptr,
-                   T, K, D, CH, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, DP, KG, KGP,
+                   T, K, D, CH, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP,
                    HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr,
                    BK: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
                    HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr, PDL: tl.constexpr = False,
-                   SINKHORN: tl.constexpr = True, BLOCK_NORM: tl.constexpr = False, PAIRS: tl.constexpr = False):
+                   SINKHORN: tl.constexpr = True, BLOCK_NORM: tl.constexpr = False, PAIRS: tl.constexpr = False,
+                   ONE_ROW: tl.constexpr = False):
     pdl_enter(PDL)
     tb = tl.program_id(0)
     sp = tl.program_id(1)
@@ -203,8 +219,8 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
     p_comb = tl.sum(acc_comb, axis=2)
     if SPLIT == 1:
         _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
-                K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, DP, KG, KGP,
-                HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN, BLOCK_NORM, PAIRS)
+                K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP,
+                HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN, BLOCK_NORM, PAIRS, ONE_ROW)
     else:
         # partial row per (block, split, token): [pre HCP | post HCP | comb HCP^2 | sum x^2]
         W = 2 * HCP + HCP * HCP + 1
@@ -229,8 +245,8 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
             p_comb = tl.sum(tl.load(rows[:, :, None] + 2 * HCP + cc[None, None, :], mask=s_ok, other=0.0,
                                     cache_modifier=".cg"), axis=0)
             _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post,
-                    p_comb, K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, DP, KG, KGP,
-                    HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN, BLOCK_NORM, PAIRS)
+                    p_comb, K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP,
+                    HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN, BLOCK_NORM, PAIRS, ONE_ROW)
             tl.atomic_xchg(cnt_ptr + tb, 0, sem="relaxed")  # next use is a later launch: no fence
 
 
@@ -279,8 +295,8 @@ def _hc_pre_dense_finish_kernel(x_ptr, prod_ptr, base_ptr, scale_ptr, pre_ptr, p
         p_comb = _parts_sum(prod_ptr, t, t_ok, 2 * HC + (cc // HCP) * HC + cc % HCP,
                             ((cc // HCP) < HC) & ((cc % HCP) < HC), T, MIX, CHUNKS)
     _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
-            K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, bn_w_ptr, bn_w_ptr, bn_eps, D, 0, 0,
-            HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN, BLOCK_NORM, False)
+            K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, bn_w_ptr, bn_w_ptr, bn_eps, 0, 0,
+            HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN, BLOCK_NORM, False, False)
 
 
 @triton.jit
@@ -439,20 +455,21 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     # one normalised row: also its x_pairs rows for the GEMVs that read it (as rms_norm's launch writes them)
     kg = D // 16
     kgp = cdiv(kg, INV_PAD) * INV_PAD
-    emit = block_norm and T == 1 and D % 16 == 0
+    bd = max(64, (DECODE_COLLAPSE_ELEMS if bt == 1 else COLLAPSE_ELEMS) // bt)
+    one_row = block_norm and bt == 1 and D <= bd  # one token in one collapse step: normalised in registers
+    emit = one_row and T == 1 and D % 16 == 0 and kgp * 16 <= bd  # the tile also covers the pairs' 1/xs padding
     xp, xinv = pairs_buffers(kg, dev) if emit else (out, out)
     kernel, by_hand = _hc_pre_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
     pdl = use_pdl(n_tb * n_split, dev)
-    skey = (id(kernel), hc, bt, bk, n_split, head, by_hand, pdl, sinkhorn, block_norm, emit)
+    skey = (id(kernel), hc, bt, bk, n_split, head, by_hand, pdl, sinkhorn, block_norm, emit, one_row)
     site = _SITES.get(skey) or new_site(
-        _SITES, skey, kernel, HC=hc, HCP=hcp, BT=bt, BK=bk,
-        BD=max(64, (DECODE_COLLAPSE_ELEMS if bt == 1 else COLLAPSE_ELEMS) // bt), SPLIT=n_split,
+        _SITES, skey, kernel, HC=hc, HCP=hcp, BT=bt, BK=bk, BD=bd, SPLIT=n_split,
         SPLITP=next_pow2(n_split), HEAD=head, BF16_BY_HAND=by_hand, num_warps=PRE_WARPS, SINKHORN=sinkhorn,
-        BLOCK_NORM=block_norm, PAIRS=emit, **pdl_kw(pdl))
+        BLOCK_NORM=block_norm, PAIRS=emit, ONE_ROW=one_row, **pdl_kw(pdl))
     site((n_tb, n_split),
         x, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,
         T, K, D, ch, int(iters), float(hc_eps), float(norm_eps), bn_w, normed, xp, xinv, float(block_norm_eps),
-        kgp * 16 if emit else D, kg, kgp)
+        kg, kgp)
     if emit:
         pairs_written(kg, dev, normed)
     return pre, post, comb, normed
