@@ -348,10 +348,12 @@ def test_gpu_hc_pre_post_v4_pro_shapes(B, S, dense):
 @gpu
 @pytest.mark.parametrize("B,S", [(1, 1), (4, 1), (1, 4096)])
 def test_gpu_hc_pre_block_norm_v4_pro_shapes(B, S):
-    """The layer norm folded into hc_pre (``block_norm_weight=``): the mixes bitwise the plain
-    launch's, the normalised rows within two bf16 steps of ``rms_norm`` of its collapsed rows (the
-    statistic summed in another order: one step for (x * r) rounded, one for the weight's product),
-    deterministic; one row also leaves its x_pairs, bitwise what x_pairs computes of it."""
+    """The layer norm folded into hc_pre (``block_norm_weight=``): the mixes within the plain
+    launch's tolerance (one row runs with ``ONE_ROW_WARPS``: its K sums in another order), the
+    normalised rows within three bf16 steps of ``rms_norm`` of the reference's collapsed rows (one
+    for the collapse, as the plain launch's; one for (x * r) rounded after a statistic summed in
+    another order, one for the weight's product), deterministic; one row also leaves its x_pairs,
+    bitwise what x_pairs computes of it."""
     from dsv4lab.kernels.common import x_pairs
     from dsv4lab.kernels.mhc_fused import hc_pre
     from dsv4lab.model.norms import rms_norm as rms_norm_ref
@@ -359,11 +361,12 @@ def test_gpu_hc_pre_block_norm_v4_pro_shapes(B, S):
     cfg, streams, fn, base, scale = _v4_pro_site(B, S, seed=1)
     args = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
     w = (1 + 0.1 * torch.randn(cfg.hidden_size, device="cuda")).bfloat16()
-    plain = hc_pre(streams, fn, base, scale, *args, sinkhorn=False)
+    pre, post, logits = mix_logits(streams, fn, base, scale, cfg.hc_eps, cfg.rms_norm_eps)
     folded = hc_pre(streams, fn, base, scale, *args, sinkhorn=False, block_norm_weight=w, block_norm_eps=cfg.rms_norm_eps)
-    assert all(torch.equal(a, b) for a, b in zip(folded[:3], plain[:3]))
-    want = rms_norm_ref(plain[3], w, cfg.rms_norm_eps)
-    frac = _check_bf16(folded[3], want, 1e-6, want, name="normed")   # |want| + |want|: two steps
+    assert (folded[0] - pre).abs().max().item() <= 2e-5 and (folded[1] - post).abs().max().item() <= 2e-5
+    assert (folded[2] - logits).abs().max().item() <= 1e-4
+    want = rms_norm_ref(collapse(pre, streams), w, cfg.rms_norm_eps)
+    frac = _check_bf16(folded[3], want, 1e-5, 2 * want.float(), name="normed")   # |want| + 2 |want|: three steps
     if B * S == 1:
         rows, inv = (t.clone() for t in x_pairs(folded[3]))   # the fold's pairs (no launch)
         assert all(torch.equal(a, b) for a, b in zip((rows, inv), x_pairs(folded[3].clone())))

@@ -53,6 +53,7 @@ POST_BD = 512       # columns per hc_post program
 COLLAPSE_ELEMS = 2048  # BT * BD: the collapse tile of the last program (T = 1: 4 steps over D = 7168)
 NORM_CHUNK = tl.constexpr(2048)  # channels a step of the folded block norm (its pairs: 128 groups)
 DECODE_COLLAPSE_ELEMS = 8192  # one token: the collapse in one step over D = 7168 (H200 site 11.7 -> 11.3 us, same bits)
+ONE_ROW_WARPS = 8     # the norm fold's one-row finish: the whole row and its pairs in one program
 PRE_WARPS = 4          # warps of a split-K hc_pre program (8 or 16: no faster, and Sinkhorn's sums reorder)
 DENSE_MIN_T = 1024  # hc_pre tokens (bf16 streams) from which the mix products run on cuBLAS (H200, V4-Pro
                     # site, tiles / dense us: 512 231 / 315, 1024 273 / 139, 2048 505 / 165, 4096 966 / 288)
@@ -464,7 +465,8 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     skey = (id(kernel), hc, bt, bk, n_split, head, by_hand, pdl, sinkhorn, block_norm, emit, one_row)
     site = _SITES.get(skey) or new_site(
         _SITES, skey, kernel, HC=hc, HCP=hcp, BT=bt, BK=bk, BD=bd, SPLIT=n_split,
-        SPLITP=next_pow2(n_split), HEAD=head, BF16_BY_HAND=by_hand, num_warps=PRE_WARPS, SINKHORN=sinkhorn,
+        SPLITP=next_pow2(n_split), HEAD=head, BF16_BY_HAND=by_hand, SINKHORN=sinkhorn,
+        num_warps=ONE_ROW_WARPS if one_row and not INTERPRET else PRE_WARPS,
         BLOCK_NORM=block_norm, PAIRS=emit, ONE_ROW=one_row, **pdl_kw(pdl))
     site((n_tb, n_split),
         x, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,

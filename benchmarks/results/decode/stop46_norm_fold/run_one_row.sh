@@ -13,5 +13,5 @@ timeout -s INT 120 python3 -m pytest -m gpu tests/test_mhc_kernel.py tests/test_
 grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.txt | tail -8
 echo "tests: ${SECONDS}s"
 . "$(dirname "$0")/../ab_layers.sh"
-ab_layers 2 100 $OUT
+ab_layers ${ROUNDS:-2} 100 $OUT
 echo "done: ${SECONDS}s"
