@@ -15,6 +15,12 @@ dtype), then resets the counter: one launch, deterministic, CUDA-graph safe. The
 rule of the shape (no SM count, no tuning), so the order is the same on every GPU. F.linear(x*r, fn)
 is computed as r * (x·fn): the same value up to fp32 rounding.
 
+Pre with the block's norm (``block_norm_weight``, the decode layer's attn_norm / ffn_norm folded):
+the last program writes ``rms_norm`` of the collapsed rows instead of them; one token (``ONE_ROW``)
+from the registers with its ``x_pairs`` for the GEMVs after it, on ``ONE_ROW_WARPS`` (the K sums
+then run in another order than the plain launch's: within its tolerance, not its bits); several
+tokens stored, read back and normalised in steps (``_block_norm``).
+
 Pre, dense tier (prefill: T >= ``DENSE_MIN_T`` bf16 tokens): the [T, hc*D] x [hc*D, mix] products
 run on cuBLAS (``torch.bmm`` with fp32 output) against ``fn`` split into three bf16 parts (hi + mid +
 lo carry fn's 24 mantissa bits, so each bf16 x part product is exact and the sums are fp32, as in the
