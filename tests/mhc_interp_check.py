@@ -16,8 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from dsv4lab.kernels import mhc_fused  # noqa: E402
+from dsv4lab.kernels.common import x_pairs  # noqa: E402
 from dsv4lab.kernels.mhc_fused import hc_head_pre, hc_post, hc_pre  # noqa: E402
 from dsv4lab.model.mhc import HyperConnection, collapse, head_weights, mix_logits, mix_weights  # noqa: E402
+from dsv4lab.model.norms import rms_norm  # noqa: E402
 
 g = torch.Generator().manual_seed(0)
 res = {}
@@ -51,6 +53,8 @@ CASES = {
     "eps_zero_streams": (4, 64, 2, 1, torch.float32, 20, 1e-6, {"split": 4, "block_k": 32}, "zeros", 1.0),  # rms eps
     "eps_saturated": (4, 64, 2, 1, torch.float32, 20, 1e-2, {}, "randn", 400.0),      # softmax 0s: Sinkhorn eps
     "iters1_bf16": (4, 64, 1, 1, torch.bfloat16, 1, 1e-3, {"split": 2, "block_k": 64}, "randn", 1.0),
+    # 16 tokens in one block: the collapse (and the folded block norm) in two steps of 128 over D = 160
+    "s16_bf16_d160_steps": (4, 160, 1, 16, torch.bfloat16, 20, 1e-6, {"split": 2, "block_k": 16}, "randn", 1.0),
     # the dense tier (cuBLAS products of fn's bf16 parts on the GPU; an fp32 matmul here): 18 tokens in
     # blocks of 4 (a ragged last block), hc 3 with a ragged D, zero streams
     "b2s9_bf16_dense": (4, 64, 2, 9, torch.bfloat16, 20, 1e-6, {"dense": True}, "randn", 1.0),
@@ -72,6 +76,18 @@ for name, (hc, D, B, S, dtype, iters, hc_eps, kw, kind, lscale) in CASES.items()
     res[name]["logits"] = diff(k_logits, logits)
     res[name]["expand_pending"] = diff(hc_post(streams, out, post, k_logits, sinkhorn_iters=iters, hc_eps=hc_eps),
                                        HyperConnection.expand(streams, out, post, comb))
+    # the block's RMSNorm folded (block_norm_weight=): against rms_norm of the same launch's collapsed
+    # rows; one row of D % 16 == 0 also leaves its x_pairs in the kept buffers, as x_pairs writes them
+    w = (1.0 + 0.1 * torch.randn(D, generator=g)).to(dtype)
+    normed = hc_pre(streams, fn, base, scale, iters, hc_eps, 1e-6, block_norm_weight=w, block_norm_eps=1e-6, **kw)
+    res[name]["normed"] = diff(normed[3], rms_norm(k_col, w, 1e-6))
+    res[name]["normed_pre"] = diff(normed[0], k_pre)
+    if B * S == 1 and D % 16 == 0:
+        rows, inv = (t.clone() for t in x_pairs(normed[3]))    # no launch: the fold's own pairs
+        want_rows, want_inv = x_pairs(normed[3].clone())         # a new tensor: the x_pairs launch
+        res[name]["normed_pairs_equal"] = {"max_abs": float(not (torch.equal(rows, want_rows)
+                                                                 and torch.equal(inv, want_inv))),
+                                           "rel": 0.0, "ref_max": float(want_inv.abs().max())}
     fn, base, scale = params(hc, D, True, lscale)
     h_pre = head_weights(streams, fn, base, scale, hc_eps, 1e-6)
     k_pre, k_col = hc_head_pre(streams, fn, base, scale, hc_eps, 1e-6, **kw)

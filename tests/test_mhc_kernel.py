@@ -3,7 +3,8 @@ and the ``HyperConnection.kernel`` / ``.post_kernel`` / ``HyperHead.kernel`` slo
 
 CPU: the kernels through Triton's interpreter in a subprocess (tests/mhc_interp_check.py: hc 4, D 64,
 B 1..3, one and several splits of hc*D, two token blocks, hc 3 with a ragged D, zero streams (the
-RMS eps), saturated logits (the Sinkhorn eps), one Sinkhorn iteration; fp32 and bf16); the slots'
+RMS eps), saturated logits (the Sinkhorn eps), one Sinkhorn iteration, a collapse in two steps; fp32
+and bf16; each also with the block's RMSNorm folded, and one row's x_pairs from the fold); the slots'
 wiring at model level (use_kernels on/off, hooks and overriding implementations force the
 reference, the CUDA-graph signature sees the slots).
 GPU (@pytest.mark.gpu): V4-Pro shapes (hc 4, D 7168, mix 24, 20 Sinkhorn iterations), B 1 and 4 in
@@ -34,10 +35,11 @@ from dsv4lab.bugzoo.variants import MHCCombNotTransposed, MHCPreNoEps
 from dsv4lab.decode.graphs import model_signature
 from dsv4lab.kernels import install
 from dsv4lab.kernels.device import triton_importable
-from dsv4lab.kernels.dispatch import mhc_head_pre, mhc_post, mhc_pre
+from dsv4lab.kernels.dispatch import mhc_head_pre, mhc_post, mhc_pre, rms_norm
 from dsv4lab.model.mhc import HyperConnection, HyperHead, PendingSinkhorn, collapse, head_weights, mix_logits, mix_weights
 from dsv4lab.workbench import random_model
-from oracle_util import Counting, interp_check_result, random_ids, tiny_config
+from dsv4lab.model.norms import RMSNorm
+from oracle_util import Counting, decode_logits, interp_check_result, random_ids, tiny_config
 
 BF16_STEP = 2.0 ** -7  # one bf16 rounding step, relative to the value
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,12 +48,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_interp_mhc_kernels_match_reference():
     assert triton_importable(), "triton is part of the test set-up (pip install -e '.[kernels]')"
     res = interp_check_result("mhc_interp_check.py")
-    assert len(res) == 12
+    assert len(res) == 13
     for case, outs in res.items():
-        assert set(outs) == {"pre", "post", "comb", "collapsed", "expand", "head_pre", "head_collapsed", "logits",
-                             "expand_pending"}
+        assert set(outs) - {"normed_pairs_equal"} == {"pre", "post", "comb", "collapsed", "expand", "head_pre",
+                                                      "head_collapsed", "logits", "expand_pending", "normed",
+                                                      "normed_pre"}
         for out, v in outs.items():
-            if out in ("pre", "post", "comb", "head_pre"):
+            if out in ("normed_pairs_equal", "normed_pre"):   # bitwise: the same pairs, the same mixes
+                ok = v["max_abs"] == 0.0
+            elif out == "normed":  # rms_norm of the same collapsed rows: the statistic summed in another order
+                ok = v["rel"] <= 2 * BF16_STEP * (1 + 1e-6) if "bf16" in case else v["max_abs"] <= 2e-6 * v["ref_max"]
+            elif out in ("pre", "post", "comb", "head_pre"):
                 ok = v["max_abs"] <= 2e-5
             elif out == "logits":  # fp32 sums of up to hc*D products, scaled by up to 400
                 ok = v["max_abs"] <= 2e-5 * max(1.0, v["ref_max"])
@@ -60,6 +67,7 @@ def test_interp_mhc_kernels_match_reference():
             else:
                 ok = v["max_abs"] <= 1e-6 * v["ref_max"]
             assert ok, (case, out, v)
+    assert sum("normed_pairs_equal" in outs for outs in res.values()) == 2   # b1_f32, iters1_bf16
     # the eps paths did something: zero streams collapse to exactly zero, saturated rows stay finite
     assert res["eps_zero_streams"]["collapsed"]["ref_max"] == 0.0
     assert res["eps_zero_bf16_dense"]["collapsed"]["max_abs"] == 0.0
@@ -155,6 +163,62 @@ def test_pending_sinkhorn_deferral_is_the_reference_and_steps_aside():
         site.post_kernel = lambda s, o, p, c: HyperConnection.expand(s, o, p, c)  # a user's slot
         assert not site.defers_sinkhorn() and torch.equal(site(streams)[1], comb)
         site.kernel = site.post_kernel = None
+
+
+def test_block_norm_fold_is_the_reference_and_steps_aside():
+    """With ``mhc_pre`` declaring the layer norms' slot (``norms_with``) the sites hand the norm to
+    the mHC launch (``block_norm_weight=``): prefill + decode logits bitwise the reference (CPU entry
+    points: the reference math) and the norm slot never called; a torch hook on one norm, a hook
+    point of its site, another norm slot or an RMSNorm overriding forward each run that norm by
+    itself again (the hook sees its output)."""
+    cfg = tiny_config()
+    m = random_model(cfg, seed=3)
+    ids = random_ids(cfg, n=14, b=2)
+    sites, _ = _sites(m)
+    norms = [mod for n, mod in m.named_modules() if n.endswith(("attn_norm", "ffn_norm"))]
+    ref = decode_logits(m, ids)
+    pre_k, post_k, norm_k = Counting(mhc_pre), Counting(mhc_post), Counting(rms_norm)
+    pre_k.norms_with = norm_k
+    try:
+        for s in sites:
+            s.kernel, s.post_kernel = pre_k, post_k
+        for nm in norms:
+            nm.kernel = norm_k
+        assert all(s.folds_norm(nm) for s, nm in zip(sites, norms))
+        assert torch.equal(decode_logits(m, ids), ref)
+        assert norm_k.calls == 0 and pre_k.keywords["block_norm_weight"] == pre_k.calls > 0
+
+        def norm_calls_when(action, undo):
+            norm_k.calls = 0
+            action()
+            try:
+                assert torch.equal(decode_logits(m, ids), ref)
+            finally:
+                undo()
+            return norm_k.calls
+        layer = m.layers[1]
+        seen = []
+        h = layer.attn_norm.register_forward_hook(lambda mod, i, o: seen.append(o.shape))
+        assert not layer.attn_hc.folds_norm(layer.attn_norm) and layer.ffn_hc.folds_norm(layer.ffn_norm)
+        assert norm_calls_when(lambda: None, h.remove) == 7 and len(seen) == 7   # prefill + 6 decode steps
+        h = layer.ffn_hc.hook_collapsed.register_forward_hook(lambda mod, i, o: None)
+        assert norm_calls_when(lambda: None, h.remove) == 7
+        other = Counting(rms_norm)   # a slot mhc_pre does not declare
+        norm_calls_when(lambda: setattr(layer.ffn_norm, "kernel", other), lambda: setattr(layer.ffn_norm, "kernel", norm_k))
+        assert other.calls == 7
+
+        class LoudNorm(RMSNorm):
+            def forward(self, x):
+                return super().forward(x)
+        loud = LoudNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        loud.load_state_dict(layer.attn_norm.state_dict())
+        loud.kernel, old = norm_k, layer.attn_norm
+        assert norm_calls_when(lambda: setattr(layer, "attn_norm", loud), lambda: setattr(layer, "attn_norm", old)) == 7
+    finally:
+        for s in sites:
+            s.kernel = s.post_kernel = None
+        for nm in norms:
+            nm.kernel = None
 
 
 def test_use_kernels_switches_mhc_slots(monkeypatch):
@@ -282,6 +346,37 @@ def test_gpu_hc_pre_post_v4_pro_shapes(B, S, dense):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("B,S", [(1, 1), (4, 1), (1, 4096)])
+def test_gpu_hc_pre_block_norm_v4_pro_shapes(B, S):
+    """The layer norm folded into hc_pre (``block_norm_weight=``): the mixes within the plain
+    launch's tolerance (one row runs with ``ONE_ROW_WARPS``: its K sums in another order), the
+    normalised rows within three bf16 steps of ``rms_norm`` of the reference's collapsed rows (one
+    for the collapse, as the plain launch's; one for (x * r) rounded after a statistic summed in
+    another order, one for the weight's product), deterministic; one row also leaves its x_pairs,
+    bitwise what x_pairs computes of it."""
+    from dsv4lab.kernels.common import x_pairs
+    from dsv4lab.kernels.mhc_fused import hc_pre
+    from dsv4lab.model.norms import rms_norm as rms_norm_ref
+
+    cfg, streams, fn, base, scale = _v4_pro_site(B, S, seed=1)
+    args = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+    w = (1 + 0.1 * torch.randn(cfg.hidden_size, device="cuda")).bfloat16()
+    pre, post, logits = mix_logits(streams, fn, base, scale, cfg.hc_eps, cfg.rms_norm_eps)
+    folded = hc_pre(streams, fn, base, scale, *args, sinkhorn=False, block_norm_weight=w, block_norm_eps=cfg.rms_norm_eps)
+    assert (folded[0] - pre).abs().max().item() <= 2e-5 and (folded[1] - post).abs().max().item() <= 2e-5
+    assert (folded[2] - logits).abs().max().item() <= 1e-4
+    want = rms_norm_ref(collapse(pre, streams), w, cfg.rms_norm_eps)
+    frac = _check_bf16(folded[3], want, 1e-5, 2 * want.float(), name="normed")   # |want| + 2 |want|: three steps
+    if B * S == 1:
+        rows, inv = (t.clone() for t in x_pairs(folded[3]))   # the fold's pairs (no launch)
+        assert all(torch.equal(a, b) for a, b in zip((rows, inv), x_pairs(folded[3].clone())))
+    again = hc_pre(streams, fn, base, scale, *args, sinkhorn=False, block_norm_weight=w, block_norm_eps=cfg.rms_norm_eps)
+    assert torch.equal(again[3], folded[3])
+    print(f"B={B} S={S}: block norm folded, fraction of elements not bitwise rms_norm's {frac}")
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_hc_pre_graph_replay_is_bitwise_eager():
     from dsv4lab.kernels.mhc_fused import hc_post, hc_pre
 
@@ -289,11 +384,14 @@ def test_gpu_hc_pre_graph_replay_is_bitwise_eager():
     args = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
     out = torch.randn(4, 1, cfg.hidden_size, device="cuda").bfloat16()
 
+    w = torch.rand(cfg.hidden_size, device="cuda").bfloat16()
+
     def step():
         _, post, logits, _ = hc_pre(streams, fn, base, scale, *args, sinkhorn=False)
         _, post, comb, col = hc_pre(streams, fn, base, scale, *args)  # a launch since the logits: settled
         pending = hc_post(streams, out, post, logits, sinkhorn_iters=args[0], hc_eps=args[1], logits_settled=True)
-        return col, hc_post(streams, out, post, comb), pending
+        normed = hc_pre(streams[:1], fn, base, scale, *args, block_norm_weight=w, block_norm_eps=1e-6)[3]
+        return col, hc_post(streams, out, post, comb), pending, normed
 
     eager = step()
     s = torch.cuda.Stream()

@@ -277,19 +277,27 @@ def _mhc_params_fit(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
 
 
 def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-            hc_eps: float, norm_eps: float, *, sinkhorn: bool = True
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            hc_eps: float, norm_eps: float, *, sinkhorn: bool = True, block_norm_weight: torch.Tensor | None = None,
+            block_norm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre, post, comb, collapsed) of one mHC site for streams [B,S,hc,D]: ``mhc_fused.hc_pre`` (one
     launch) on CUDA, ``mix_weights`` + ``collapse`` elsewhere. ``sinkhorn=False``: comb's logits
-    instead (``mix_logits``), for an ``mhc_post`` that projects them itself."""
+    instead (``mix_logits``), for an ``mhc_post`` that projects them itself. ``block_norm_weight``
+    (declared by ``norms_with``: the ``rms_norm`` slot's result): the block's RMSNorm of collapsed
+    instead of collapsed, ``rms_norm(collapsed, block_norm_weight, block_norm_eps)`` (on CUDA in the
+    same launch)."""
     hc = streams.shape[-2] if streams.dim() == 4 else 0
-    if _mhc_kernel_can_take(streams, fn, base, scale) and _mhc_params_fit(streams, fn, base, scale, (2 + hc) * hc, 3):
-        return _tk.mhc_fused.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, sinkhorn=sinkhorn)
+    if (_mhc_kernel_can_take(streams, fn, base, scale) and _mhc_params_fit(streams, fn, base, scale, (2 + hc) * hc, 3)
+            and (block_norm_weight is None or block_norm_weight.dtype in KERNEL_DTYPES)):
+        return _tk.mhc_fused.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, sinkhorn=sinkhorn,
+                                    block_norm_weight=block_norm_weight, block_norm_eps=block_norm_eps)
     if sinkhorn:
         pre, post, comb = mix_weights(streams, fn, base, scale, iters, hc_eps, norm_eps)
     else:
         pre, post, comb = mix_logits(streams, fn, base, scale, hc_eps, norm_eps)
-    return pre, post, comb, collapse(pre, streams)
+    collapsed = collapse(pre, streams)
+    if block_norm_weight is not None:
+        collapsed = rms_norm(collapsed, block_norm_weight, block_norm_eps)
+    return pre, post, comb, collapsed
 
 
 def mhc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
@@ -438,8 +446,9 @@ def norm_pair(a: torch.Tensor, q_weight: torch.Tensor, q_eps: float, kv: torch.T
 # What an entry point's extra arguments reproduce of another slot (Attention / Indexer check it before
 # handing work over): the q_norm + kv pair both norm launches; decode attention's ``inv_freq=`` the
 # rope_kernel's inverse RoPE and its ``q_eps=`` the q norm + RoPE; the indexer scores' ``positions=``
-# the indexer's q RoPE.
+# the indexer's q RoPE; mHC pre's ``block_norm_weight=`` the layer norm after it (HyperConnection).
 rms_norm.pairs_with = norm_rope.pairs_with = norm_pair
+mhc_pre.norms_with = rms_norm
 decode_attention.unropes_with = decode_attention.ropes_q_with = norm_rope
 index_scores_decode.ropes_q_with = norm_rope
 

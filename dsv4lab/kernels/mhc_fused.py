@@ -15,6 +15,12 @@ dtype), then resets the counter: one launch, deterministic, CUDA-graph safe. The
 rule of the shape (no SM count, no tuning), so the order is the same on every GPU. F.linear(x*r, fn)
 is computed as r * (x·fn): the same value up to fp32 rounding.
 
+Pre with the block's norm (``block_norm_weight``, the decode layer's attn_norm / ffn_norm folded):
+the last program writes ``rms_norm`` of the collapsed rows instead of them; one token (``ONE_ROW``)
+from the registers with its ``x_pairs`` for the GEMVs after it, on ``ONE_ROW_WARPS`` (the K sums
+then run in another order than the plain launch's: within its tolerance, not its bits); several
+tokens stored, read back and normalised in steps (``_block_norm``).
+
 Pre, dense tier (prefill: T >= ``DENSE_MIN_T`` bf16 tokens): the [T, hc*D] x [hc*D, mix] products
 run on cuBLAS (``torch.bmm`` with fp32 output) against ``fn`` split into three bf16 parts (hi + mid +
 lo carry fn's 24 mantissa bits, so each bf16 x part product is exact and the sums are fp32, as in the
@@ -40,7 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, INTERPRET, counters, pdl_enter, pdl_kw, scratch, use_pdl
+from .common import (INV_PAD, cdiv, next_pow2, INTERPRET, counters, pairs_buffers, pairs_written, pdl_enter, pdl_kw,
+                     scratch, store_pair_rows, use_pdl)
 from .device import on_input_device
 from .launch import new_site
 
@@ -50,7 +57,9 @@ SPLIT_ROWS = 128    # BT * SPLIT: the partials the last program reads at once
 MIN_PROGRAMS = 96   # hc_pre's grid at least this (token blocks x splits) where T allows
 POST_BD = 512       # columns per hc_post program
 COLLAPSE_ELEMS = 2048  # BT * BD: the collapse tile of the last program (T = 1: 4 steps over D = 7168)
+NORM_CHUNK = tl.constexpr(2048)  # channels a step of the folded block norm (its pairs: 128 groups)
 DECODE_COLLAPSE_ELEMS = 8192  # one token: the collapse in one step over D = 7168 (H200 site 11.7 -> 11.3 us, same bits)
+ONE_ROW_WARPS = 8     # the norm fold's one-row finish: the whole row and its pairs in one program
 PRE_WARPS = 4          # warps of a split-K hc_pre program (8 or 16: no faster, and Sinkhorn's sums reorder)
 DENSE_MIN_T = 1024  # hc_pre tokens (bf16 streams) from which the mix products run on cuBLAS (H200, V4-Pro
                     # site, tiles / dense us: 512 231 / 315, 1024 273 / 139, 2048 505 / 165, 4096 966 / 288)
@@ -85,9 +94,17 @@ def _sinkhorn(logit, ij_ok, iters, hc_eps):
 
 @triton.jit
 def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
-            K, D, iters, hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-            HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr, SINKHORN: tl.constexpr):
-    """Totals of one token block -> pre (post, comb) stored in fp32, collapsed stored in x's dtype."""
+            K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP,
+            HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+            HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr, SINKHORN: tl.constexpr, BLOCK_NORM: tl.constexpr,
+            PAIRS: tl.constexpr, ONE_ROW: tl.constexpr):
+    """Totals of one token block -> pre (post, comb) stored in fp32, collapsed stored in x's dtype;
+    ``BLOCK_NORM``: the block's RMSNorm of it instead: ``ONE_ROW`` (one token, D <= BD) from the
+    registers, the weight loaded first (its latency under the mixes' finish), else stored and
+    normalised in steps (``_block_norm``)."""
+    if BLOCK_NORM and ONE_ROW:
+        dw = tl.arange(0, BD)
+        w_row = tl.load(bn_w_ptr + dw, mask=dw < D, other=0.0).to(tl.float32)
     r = 1.0 / tl.sqrt(ss / K + norm_eps)                      # unweighted RMS of the flattened streams
     jj = tl.arange(0, HCP)
     j_ok = jj < HC
@@ -112,6 +129,24 @@ def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t,
         else:  # the logits, for an hc_post that projects them (``PendingSinkhorn``)
             c = logit
         tl.store(comb_ptr + t[:, None, None] * (HC * HC) + ij[None, :, :], c, mask=t_ok[:, None, None] & ij_ok[None, :, :])
+    dt = x_ptr.dtype.element_ty
+    if BLOCK_NORM and ONE_ROW:
+        d = tl.arange(0, BD)
+        m = t_ok[:, None] & (d < D)[None, :]
+        acc = tl.zeros((BT, BD), dtype=tl.float32)
+        for j in tl.static_range(HC):
+            pj = tl.sum(tl.where(jj[None, :] == j, pre, 0.0), axis=1)
+            sj = tl.load(x_ptr + t[:, None] * K + j * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+            acc += pj[:, None] * sj
+        col = _rounded(acc, dt, BF16_BY_HAND)
+        r_row = tl.rsqrt(tl.sum(col * col, axis=1) / D + bn_eps)
+        ydt = bn_y_ptr.dtype.element_ty
+        y = _rounded(w_row[None, :] * _rounded(col * r_row[:, None], dt, BF16_BY_HAND), ydt, BF16_BY_HAND)
+        tl.store(bn_y_ptr + t[:, None] * D + d[None, :], y.to(ydt), mask=m)
+        if PAIRS:
+            store_pair_rows(tl.reshape(y, (BD // 16, 16)), xp_ptr, xinv_ptr, tl.arange(0, BD // 16), KG, KGP, BD // 16)
+        return
+    ss_out = tl.zeros((BT,), dtype=tl.float32)
     for d0 in range(0, D, BD):                                # collapsed = sum_j pre_j * stream_j
         d = d0 + tl.arange(0, BD)
         m = t_ok[:, None] & (d < D)[None, :]
@@ -120,16 +155,41 @@ def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t,
             pj = tl.sum(tl.where(jj[None, :] == j, pre, 0.0), axis=1)
             sj = tl.load(x_ptr + t[:, None] * K + j * D + d[None, :], mask=m, other=0.0).to(tl.float32)
             acc += pj[:, None] * sj
-        dt = out_ptr.dtype.element_ty
-        tl.store(out_ptr + t[:, None] * D + d[None, :], _rounded(acc, dt, BF16_BY_HAND).to(dt), mask=m)
+        col = _rounded(acc, dt, BF16_BY_HAND)
+        tl.store(out_ptr + t[:, None] * D + d[None, :], col.to(dt), mask=m)
+        if BLOCK_NORM:
+            ss_out += tl.sum(col * col, axis=1)
+    if BLOCK_NORM:
+        tl.debug_barrier()                                    # the collapsed row, as stored, for every thread
+        _block_norm(out_ptr, bn_w_ptr, bn_y_ptr, t, t_ok, tl.rsqrt(ss_out / D + bn_eps), D, BT, BF16_BY_HAND)
+
+
+@triton.jit
+def _block_norm(c_ptr, w_ptr, y_ptr, t, t_ok, r, D, BT: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """The block's RMSNorm (``rms_norm``) of the collapsed rows [BT, D] at c_ptr, given their
+    rsqrt(mean square + eps) ``r`` [BT]: (c * r) rounded to c's dtype, times the weight, rounded to
+    y's; in steps of ``NORM_CHUNK`` channels."""
+    NBD: tl.constexpr = NORM_CHUNK // BT
+    dt = c_ptr.dtype.element_ty
+    ydt = y_ptr.dtype.element_ty
+    for d0 in range(0, D, NBD):
+        d = d0 + tl.arange(0, NBD)
+        d_ok = d < D
+        m = t_ok[:, None] & d_ok[None, :]
+        c = tl.load(c_ptr + t[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        y = _rounded(w[None, :] * _rounded(c * r[:, None], dt, BF16_BY_HAND), ydt, BF16_BY_HAND)
+        tl.store(y_ptr + t[:, None] * D + d[None, :], y.to(ydt), mask=m)
 
 
 @triton.jit
 def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, cnt_ptr,
-                   T, K, D, CH, iters, hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr,
+                   T, K, D, CH, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP,
+                   HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr,
                    BK: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
                    HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr, PDL: tl.constexpr = False,
-                   SINKHORN: tl.constexpr = True):
+                   SINKHORN: tl.constexpr = True, BLOCK_NORM: tl.constexpr = False, PAIRS: tl.constexpr = False,
+                   ONE_ROW: tl.constexpr = False):
     pdl_enter(PDL)
     tb = tl.program_id(0)
     sp = tl.program_id(1)
@@ -166,7 +226,8 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
     p_comb = tl.sum(acc_comb, axis=2)
     if SPLIT == 1:
         _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
-                K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN)
+                K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP,
+                HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN, BLOCK_NORM, PAIRS, ONE_ROW)
     else:
         # partial row per (block, split, token): [pre HCP | post HCP | comb HCP^2 | sum x^2]
         W = 2 * HCP + HCP * HCP + 1
@@ -191,7 +252,8 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
             p_comb = tl.sum(tl.load(rows[:, :, None] + 2 * HCP + cc[None, None, :], mask=s_ok, other=0.0,
                                     cache_modifier=".cg"), axis=0)
             _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post,
-                    p_comb, K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN)
+                    p_comb, K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP,
+                    HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN, BLOCK_NORM, PAIRS, ONE_ROW)
             tl.atomic_xchg(cnt_ptr + tb, 0, sem="relaxed")  # next use is a later launch: no fence
 
 
@@ -212,9 +274,11 @@ def _parts_sum(prod_ptr, t, t_ok, col, col_ok, T, MIX, CHUNKS):
 
 @triton.jit
 def _hc_pre_dense_finish_kernel(x_ptr, prod_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr,
-                                T, K, D, MIX, CHUNKS, iters, hc_eps, norm_eps, HC: tl.constexpr, HCP: tl.constexpr,
+                                T, K, D, MIX, CHUNKS, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, bn_eps,
+                                HC: tl.constexpr, HCP: tl.constexpr,
                                 BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, HEAD: tl.constexpr,
-                                BF16_BY_HAND: tl.constexpr, SINKHORN: tl.constexpr = True):
+                                BF16_BY_HAND: tl.constexpr, SINKHORN: tl.constexpr = True,
+                                BLOCK_NORM: tl.constexpr = False):
     """The dense tier's second launch: sum x^2 of BT tokens, their mixes from the parts' products
     [CHUNKS, T, 3 * MIX] (cuBLAS), then ``_finish``."""
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
@@ -238,7 +302,8 @@ def _hc_pre_dense_finish_kernel(x_ptr, prod_ptr, base_ptr, scale_ptr, pre_ptr, p
         p_comb = _parts_sum(prod_ptr, t, t_ok, 2 * HC + (cc // HCP) * HC + cc % HCP,
                             ((cc // HCP) < HC) & ((cc % HCP) < HC), T, MIX, CHUNKS)
     _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
-            K, D, iters, hc_eps, norm_eps, HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN)
+            K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, bn_w_ptr, bn_w_ptr, bn_eps, 0, 0,
+            HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN, BLOCK_NORM, False, False)
 
 
 @triton.jit
@@ -346,7 +411,8 @@ def use_dense(T: int, dtype: torch.dtype, dense: bool | None = None) -> bool:
     return T >= DENSE_MIN_T if dense is None else dense
 
 
-def _pre_dense(x, fn, base, scale, iters, hc_eps, norm_eps, head, pre, post, comb, out, sinkhorn=True):
+def _pre_dense(x, fn, base, scale, iters, hc_eps, norm_eps, head, pre, post, comb, out, sinkhorn=True, bn_w=None,
+               bn_y=None, bn_eps=0.0):
     """The dense tier: cuBLAS products of x and fn's parts (transient: chunks x T x 3 * mix fp32,
     33 MB for a 4096-token V4-Pro chunk; fn's parts 4 MB), then one finish launch."""
     B, S, hc, D = x.shape
@@ -355,16 +421,18 @@ def _pre_dense(x, fn, base, scale, iters, hc_eps, norm_eps, head, pre, post, com
     prod = _mix_products(x.view(T, hc * D), fn_parts(fn), chunks)
     hcp = next_pow2(hc)
     kernel, by_hand = _hc_pre_dense_finish_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
-    skey = (id(kernel), hc, head, by_hand, sinkhorn)
+    block_norm = bn_w is not None
+    skey = (id(kernel), hc, head, by_hand, sinkhorn, block_norm)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, HC=hc, HCP=hcp, BT=DENSE_BT, BK=COLLAPSE_ELEMS // DENSE_BT,
                                         BD=COLLAPSE_ELEMS // DENSE_BT, HEAD=head, BF16_BY_HAND=by_hand,
-                                        SINKHORN=sinkhorn, num_warps=4)
+                                        SINKHORN=sinkhorn, BLOCK_NORM=block_norm, num_warps=4)
     site((cdiv(T, DENSE_BT),),
         x, prod, base.contiguous(), scale.contiguous(), pre, post, comb, out, T, hc * D, D, fn.shape[0], chunks, int(iters),
-        float(hc_eps), float(norm_eps))
+        float(hc_eps), float(norm_eps), bn_w if block_norm else out, bn_y if block_norm else out, float(bn_eps))
 
 
-def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, block_k, dense, sinkhorn=True):
+def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, block_k, dense, sinkhorn=True,
+                block_norm_weight=None, block_norm_eps=0.0):
     B, S, hc, D = streams.shape
     T, K = B * S, hc * D
     x = streams.contiguous()
@@ -373,11 +441,16 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     post = pre if head else x.new_empty(B, S, hc, dtype=torch.float32)
     comb = pre if head else x.new_empty(B, S, hc, hc, dtype=torch.float32)
     out = x.new_empty(B, S, D)
+    block_norm = block_norm_weight is not None
+    bn_w = block_norm_weight.contiguous() if block_norm else out
+    # the block's RMSNorm output, in rms_norm's dtype (weight * x); ``out`` then holds the collapsed rows
+    normed = x.new_empty(B, S, D, dtype=torch.promote_types(bn_w.dtype, x.dtype)) if block_norm else out
     if T == 0:
-        return pre, post, comb, out
+        return pre, post, comb, normed
     if use_dense(T, x.dtype, dense):
-        _pre_dense(x, fn, base, scale, iters, hc_eps, norm_eps, head, pre, post, comb, out, sinkhorn)
-        return pre, post, comb, out
+        _pre_dense(x, fn, base, scale, iters, hc_eps, norm_eps, head, pre, post, comb, out, sinkhorn, bn_w if block_norm
+                   else None, normed, block_norm_eps)
+        return pre, post, comb, normed
     bt, bk, ch, n_split = pre_split(T, K, split, block_k)
     hcp = next_pow2(hc)
     n_tb = cdiv(T, bt)
@@ -386,29 +459,48 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
         cnt = counters(dev, n_tb)
     else:
         ws = cnt = pre  # unused
+    # one normalised row: also its x_pairs rows for the GEMVs that read it (as rms_norm's launch writes them)
+    kg = D // 16
+    kgp = cdiv(kg, INV_PAD) * INV_PAD
+    bd = max(64, (DECODE_COLLAPSE_ELEMS if bt == 1 else COLLAPSE_ELEMS) // bt)
+    one_row = block_norm and bt == 1 and D <= bd  # one token in one collapse step: normalised in registers
+    emit = one_row and T == 1 and D % 16 == 0 and kgp * 16 <= bd  # the tile also covers the pairs' 1/xs padding
+    xp, xinv = pairs_buffers(kg, dev) if emit else (out, out)
     kernel, by_hand = _hc_pre_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
     pdl = use_pdl(n_tb * n_split, dev)
-    skey = (id(kernel), hc, bt, bk, n_split, head, by_hand, pdl, sinkhorn)
+    skey = (id(kernel), hc, bt, bk, n_split, head, by_hand, pdl, sinkhorn, block_norm, emit, one_row)
     site = _SITES.get(skey) or new_site(
-        _SITES, skey, kernel, HC=hc, HCP=hcp, BT=bt, BK=bk,
-        BD=max(64, (DECODE_COLLAPSE_ELEMS if bt == 1 else COLLAPSE_ELEMS) // bt), SPLIT=n_split,
-        SPLITP=next_pow2(n_split), HEAD=head, BF16_BY_HAND=by_hand, num_warps=PRE_WARPS, SINKHORN=sinkhorn,
-        **pdl_kw(pdl))
+        _SITES, skey, kernel, HC=hc, HCP=hcp, BT=bt, BK=bk, BD=bd, SPLIT=n_split,
+        SPLITP=next_pow2(n_split), HEAD=head, BF16_BY_HAND=by_hand, SINKHORN=sinkhorn,
+        num_warps=ONE_ROW_WARPS if one_row and not INTERPRET else PRE_WARPS,
+        BLOCK_NORM=block_norm, PAIRS=emit, ONE_ROW=one_row, **pdl_kw(pdl))
     site((n_tb, n_split),
         x, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,
-        T, K, D, ch, int(iters), float(hc_eps), float(norm_eps))
-    return pre, post, comb, out
+        T, K, D, ch, int(iters), float(hc_eps), float(norm_eps), bn_w, normed, xp, xinv, float(block_norm_eps),
+        kg, kgp)
+    if emit:
+        pairs_written(kg, dev, normed)
+    return pre, post, comb, normed
 
 
 @on_input_device
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
            hc_eps: float, norm_eps: float, *, split: int | None = None, block_k: int | None = None,
-           dense: bool | None = None, sinkhorn: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           dense: bool | None = None, sinkhorn: bool = True, block_norm_weight: torch.Tensor | None = None,
+           block_norm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [B,S,hc,D] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc] fp32, collapsed [B,S,D] in
     streams.dtype), as ``mix_weights`` + ``collapse``; ``sinkhorn=False``: comb's logits instead
-    (``mix_logits``; ``hc_post(sinkhorn_iters=...)`` projects them). ``split`` / ``block_k``
-    override the tiles' rule, ``dense`` the tier (``use_dense``; tests and benchmarks)."""
-    return _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, split, block_k, dense, sinkhorn)
+    (``mix_logits``; ``hc_post(sinkhorn_iters=...)`` projects them). ``block_norm_weight``: the last
+    output is the block's RMSNorm of collapsed instead (``rms_norm(collapsed, weight, block_norm_eps)``,
+    in its dtype), the same launch's last program normalising the rows it collapsed (and writing one
+    row's ``x_pairs`` for the GEMVs that read it): the decode layer's attn_norm / ffn_norm launch
+    folded. ``split`` / ``block_k`` override the tiles' rule, ``dense`` the tier (``use_dense``;
+    tests and benchmarks)."""
+    if block_norm_weight is not None and block_norm_weight.shape != streams.shape[-1:]:
+        raise ValueError(f"hc_pre: block_norm_weight must be [D] = [{streams.shape[-1]}] (the streams' width); "
+                         f"got {tuple(block_norm_weight.shape)}")
+    return _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, False, split, block_k, dense, sinkhorn,
+                       block_norm_weight, block_norm_eps)
 
 
 @on_input_device

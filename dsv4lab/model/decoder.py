@@ -30,18 +30,18 @@ class DecoderLayer(Component):
 
     def _ffn(self, h: torch.Tensor, input_ids: torch.Tensor | None, graph_safe: bool) -> torch.Tensor:
         h = self.hook_resid_mid(h)
-        post, comb, collapsed = self.ffn_hc(h)
-        out = self.mlp(self.ffn_norm(collapsed), input_ids, graph_safe)
+        post, comb, x = self.ffn_hc.forward_normed(h, self.ffn_norm)
+        out = self.mlp(x, input_ids, graph_safe)
         return self.hook_resid_post(self.ffn_hc.combine(h, out, post, comb))
 
     def prefill(self, h: torch.Tensor, input_ids: torch.Tensor | None, start: int, st: LayerState) -> torch.Tensor:
         h = self.hook_resid_pre(h)
-        post, comb, collapsed = self.attn_hc(h)
-        a = self.attn.prefill(self.attn_norm(collapsed), start, st)
+        post, comb, x = self.attn_hc.forward_normed(h, self.attn_norm)
+        a = self.attn.prefill(x, start, st)
         return self._ffn(self.attn_hc.combine(h, a, post, comb), input_ids, graph_safe=False)
 
     def decode(self, h: torch.Tensor, input_ids: torch.Tensor | None, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
         h = self.hook_resid_pre(h)
-        post, comb, collapsed = self.attn_hc(h)
-        a = self.attn.decode(self.attn_norm(collapsed), pos, st)
+        post, comb, x = self.attn_hc.forward_normed(h, self.attn_norm)
+        a = self.attn.decode(x, pos, st)
         return self._ffn(self.attn_hc.combine(h, a, post, comb), input_ids, graph_safe=True)

@@ -23,7 +23,7 @@ from torch import nn
 from ..config import DSV4Config
 from .component import Component, module_hooks_listen
 from .hooks import HookPoint
-from .norms import unweighted_rms_norm
+from .norms import RMSNorm, unweighted_rms_norm
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -142,6 +142,34 @@ class HyperConnection(Component):
             return post, comb, collapsed
         pre, post, comb = self.mixes(streams)
         return post, comb, self.hook_collapsed(collapse(pre, streams))
+
+    def forward_normed(self, streams: torch.Tensor, norm: RMSNorm
+                       ) -> tuple[torch.Tensor, torch.Tensor | PendingSinkhorn, torch.Tensor]:
+        """(post, comb, norm(collapsed)): the layer's ``self(streams)`` then its RMSNorm, in one
+        launch where ``folds_norm(norm)`` (the collapsed rows never leave the kernel's last program)."""
+        if not self.folds_norm(norm):
+            post, comb, collapsed = self(streams)
+            return post, comb, norm(collapsed)
+        kw = {"block_norm_weight": norm.weight, "block_norm_eps": norm.eps}
+        if self.defers_sinkhorn():
+            _, post, logits, normed = self.kernel(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps,
+                                                  self.norm_eps, sinkhorn=False, **kw)
+            return post, PendingSinkhorn(logits, self.iters, self.hc_eps), normed
+        _, post, comb, normed = self.kernel(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps,
+                                            self.norm_eps, **kw)
+        return post, comb, normed
+
+    def folds_norm(self, norm: RMSNorm) -> bool:
+        """Does this site's kernel also run ``norm`` on its collapsed rows (``block_norm_weight=``)?
+        Only where the kernel path runs here (no hook point listens, ``mixes`` and ``forward`` are
+        the reference's, no torch hook on the site) and it declares ``norm``'s slot (``norms_with``),
+        which is the stock RMSNorm with no torch hook and not training with grad."""
+        nk = norm.kernel
+        return (nk is not None and getattr(self.kernel, "norms_with", None) is nk
+                and type(self).mixes is HyperConnection.mixes and type(self).forward is HyperConnection.forward
+                and type(norm).forward is RMSNorm.forward and not self.hooked()
+                and not (norm.training and torch.is_grad_enabled())
+                and not module_hooks_listen(self) and not module_hooks_listen(norm))
 
     def combine(self, streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
                 comb: torch.Tensor | PendingSinkhorn) -> torch.Tensor:
