@@ -10,7 +10,9 @@ fused kernels of ``dsv4lab.kernels.mhc_fused`` are checked against); the compone
 points and the ``kernel`` slots: ``HyperConnection.kernel`` (mixes + collapse in one call),
 ``HyperConnection.post_kernel`` (the expansion), ``HyperHead.kernel``. A slot is used only while
 none of the component's hook points listens and the method it replaces is the reference's, so
-hooks and overriding implementations (docs/components.md) always see the reference path.
+hooks and overriding implementations (docs/components.md) always see the reference path. The
+decoder asks a site for ``norm(collapsed)`` (``HyperConnection.forward_normed``): one launch where
+the kernel declares the norm's slot (``folds_norm``).
 """
 from __future__ import annotations
 
