@@ -133,12 +133,7 @@ def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t,
     if BLOCK_NORM and ONE_ROW:
         d = tl.arange(0, BD)
         m = t_ok[:, None] & (d < D)[None, :]
-        acc = tl.zeros((BT, BD), dtype=tl.float32)
-        for j in tl.static_range(HC):
-            pj = tl.sum(tl.where(jj[None, :] == j, pre, 0.0), axis=1)
-            sj = tl.load(x_ptr + t[:, None] * K + j * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-            acc += pj[:, None] * sj
-        col = _rounded(acc, dt, BF16_BY_HAND)
+        col = _collapsed(x_ptr, pre, jj, t, d, m, K, D, HC, BT, BD, BF16_BY_HAND)
         r_row = tl.rsqrt(tl.sum(col * col, axis=1) / D + bn_eps)
         ydt = bn_y_ptr.dtype.element_ty
         y = _rounded(w_row[None, :] * _rounded(col * r_row[:, None], dt, BF16_BY_HAND), ydt, BF16_BY_HAND)
@@ -150,18 +145,26 @@ def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t,
     for d0 in range(0, D, BD):                                # collapsed = sum_j pre_j * stream_j
         d = d0 + tl.arange(0, BD)
         m = t_ok[:, None] & (d < D)[None, :]
-        acc = tl.zeros((BT, BD), dtype=tl.float32)
-        for j in tl.static_range(HC):
-            pj = tl.sum(tl.where(jj[None, :] == j, pre, 0.0), axis=1)
-            sj = tl.load(x_ptr + t[:, None] * K + j * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-            acc += pj[:, None] * sj
-        col = _rounded(acc, dt, BF16_BY_HAND)
+        col = _collapsed(x_ptr, pre, jj, t, d, m, K, D, HC, BT, BD, BF16_BY_HAND)
         tl.store(out_ptr + t[:, None] * D + d[None, :], col.to(dt), mask=m)
         if BLOCK_NORM:
             ss_out += tl.sum(col * col, axis=1)
     if BLOCK_NORM:
         tl.debug_barrier()                                    # the collapsed row, as stored, for every thread
         _block_norm(out_ptr, bn_w_ptr, bn_y_ptr, t, t_ok, tl.rsqrt(ss_out / D + bn_eps), D, BT, BF16_BY_HAND)
+
+
+@triton.jit
+def _collapsed(x_ptr, pre, jj, t, d, m, K, D, HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+               BF16_BY_HAND: tl.constexpr):
+    """Columns ``d`` of the collapsed rows sum_j pre_j * stream_j [BT, BD]: fp32 products and sum in
+    stream order, rounded once to the streams' dtype (kept in fp32)."""
+    acc = tl.zeros((BT, BD), dtype=tl.float32)
+    for j in tl.static_range(HC):
+        pj = tl.sum(tl.where(jj[None, :] == j, pre, 0.0), axis=1)
+        sj = tl.load(x_ptr + t[:, None] * K + j * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += pj[:, None] * sj
+    return _rounded(acc, x_ptr.dtype.element_ty, BF16_BY_HAND)
 
 
 @triton.jit
@@ -440,14 +443,16 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     pre = x.new_empty(B, S, hc, dtype=torch.float32)
     post = pre if head else x.new_empty(B, S, hc, dtype=torch.float32)
     comb = pre if head else x.new_empty(B, S, hc, hc, dtype=torch.float32)
-    out = x.new_empty(B, S, D)
     block_norm = block_norm_weight is not None
-    bn_w = block_norm_weight.contiguous() if block_norm else out
-    # the block's RMSNorm output, in rms_norm's dtype (weight * x); ``out`` then holds the collapsed rows
-    normed = x.new_empty(B, S, D, dtype=torch.promote_types(bn_w.dtype, x.dtype)) if block_norm else out
+    # the collapsed rows; with the block's norm its output (rms_norm's dtype: weight * x) is returned
+    # instead, and the collapsed rows are a transient of the launch (none for one row: registers)
+    normed = (x.new_empty(B, S, D, dtype=torch.promote_types(block_norm_weight.dtype, x.dtype)) if block_norm
+              else x.new_empty(B, S, D))
+    bn_w = block_norm_weight.contiguous() if block_norm else normed
     if T == 0:
         return pre, post, comb, normed
     if use_dense(T, x.dtype, dense):
+        out = x.new_empty(B, S, D) if block_norm else normed
         _pre_dense(x, fn, base, scale, iters, hc_eps, norm_eps, head, pre, post, comb, out, sinkhorn, bn_w if block_norm
                    else None, normed, block_norm_eps)
         return pre, post, comb, normed
@@ -465,6 +470,7 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     bd = max(64, (DECODE_COLLAPSE_ELEMS if bt == 1 else COLLAPSE_ELEMS) // bt)
     one_row = block_norm and bt == 1 and D <= bd  # one token in one collapse step: normalised in registers
     emit = one_row and T == 1 and D % 16 == 0 and kgp * 16 <= bd  # the tile also covers the pairs' 1/xs padding
+    out = x.new_empty(B, S, D) if block_norm and not one_row else normed  # one row stores no collapsed rows
     xp, xinv = pairs_buffers(kg, dev) if emit else (out, out)
     kernel, by_hand = _hc_pre_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
     pdl = use_pdl(n_tb * n_split, dev)
