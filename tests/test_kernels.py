@@ -151,15 +151,27 @@ def test_interp_moe_decode_tma(interp_results):
     assert r["dispatch_cpu_is_ref"] and interp_results["moetma_mx_rejects_pointer"] is True
 
 
+def test_interp_moe_decode_schedules():
+    """Two launches, a PDL'd down launch (two under the interpreter) and one fused launch of
+    ticketed up/down tiles (twice: tickets and pair counters reset): bitwise the same y with the
+    shared expert, within the TMA path's tolerance of the reference, every counter back at 0."""
+    r = interp_check_result("moe_schedule_interp_check.py", timeout=300)
+    assert [r[s]["equal"] for s in ("two", "pdl", "fused")] == [[True], [True], [True, True]], r
+    assert r["two"]["ref_max"] > 0 and r["two"]["max_abs"] <= 2e-2 * r["two"]["ref_max"], r
+    assert r["counters_zero"], r
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_interp_moe_decode_shared_fold(interp_results, fmt):
     """The shared expert as one more pair in the TMA MoE launches: bitwise the routed call plus the
     one-expert call (bf16 add), within the routed path's tolerance of the reference, still the two
-    GEMV launches, and the CPU dispatch is the reference sum."""
+    GEMV launches (MXFP4: the one fused launch, its default schedule), and the CPU dispatch is the
+    reference sum."""
     r = interp_results[f"moe_shared_{fmt}"]
     assert r["equal_parts"], r
     assert r["ref_max"] > 0 and r["max_abs"] <= 2e-2 * r["ref_max"], r
-    assert r["launches"] == ["_moe_up_kernel", "_moe_down_kernel"], r
+    want = ["_moe_fused_kernel"] if fmt == "mxfp4" else ["_moe_up_kernel", "_moe_down_kernel"]
+    assert r["launches"] == want, r
     assert r["dispatch_cpu_is_ref"], r
     assert interp_results["moe_shared_rejects"] is True
 
@@ -447,21 +459,14 @@ def test_gpu_moe_decode_mxfp4(T):
     assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], yg)
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("T", [1, 4])
-def test_gpu_moe_decode_shared_fold(fmt, T):
-    """The shared expert folded into the TMA MoE launches on V4-Pro shapes: bitwise the routed
-    call plus the one-expert call (added in bf16, as the model), within the routed tolerance of
-    the reference sum, and a CUDA graph replay equals the eager call."""
+def _v4_pro_expert_stacks(fmt: str, E: int, seed: int):
+    """E routed V4-Pro experts (H 7168, I 3072) as NVFP4 or MXFP4 stacks on the GPU, and the
+    shared expert's one-expert stacks: (w1, w3, w2, (sw1, sw3, sw2))."""
     from dsv4lab.quant.weights import quantize_mxfp4
-    from dsv4lab.kernels.moe_decode import moe_decode_triton
-    from dsv4lab.kernels.moe_decode_ref import moe_decode_ref
     from dsv4lab.quant.stacked import StackedMXFP4, StackedNVFP4, stack_one
 
-    H, I, E, k = 7168, 3072, 8, 6
-    g = torch.Generator(device="cuda").manual_seed(7)
+    H, I = 7168, 3072
+    g = torch.Generator(device="cuda").manual_seed(seed)
     if fmt == "nvfp4":
         one_w = lambda n, kk, s: _rand_nvfp4_cuda(n, kk, s)  # noqa: E731
         Stack = StackedNVFP4
@@ -470,7 +475,62 @@ def test_gpu_moe_decode_shared_fold(fmt, T):
         Stack = StackedMXFP4
     w1, w3 = (Stack.from_weights([one_w(I, H, o + e) for e in range(E)]) for o in (10, 20))
     w2 = Stack.from_weights([one_w(H, I, 30 + e) for e in range(E)])
-    sh = (stack_one(one_w(I, H, 40)), stack_one(one_w(I, H, 41)), stack_one(one_w(H, I, 42)))
+    return w1, w3, w2, (stack_one(one_w(I, H, 40)), stack_one(one_w(I, H, 41)), stack_one(one_w(H, I, 42)))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_gpu_moe_decode_schedules_agree(fmt, T):
+    """The TMA MoE decode's three schedules (two launches, the down one PDL-launched, one fused
+    launch of up and down tiles) on V4-Pro shapes with the shared expert: bitwise the same y,
+    eagerly (three calls each: the fused launch's tickets and pair counters are back at 0 after
+    every call) and replayed from a CUDA graph, and the counters are all 0 afterwards."""
+    from dsv4lab.kernels import common
+    from dsv4lab.kernels import moe_decode_tma as mdt
+
+    H, E, k = 7168, 8, 6
+    w1, w3, w2, sh = _v4_pro_expert_stacks(fmt, E, 11)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16) * 0.05
+    ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)]).reshape(-1).to(torch.int32)
+    wt = torch.rand(T * k, device="cuda")
+    saved = mdt.SCHEDULE
+    outs = {}
+    try:
+        for sched in mdt.SCHEDULES:
+            mdt.SCHEDULE = sched
+            ys = [mdt.moe_decode_tma(x, ids, wt, w1, w3, w2, 10.0, k, shared=sh) for _ in range(3)]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                yg = mdt.moe_decode_tma(x, ids, wt, w1, w3, w2, 10.0, k, shared=sh)
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            outs[sched] = ys + [yg]
+    finally:
+        mdt.SCHEDULE = saved
+    base = outs["two"][0]
+    assert base.abs().max() > 0
+    for sched, ys in outs.items():
+        for y in ys:
+            assert torch.equal(y, base), (sched, (y.float() - base.float()).abs().max())
+    assert int(common.counters(x.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("T", [1, 4])
+def test_gpu_moe_decode_shared_fold(fmt, T):
+    """The shared expert folded into the TMA MoE launches on V4-Pro shapes: bitwise the routed
+    call plus the one-expert call (added in bf16, as the model), within the routed tolerance of
+    the reference sum, and a CUDA graph replay equals the eager call."""
+    from dsv4lab.kernels.moe_decode import moe_decode_triton
+    from dsv4lab.kernels.moe_decode_ref import moe_decode_ref
+
+    H, E, k = 7168, 8, 6
+    w1, w3, w2, sh = _v4_pro_expert_stacks(fmt, E, 7)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16) * 0.05
     ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
     wt = torch.rand(T, k, device="cuda")

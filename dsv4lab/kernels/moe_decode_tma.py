@@ -14,6 +14,11 @@ expert rows stream through the multi-stage TMA ring and the f16x2 inner loop of
    the routing weight into an fp32 partial; the last of a token's k CTAs (per-tile counter) sums
    the k partials in expert order and stores y (deterministic, no zero-fill, graph-safe).
 
+Steps 2 and 4 may also run as one launch (``SCHEDULE`` "fused", MXFP4's default): CTAs draw tickets,
+the first ones run up tiles, the rest down tiles that wait on their (token, expert) pair's counter
+until its up tiles have written h's pairs; the down tiles fill the SMs as the up tiles retire, with
+no launch gap and no up-grid tail between the two GEMVs.
+
 Expert stacks are addressed as 2-D [E*N, K/16] descriptors with the row offset e*N read from the
 device-side ids: no host sync. Needs H and I multiples of 256 (16-byte TMA strides for the scales).
 MXFP4 stacks (the official checkpoint's experts: one E8M0 per 32 elements, no global scale) take
@@ -22,10 +27,11 @@ H and I multiples of 512.
 """
 from __future__ import annotations
 
+
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quant.stacked import StackedMXFP4
@@ -83,12 +89,13 @@ def _down_sum(w2_desc, s2_desc, h_desc, hinv_ptr, hrow, r0, KG,
 
 
 @triton.jit
-def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, sw1_desc, ss1_desc, sw3_desc, ss3_desc, x_desc, xinv_ptr,
-                   ids_ptr, g1_ptr, g3_ptr, sg1_ptr, sg3_ptr, h_ptr, hp_ptr, hinv_ptr, I, KG, TOPK, NPAIR, stride_h,
-                   limit, BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr,
-                   MX: tl.constexpr, PAIRS: tl.constexpr = False):
-    pid_n = tl.program_id(0)
-    pair = tl.program_id(1)  # t * NPAIR + j: j < TOPK a routed expert, j == TOPK the shared one (NPAIR = TOPK + 1)
+def _up_tile(pair, pid_n, NPT, w1_desc, s1_desc, w3_desc, s3_desc, sw1_desc, ss1_desc, sw3_desc, ss3_desc, x_desc,
+             xinv_ptr, ids_ptr, g1_ptr, g3_ptr, sg1_ptr, sg3_ptr, h_ptr, hp_ptr, hinv_ptr, I, KG, TOPK, NPAIR, stride_h,
+             limit, BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr, MX: tl.constexpr,
+             PAIRS: tl.constexpr):
+    """Rows pid_n * BN .. of h for ``pair`` = t * NPAIR + j (j < TOPK a routed expert, j == TOPK the
+    shared one) of the NPT pairs: w1 and w3 against token t's pairs, the clamped SwiGLU, stored as
+    h's pairs (``PAIRS``: I % BN == 0) or as h in x.dtype."""
     t = pair // NPAIR
     j = pair - t * NPAIR
     n0 = pid_n * BN
@@ -111,41 +118,22 @@ def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, sw1_desc, ss1_desc, sw3_d
     if PAIRS:  # the down GEMV's pairs of these BN rows of h (I % BN == 0): no h, no x_pairs(h) launch
         NG: tl.constexpr = BN // 16
         g = pair * (I // 16) + n0 // 16 + tl.arange(0, NG)
-        tot = tl.num_programs(1) * (I // 16)   # every pair's groups: all written, no 1/xs padding
+        tot = NPT * (I // 16)   # every pair's groups: all written, no 1/xs padding
         store_pair_rows(tl.reshape(h.to(out_ty).to(tl.float32), (NG, 16)), hp_ptr, hinv_ptr, g, tot, tot, NG)
     else:
         tl.store(h_ptr + pair * stride_h + rows, h.to(out_ty), mask=rows < I)
 
 
 @triton.jit
-def _moe_down_kernel(w2_desc, s2_desc, sw2_desc, ss2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_ptr, sg2_ptr,
-                     y_ptr, ws_ptr, cnt_ptr, H, KG, TOPK, NPAIR, stride_yt,
-                     BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr, MX: tl.constexpr,
-                     SHARED: tl.constexpr, TRIGGER: tl.constexpr = False):
-    if TRIGGER:  # a PDL-launched successor (hc_post) may become resident once this grid's last CTAs run:
-        gdc_launch_dependents()  # it does its own prologue there and waits for this grid's end as usual
-    pid_n = tl.program_id(0)
-    pair = tl.program_id(1)
-    t = pair // NPAIR
-    j = pair - t * NPAIR
-    n0 = pid_n * BN
-    rows = n0 + tl.arange(0, BN)
-    row_ok = rows < H
-    if j == TOPK:
-        a = _down_sum(sw2_desc, ss2_desc, h_desc, hinv_ptr, pair * KG, n0, KG, BN, G, STAGES, USE_ASM, MX)
-        part = a * (16384.0 * weight_global_scale(sg2_ptr, 0, MX))
-    else:
-        e = tl.load(ids_ptr + t * TOPK + j).to(tl.int32)  # int32 or the router's int64 ids
-        a = _down_sum(w2_desc, s2_desc, h_desc, hinv_ptr, pair * KG, e * H + n0, KG, BN, G, STAGES, USE_ASM, MX)
-        part = a * (16384.0 * weight_global_scale(g2_ptr, e, MX) * tl.load(wts_ptr + t * TOPK + j).to(tl.float32))
-    tile = t * tl.num_programs(0) + pid_n
-    y_ptrs = y_ptr + t * stride_yt + rows
-    ws_ptrs = ws_ptr + t * NPAIR * H + rows
-    if SHARED:
-        _fix_up_routed_and_shared(part, y_ptrs, ws_ptrs, row_ok, cnt_ptr, tile, j, H, TOPK)
-    else:
-        # the token's k experts are the "splits" of its row tile: the last sums them in expert order
-        store_or_fix_up(part, y_ptrs, ws_ptrs, row_ok, cnt_ptr, tile, j, H, TOPK, 1.0, True)
+def _moe_up_kernel(w1_desc, s1_desc, w3_desc, s3_desc, sw1_desc, ss1_desc, sw3_desc, ss3_desc, x_desc, xinv_ptr,
+                   ids_ptr, g1_ptr, g3_ptr, sg1_ptr, sg3_ptr, h_ptr, hp_ptr, hinv_ptr, I, KG, TOPK, NPAIR, stride_h,
+                   limit, BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr,
+                   MX: tl.constexpr, PAIRS: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+    if TRIGGER:  # the down launch (PDL) may become resident now: it waits for this grid's end
+        gdc_launch_dependents()
+    _up_tile(tl.program_id(1), tl.program_id(0), tl.num_programs(1), w1_desc, s1_desc, w3_desc, s3_desc, sw1_desc,
+             ss1_desc, sw3_desc, ss3_desc, x_desc, xinv_ptr, ids_ptr, g1_ptr, g3_ptr, sg1_ptr, sg3_ptr, h_ptr, hp_ptr,
+             hinv_ptr, I, KG, TOPK, NPAIR, stride_h, limit, BN, G, STAGES, USE_ASM, MX, PAIRS)
 
 
 @triton.jit
@@ -160,6 +148,109 @@ def _fix_up_routed_and_shared(part, y_ptrs, ws_ptrs, mask, cnt_ptr, tile, j, H, 
         y = round_to(round_to(routed, out_ty) + round_to(shared, out_ty), out_ty)
         tl.store(y_ptrs, y.to(out_ty), mask=mask)
         tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # next use is a later launch: no fence
+
+
+@triton.jit
+def _down_tile(pair, pid_n, NT, w2_desc, s2_desc, sw2_desc, ss2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_ptr,
+               sg2_ptr, y_ptr, ws_ptr, cnt_ptr, H, KG, TOPK, NPAIR, stride_yt, BN: tl.constexpr, G: tl.constexpr,
+               STAGES: tl.constexpr, USE_ASM: tl.constexpr, MX: tl.constexpr, SHARED: tl.constexpr):
+    """Row tile pid_n (of NT) of ``pair``'s w2 GEMV, weighted into an fp32 partial; the last of the
+    token's pairs to arrive at the tile sums them in expert order and stores y."""
+    t = pair // NPAIR
+    j = pair - t * NPAIR
+    n0 = pid_n * BN
+    rows = n0 + tl.arange(0, BN)
+    row_ok = rows < H
+    if j == TOPK:
+        a = _down_sum(sw2_desc, ss2_desc, h_desc, hinv_ptr, pair * KG, n0, KG, BN, G, STAGES, USE_ASM, MX)
+        part = a * (16384.0 * weight_global_scale(sg2_ptr, 0, MX))
+    else:
+        e = tl.load(ids_ptr + t * TOPK + j).to(tl.int32)  # int32 or the router's int64 ids
+        a = _down_sum(w2_desc, s2_desc, h_desc, hinv_ptr, pair * KG, e * H + n0, KG, BN, G, STAGES, USE_ASM, MX)
+        part = a * (16384.0 * weight_global_scale(g2_ptr, e, MX) * tl.load(wts_ptr + t * TOPK + j).to(tl.float32))
+    tile = t * NT + pid_n
+    y_ptrs = y_ptr + t * stride_yt + rows
+    ws_ptrs = ws_ptr + t * NPAIR * H + rows
+    if SHARED:
+        _fix_up_routed_and_shared(part, y_ptrs, ws_ptrs, row_ok, cnt_ptr, tile, j, H, TOPK)
+    else:
+        # the token's k experts are the "splits" of its row tile: the last sums them in expert order
+        store_or_fix_up(part, y_ptrs, ws_ptrs, row_ok, cnt_ptr, tile, j, H, TOPK, 1.0, True)
+
+
+@triton.jit
+def _moe_down_kernel(w2_desc, s2_desc, sw2_desc, ss2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_ptr, sg2_ptr,
+                     y_ptr, ws_ptr, cnt_ptr, H, KG, TOPK, NPAIR, stride_yt,
+                     BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr, MX: tl.constexpr,
+                     SHARED: tl.constexpr, TRIGGER: tl.constexpr = False, PDL: tl.constexpr = False):
+    if PDL:  # launched while the up grid runs: its h pairs are complete and visible after the wait
+        gdc_wait()
+    if TRIGGER:  # a PDL-launched successor (hc_post) may become resident once this grid's last CTAs run:
+        gdc_launch_dependents()  # it does its own prologue there and waits for this grid's end as usual
+    _down_tile(tl.program_id(1), tl.program_id(0), tl.num_programs(0), w2_desc, s2_desc, sw2_desc, ss2_desc, h_desc,
+               hinv_ptr, ids_ptr, wts_ptr, g2_ptr, sg2_ptr, y_ptr, ws_ptr, cnt_ptr, H, KG, TOPK, NPAIR, stride_yt,
+               BN, G, STAGES, USE_ASM, MX, SHARED)
+
+
+@triton.jit
+def _proxy_fence(USE_ASM: tl.constexpr):
+    """Order this thread's generic-proxy accesses with its async-proxy (TMA) ones: h's pairs are
+    written with plain stores and read by the down tiles' TMA loads (PTX ``fence.proxy.async``)."""
+    if USE_ASM:
+        tl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+@triton.jit
+def _back_off(USE_ASM: tl.constexpr, NS: tl.constexpr):
+    """Sleep about NS ns between polls of a counter (PTX ``nanosleep``): a waiting CTA's warps then
+    take no issue slots from the streaming CTAs beside it on the SM."""
+    if USE_ASM and NS > 0:
+        tl.inline_asm_elementwise(f"nanosleep.u32 {NS}; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _moe_fused_kernel(w1_desc, s1_desc, w3_desc, s3_desc, sw1_desc, ss1_desc, sw3_desc, ss3_desc, x_desc, xinv_ptr,
+                      g1_ptr, g3_ptr, sg1_ptr, sg3_ptr, h_ptr, hp_ptr, I, KG_UP, limit,
+                      w2_desc, s2_desc, sw2_desc, ss2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_ptr, sg2_ptr,
+                      y_ptr, ws_ptr, cnt_ptr, sync_ptr, H, KG_DOWN, TOPK, NPAIR, NPT, NUP, NDOWN, stride_yt,
+                      BN_UP: tl.constexpr, STAGES_UP: tl.constexpr, BN_DOWN: tl.constexpr, STAGES_DOWN: tl.constexpr,
+                      G: tl.constexpr, USE_ASM: tl.constexpr, MX: tl.constexpr, SHARED: tl.constexpr,
+                      SPIN_NS: tl.constexpr = 0, TRIGGER: tl.constexpr = False):
+    """Up and down tiles in one launch: each CTA draws a ticket; the first NPT * NUP tickets are up
+    tiles (pair-major), the rest down tiles, which wait until their pair's NUP up tiles have
+    written h's pairs (``sync_ptr``: [ticket, ready[NPT], seen[NPT]], all back to 0 at the end).
+    Tickets are drawn by running CTAs in order, so every up tile is running or done before any
+    down tile waits: no deadlock, whatever the residency. No launch gap and no up-grid tail
+    between the two GEMVs: the down tiles fill the SMs as the up tiles retire."""
+    if TRIGGER:  # a PDL-launched successor (hc_post) may become resident once this grid's last CTAs run
+        gdc_launch_dependents()
+    total = NPT * (NUP + NDOWN)
+    tk = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    if tk == total - 1:  # every ticket is drawn: the counter is free for the next launch
+        tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
+    n_up = NPT * NUP
+    if tk < n_up:
+        pair = tk // NUP
+        _up_tile(pair, tk - pair * NUP, NPT, w1_desc, s1_desc, w3_desc, s3_desc, sw1_desc, ss1_desc, sw3_desc,
+                 ss3_desc, x_desc, xinv_ptr, ids_ptr, g1_ptr, g3_ptr, sg1_ptr, sg3_ptr, h_ptr, hp_ptr, hinv_ptr, I,
+                 KG_UP, TOPK, NPAIR, I, limit, BN_UP, G, STAGES_UP, USE_ASM, MX, True)
+        tl.debug_barrier()   # every thread's pair stores precede the release
+        _proxy_fence(USE_ASM)
+        tl.atomic_add(sync_ptr + 1 + pair, 1, sem="release")
+    else:
+        d = tk - n_up
+        pair = d // NDOWN
+        while tl.atomic_add(sync_ptr + 1 + pair, 0, sem="acquire") < NUP:
+            _back_off(USE_ASM, SPIN_NS)
+        _proxy_fence(USE_ASM)
+        _down_tile(pair, d - pair * NDOWN, NDOWN, w2_desc, s2_desc, sw2_desc, ss2_desc, h_desc, hinv_ptr, ids_ptr,
+                   wts_ptr, g2_ptr, sg2_ptr, y_ptr, ws_ptr, cnt_ptr, H, KG_DOWN, TOPK, NPAIR, stride_yt,
+                   BN_DOWN, G, STAGES_DOWN, USE_ASM, MX, SHARED)
+        if tl.atomic_add(sync_ptr + 1 + NPT + pair, 1, sem="relaxed") == NDOWN - 1:
+            # the pair's last down tile: every one of them is past its wait, so both counters are free
+            tl.atomic_xchg(sync_ptr + 1 + pair, 0, sem="relaxed")
+            tl.atomic_xchg(sync_ptr + 1 + NPT + pair, 0, sem="relaxed")
 
 
 def tma_moe_supported(x: torch.Tensor, w1, w3, w2) -> bool:
@@ -184,6 +275,24 @@ def _is_mx(w) -> bool:
 UP_TILE = (16, 2, 1) if INTERPRET else (64, 3, 4)
 DOWN_TILE = (16, 2, 1) if INTERPRET else (64, 3, 4)
 EMIT_H_PAIRS = True  # the up launch writes h's pairs (False: h + the x_pairs prelude; tests compare both)
+# "two": the up and the down launch; "pdl": the same, the down launch programmatic-dependent on the
+# up one (no launch gap); "fused": one launch of up and down tiles (``_moe_fused_kernel``). With the
+# same down tile rows (its [BN, G] layout fixes the order of each row's fp32 sum) all three give the
+# same bits. ``SCHEDULE`` None takes ``DEFAULT_SCHEDULE`` per weight format (MXFP4?), a name forces
+# one (tests, benchmarks). Measured on H100s (benchmarks/results/decode/moe_schedule/, one token,
+# 6 routed + the shared expert of V4-Pro, graph replay): two launches NVFP4 109-117 us (up 71 + down
+# 42: the down GEMV's short K = 3072 loop at 68 % of the copy ceiling), MXFP4 120-125 us (up 80);
+# fused MXFP4 101-103 us (-16 %), NVFP4 115-122 us. NVFP4 fused with 128-row down tiles took
+# 107-111 us, but its rows' sums then run in another order: not the two launches' bits for every
+# input (seen 1 ulp off at 3 tokens), so it is not the default.
+SCHEDULES = ("two", "pdl", "fused")
+DEFAULT_SCHEDULE = {False: "two", True: "fused"}
+SCHEDULE: str | None = None
+# (up tile, down tile) of the fused launch per format (MXFP4?), from moe_schedule.py --sweep; the
+# down tile's rows as DOWN_TILE's (same bits)
+FUSED_TILES = ({False: ((16, 2, 1), (16, 2, 1)), True: ((16, 2, 1), (16, 2, 1))} if INTERPRET else
+               {False: ((64, 4, 4), (64, 3, 4)), True: ((64, 3, 4), (64, 3, 4))})
+SPIN_NS = 0   # the fused launch's down tiles sleep this long between polls (256, 2000: no faster)
 
 
 class _StackArgs:
@@ -232,41 +341,67 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     E, I, _ = w1.shape
     mx = _is_mx(w1)
     g = 32 if mx else BOX_GROUPS
-    bn, stages, warps = UP_TILE
+    schedule = SCHEDULE or DEFAULT_SCHEDULE[mx]
+    if schedule not in SCHEDULES:
+        raise ValueError(f"moe_decode_tma.SCHEDULE={schedule!r}: expected None or one of {', '.join(SCHEDULES)}")
+    if schedule == "fused" and not (EMIT_H_PAIRS and I % FUSED_TILES[mx][0][0] == 0):
+        schedule = "two"   # one launch needs the up tiles to write h's pairs
+    up_tile, down_tile = FUSED_TILES[mx] if schedule == "fused" else (UP_TILE, DOWN_TILE)
+    bn, stages, warps = up_tile
     npair = k + (shared is not None)
+    npt = T * npair
     sw1, sw3, sw2 = shared if shared is not None else (w1, w3, w2)  # stand-ins: no pair reaches them
     y = x.new_empty((T, H))
     xp, xinv = x_pairs(x)
     # the up launch writes h's pairs itself where its tiles cover whole 16-groups (V4-Pro: I = 3072;
     # the down launch reads 1/xs from the pair rows, so its own vector needs no padding); else h,
     # then the x_pairs prelude over it
-    hkg = T * npair * I // 16
+    hkg = npt * I // 16
     emit = EMIT_H_PAIRS and I % bn == 0
     if emit:  # buffers of their own: x's pairs (read by this launch) never share them
         h = None
         hp = scratch("moe_h_pairs", (hkg, 16), torch.int32, x.device)
         hinv = scratch("moe_h_pairs_inv", (hkg,), torch.float32, x.device)
     else:
-        h = scratch("moe_h", (T * npair, I), x.dtype, x.device)   # the SwiGLU rows: read by the down launch only
-    up_kernel, down_kernel, shared_on = _moe_up_kernel, _moe_down_kernel, shared is not None  # tests replace kernels
-    ukey = (id(up_kernel), mx, emit, UP_TILE)
-    up = _SITES.get(ukey) or new_site(_SITES, ukey, up_kernel, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET,
-                                      MX=mx, PAIRS=emit, num_warps=warps)
+        h = scratch("moe_h", (npt, I), x.dtype, x.device)   # the SwiGLU rows: read by the down launch only
     a1, a3, s1, s3 = (_stack_args(w, bn) for w in (w1, w3, sw1, sw3))
-    up((cdiv(I, bn), T * npair),
+    dbn, dstages, dwarps = down_tile
+    a2, s2 = _stack_args(w2, dbn), _stack_args(sw2, dbn)
+    n_tiles = cdiv(H, dbn)
+    ws = scratch("moe_down", (npt, H), torch.float32, x.device)
+    shared_on = shared is not None
+    if schedule == "fused":
+        kernel = _moe_fused_kernel  # looked up per call: tests replace kernels
+        nup = I // bn
+        cnt = counters(x.device, T * n_tiles + 1 + 2 * npt)
+        fkey = (id(kernel), mx, shared_on, up_tile, down_tile, SPIN_NS)
+        fused = _SITES.get(fkey) or new_site(_SITES, fkey, kernel, BN_UP=bn, STAGES_UP=stages, BN_DOWN=dbn,
+                                             STAGES_DOWN=dstages, G=g, USE_ASM=not INTERPRET, MX=mx,
+                                             SHARED=shared_on, SPIN_NS=SPIN_NS, TRIGGER=not INTERPRET,
+                                             num_warps=max(warps, dwarps))
+        fused((npt * (nup + n_tiles),),
+              *a1.descs, *a3.descs, *s1.descs, *s3.descs, pairs_descriptor(xp, g, True), xinv,
+              a1.gs, a3.gs, s1.gs, s3.gs, x, hp, I, H // 16, lim,
+              *a2.descs, *s2.descs, pairs_descriptor(hp, g, True), hinv, ids_c, wts, a2.gs, s2.gs,
+              y, ws, cnt, cnt[T * n_tiles:], H, I // 16, k, npair, npt, nup, n_tiles, y.stride(0))
+        return y
+    pdl = schedule == "pdl" and not INTERPRET
+    up_kernel, down_kernel = _moe_up_kernel, _moe_down_kernel  # tests replace kernels
+    ukey = (id(up_kernel), mx, emit, up_tile, pdl)
+    up = _SITES.get(ukey) or new_site(_SITES, ukey, up_kernel, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET,
+                                      MX=mx, PAIRS=emit, TRIGGER=pdl, num_warps=warps)
+    up((cdiv(I, bn), npt),
         *a1.descs, *a3.descs, *s1.descs, *s3.descs, pairs_descriptor(xp, g, True), xinv, ids_c,
         a1.gs, a3.gs, s1.gs, s3.gs, x if emit else h, hp if emit else h, hinv if emit else h, I, H // 16, k, npair,
         I if emit else h.stride(0), lim)   # emitting: x stands in for h (its dtype is the rounding's; nothing stored)
     if not emit:
         hp, hinv = x_pairs(h)
-    bn, stages, warps = DOWN_TILE
-    a2, s2 = _stack_args(w2, bn), _stack_args(sw2, bn)
-    n_tiles = cdiv(H, bn)
-    ws = scratch("moe_down", (T * npair, H), torch.float32, x.device)
-    dkey = (id(down_kernel), mx, shared_on, DOWN_TILE)
-    down = _SITES.get(dkey) or new_site(_SITES, dkey, down_kernel, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET,
-                                        MX=mx, SHARED=shared_on, TRIGGER=not INTERPRET, num_warps=warps)
-    down((n_tiles, T * npair),
+        pdl = False
+    dkey = (id(down_kernel), mx, shared_on, down_tile, pdl)
+    down = _SITES.get(dkey) or new_site(_SITES, dkey, down_kernel, BN=dbn, G=g, STAGES=dstages,
+                                        USE_ASM=not INTERPRET, MX=mx, SHARED=shared_on, TRIGGER=not INTERPRET,
+                                        PDL=pdl, num_warps=dwarps, **({"launch_pdl": True} if pdl else {}))
+    down((n_tiles, npt),
         *a2.descs, *s2.descs, pairs_descriptor(hp, g, True), hinv, ids_c, wts,
         a2.gs, s2.gs, y, ws, counters(x.device, T * n_tiles), H, I // 16, k, npair, y.stride(0))
     return y

@@ -34,6 +34,23 @@ def rand_stack(fmt: str, e: int, n: int, k: int, seed: int):
     return StackedNVFP4(packed, bs, torch.full((e,), 1e-3, device="cuda"))
 
 
+def case(fmt: str, T: int = 1):
+    """V4-Pro's expert stacks (E of them and a shared one-expert stack each) and T tokens' inputs:
+    (run, bytes per weight element), where run() is one ``moe_decode_tma`` call with the shared expert."""
+    dev = torch.device("cuda")
+    w1, w3, w2 = rand_stack(fmt, E, I, H, 1), rand_stack(fmt, E, I, H, 2), rand_stack(fmt, E, H, I, 3)
+    sh = tuple(stack_one(s.weight(0)) for s in (rand_stack(fmt, 1, I, H, 4), rand_stack(fmt, 1, I, H, 5),
+                                                 rand_stack(fmt, 1, H, I, 6)))
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(T)]).reshape(-1).to(torch.int32)
+    wts = torch.rand(T * K, device=dev)
+
+    def run():
+        return m.moe_decode_tma(x, ids, wts, w1, w3, w2, 10.0, K, shared=sh)
+
+    return run, 0.5 + (1 / 16 if fmt == "nvfp4" else 1 / 32)
+
+
 def graph_us(fn) -> float:
     """Device us a call, 10 calls captured in one graph and replayed (``benchmarks.kernels``)."""
     return graph_time_us([fn] * 10, reps=50)
@@ -44,18 +61,10 @@ def main() -> None:
     fmt = sys.argv[2] if len(sys.argv) > 2 else "nvfp4"
     dev = torch.device("cuda")
     ceil = copy_ceiling(dev)
-    w1, w3, w2 = rand_stack(fmt, E, I, H, 1), rand_stack(fmt, E, I, H, 2), rand_stack(fmt, E, H, I, 3)
-    sh = tuple(stack_one(s.weight(0)) for s in (rand_stack(fmt, 1, I, H, 4), rand_stack(fmt, 1, I, H, 5),
-                                                 rand_stack(fmt, 1, H, I, 6)))
-    x = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
-    ids = torch.randperm(E, device=dev)[:K].to(torch.int32)
-    wts = torch.rand(K, device=dev)
-    per = 0.5 + (1 / 16 if fmt == "nvfp4" else 1 / 32)   # bytes per weight element
+    run, per = case(fmt)   # per: bytes per weight element
     up_bytes, down_bytes = (K + 1) * 2 * I * H * per, (K + 1) * I * H * per
 
-    def run():
-        return m.moe_decode_tma(x, ids, wts, w1, w3, w2, 10.0, K, shared=sh)
-
+    m.SCHEDULE = "two"   # these tiles are the two-launch schedule's (the fused one: moe_schedule/ --sweep)
     default_up, default_down = m.UP_TILE, m.DOWN_TILE
     ref = run().clone()
     base = graph_us(run)
