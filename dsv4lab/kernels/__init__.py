@@ -15,6 +15,7 @@
 | Compressor pool | `compressor_pool_cute.compressor_pool_cute` | `compressor_pool_cute.compressor_pool_ref` | tests/test_cute_kernels.py |
 | Compressor decode step | `compressor_decode.compressor_decode_triton` | `dsv4lab.model.compressor.Compressor.decode_window` | tests/test_compressor_decode_kernel.py |
 | QLinear grouped (wo_a), nvfp4 | `linear_nvfp4.nvfp4_grouped_matmul` (-> `linear_nvfp4_tma.launch_gemv_tma(groups=G)`; from 512 tokens one dequantisation + bmm) | `dsv4lab.model.linear.grouped_linear` | tests/test_kernels.py |
+| QLinear grouped (wo_a), mxfp4 / fp8_block | `QLinear.kernel` once per row block (`QuantWeight.row_block` views) | `dsv4lab.model.linear.grouped_linear` | tests/test_kernels_model.py |
 | Compressor entries' norm + RoPE (prefill, `rope_kernel`) | `norm_rope.launch_norm_rope` | `Compressor.pool`'s norm + `apply_rope` | tests/model/test_compressor.py |
 | Attention q_norm / norm + RoPE / inverse RoPE (decode glue) | `norm_rope.launch_norm_rope` | `dsv4lab.model.norms.rms_norm`, `norm_rope_ref.norm_rope_ref` | tests/test_glue_kernels.py |
 | Router scores + top-k / hash + weights | `router_topk.route_triton` | `dsv4lab.model.moe.route` | tests/test_glue_kernels.py |

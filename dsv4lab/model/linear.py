@@ -25,7 +25,7 @@ from torch import nn
 
 from ..quant import activations as A
 from ..quant.modes import LINEAR_MODES, ActScale, Mode, RoundTrip, as_act_scale, as_mode
-from ..quant.weights import NVFP4Weight, PlainWeight, QuantWeight
+from ..quant.weights import PlainWeight, QuantWeight
 from .component import Component
 
 MODES = LINEAR_MODES
@@ -192,14 +192,14 @@ class QLinear(Component):
         return (self.kernel is not None and self.qweight is not None and self.mode != Mode.BF16
                 and type(self).dense_weight is QLinear.dense_weight)
 
-    def _group_weights(self, groups: int) -> list:
-        """The weight's G row blocks as NVFP4 weights (views of the stored tensors, cached)."""
+    def _group_weights(self, groups: int) -> list | None:
+        """The weight's G row blocks as weights of its format (views of the stored tensors,
+        cached), or None where they do not split (FP8-block rows not whole 128-row scale blocks)."""
         c = getattr(self, "_groups_cache", None)
         if c is None or c[0] is not self.qweight or c[1] != groups:
             w, rows = self.qweight, self.out_features // groups
-            ws = [NVFP4Weight(w.packed[g * rows:(g + 1) * rows], w.block_scale[g * rows:(g + 1) * rows],
-                              w.global_scale, w.input_scale) for g in range(groups)]
-            c = self._groups_cache = (self.qweight, groups, ws)
+            ws = [w.row_block(g * rows, rows) for g in range(groups)]
+            c = self._groups_cache = (self.qweight, groups, None if any(b is None for b in ws) else ws)
         return c[2]
 
     def grouped(self, x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -207,9 +207,10 @@ class QLinear(Component):
         x = self.quantize_input(x, grouped=True)
         if self.uses_kernel() and self.grouped_kernel is not None:  # all row blocks in one call
             return self.grouped_kernel(x, self.qweight, groups)
-        if self.uses_kernel() and self.qweight.format == "nvfp4":  # one kernel call per row block
+        blocks = self._group_weights(groups) if self.uses_kernel() else None
+        if blocks is not None:  # one kernel call per row block: no dequantised copy of the weight
             xg = x.movedim(-2, 0).contiguous()  # [G, ..., in]
-            return torch.stack([self.kernel(xg[g], wg) for g, wg in enumerate(self._group_weights(groups))], dim=-2)
+            return torch.stack([self.kernel(xg[g], wg) for g, wg in enumerate(blocks)], dim=-2)
         return grouped_linear(x, self.dense_weight(x.dtype), groups)
 
     def _apply(self, fn, recurse: bool = True):

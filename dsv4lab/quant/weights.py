@@ -67,6 +67,12 @@ class QuantWeight:
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "QuantWeight":
         raise NotImplementedError
 
+    def row_block(self, start: int, rows: int) -> "QuantWeight | None":
+        """Output rows start .. start + rows as a weight of the same format over views of the
+        stored tensors (no copy), or None where the format's scale blocks do not split there (the
+        block-diagonal use runs a kernel per row block on these)."""
+        return None
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
@@ -97,6 +103,9 @@ class PlainWeight(QuantWeight):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.data.to(dtype)
+
+    def row_block(self, start: int, rows: int) -> "PlainWeight":
+        return PlainWeight(self.data[start:start + rows])
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"weight": self.data}
@@ -152,6 +161,10 @@ class NVFP4Weight(QuantWeight):
         return NVFP4Weight(fn(self.packed), fn(self.block_scale), fn(self.global_scale),
                            None if self.input_scale is None else fn(self.input_scale))
 
+    def row_block(self, start: int, rows: int) -> "NVFP4Weight":
+        return NVFP4Weight(self.packed[start:start + rows], self.block_scale[start:start + rows],
+                           self.global_scale, self.input_scale)
+
 
 class MXFP4Weight(QuantWeight):
     """OCP MXFP4 (official DeepSeek experts): W = E2M1[code] * 2^(e-127), one E8M0 per 32 along ``in``."""
@@ -183,6 +196,9 @@ class MXFP4Weight(QuantWeight):
 
     def _map(self, fn):
         return MXFP4Weight(fn(self.packed), fn(self.scale))
+
+    def row_block(self, start: int, rows: int) -> "MXFP4Weight":
+        return MXFP4Weight(self.packed[start:start + rows], self.scale[start:start + rows])
 
 
 class FP8BlockWeight(QuantWeight):
@@ -226,6 +242,13 @@ class FP8BlockWeight(QuantWeight):
 
     def _map(self, fn):
         return FP8BlockWeight(fn(self.data), fn(self.scale), self.block)
+
+    def row_block(self, start: int, rows: int) -> "FP8BlockWeight | None":
+        """None unless start and rows are whole scale blocks (the last block may be partial)."""
+        b, out = self.block, self.shape[0]
+        if start % b or (rows % b and start + rows != out):
+            return None
+        return FP8BlockWeight(self.data[start:start + rows], self.scale[start // b:math.ceil((start + rows) / b)], b)
 
 
 def _expand_blocks(s: torch.Tensor, block: int, out: int, inn: int) -> torch.Tensor:
