@@ -135,13 +135,7 @@ class HyperConnection(Component):
         """streams [B,S,hc,D] -> (post, comb, collapsed [B,S,D]); comb is a ``PendingSinkhorn``
         where ``defers_sinkhorn`` (``combine`` takes either)."""
         if self.kernel is not None and type(self).mixes is HyperConnection.mixes and not self.hooked():
-            if self.defers_sinkhorn():
-                _, post, logits, collapsed = self.kernel(streams, self.fn, self.base, self.scale, self.iters,
-                                                         self.hc_eps, self.norm_eps, sinkhorn=False)
-                return post, PendingSinkhorn(logits, self.iters, self.hc_eps), collapsed
-            _, post, comb, collapsed = self.kernel(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps,
-                                                   self.norm_eps)
-            return post, comb, collapsed
+            return self._pre_kernel(streams)
         pre, post, comb = self.mixes(streams)
         return post, comb, self.hook_collapsed(collapse(pre, streams))
 
@@ -152,14 +146,17 @@ class HyperConnection(Component):
         if not self.folds_norm(norm):
             post, comb, collapsed = self(streams)
             return post, comb, norm(collapsed)
-        kw = {"block_norm_weight": norm.weight, "block_norm_eps": norm.eps}
-        if self.defers_sinkhorn():
-            _, post, logits, normed = self.kernel(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps,
-                                                  self.norm_eps, sinkhorn=False, **kw)
-            return post, PendingSinkhorn(logits, self.iters, self.hc_eps), normed
-        _, post, comb, normed = self.kernel(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps,
-                                            self.norm_eps, **kw)
-        return post, comb, normed
+        return self._pre_kernel(streams, block_norm_weight=norm.weight, block_norm_eps=norm.eps)
+
+    def _pre_kernel(self, streams: torch.Tensor, **norm_kw) -> tuple[torch.Tensor, torch.Tensor | PendingSinkhorn,
+                                                                    torch.Tensor]:
+        """(post, comb or its ``PendingSinkhorn``, the collapsed rows, normed where ``norm_kw`` gives
+        the block norm) from the installed hc_pre kernel: the one launch of ``forward`` and
+        ``forward_normed``."""
+        defer = self.defers_sinkhorn()
+        _, post, comb, rows = self.kernel(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps,
+                                          self.norm_eps, **({"sinkhorn": False} if defer else {}), **norm_kw)
+        return post, (PendingSinkhorn(comb, self.iters, self.hc_eps) if defer else comb), rows
 
     def folds_norm(self, norm: RMSNorm) -> bool:
         """Does this site's kernel also run ``norm`` on its collapsed rows (``block_norm_weight=``)?
