@@ -27,7 +27,6 @@ H and I multiples of 512.
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +46,7 @@ from .common import (
     group_dot,
     pairs_and_inv,
     pairs_descriptor,
+    pdl_kw,
     scratch,
     store_pair_rows,
     round_to,
@@ -202,21 +202,13 @@ def _proxy_fence(USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _back_off(USE_ASM: tl.constexpr, NS: tl.constexpr):
-    """Sleep about NS ns between polls of a counter (PTX ``nanosleep``): a waiting CTA's warps then
-    take no issue slots from the streaming CTAs beside it on the SM."""
-    if USE_ASM and NS > 0:
-        tl.inline_asm_elementwise(f"nanosleep.u32 {NS}; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _moe_fused_kernel(w1_desc, s1_desc, w3_desc, s3_desc, sw1_desc, ss1_desc, sw3_desc, ss3_desc, x_desc, xinv_ptr,
                       g1_ptr, g3_ptr, sg1_ptr, sg3_ptr, h_ptr, hp_ptr, I, KG_UP, limit,
                       w2_desc, s2_desc, sw2_desc, ss2_desc, h_desc, hinv_ptr, ids_ptr, wts_ptr, g2_ptr, sg2_ptr,
                       y_ptr, ws_ptr, cnt_ptr, sync_ptr, H, KG_DOWN, TOPK, NPAIR, NPT, NUP, NDOWN, stride_yt,
                       BN_UP: tl.constexpr, STAGES_UP: tl.constexpr, BN_DOWN: tl.constexpr, STAGES_DOWN: tl.constexpr,
                       G: tl.constexpr, USE_ASM: tl.constexpr, MX: tl.constexpr, SHARED: tl.constexpr,
-                      SPIN_NS: tl.constexpr = 0, TRIGGER: tl.constexpr = False):
+                      TRIGGER: tl.constexpr = False):
     """Up and down tiles in one launch: each CTA draws a ticket; the first NPT * NUP tickets are up
     tiles (pair-major), the rest down tiles, which wait until their pair's NUP up tiles have
     written h's pairs (``sync_ptr``: [ticket, ready[NPT], seen[NPT]], all back to 0 at the end).
@@ -242,7 +234,7 @@ def _moe_fused_kernel(w1_desc, s1_desc, w3_desc, s3_desc, sw1_desc, ss1_desc, sw
         d = tk - n_up
         pair = d // NDOWN
         while tl.atomic_add(sync_ptr + 1 + pair, 0, sem="acquire") < NUP:
-            _back_off(USE_ASM, SPIN_NS)
+            pass   # a nanosleep between polls measured no faster (256, 2000 ns)
         _proxy_fence(USE_ASM)
         _down_tile(pair, d - pair * NDOWN, NDOWN, w2_desc, s2_desc, sw2_desc, ss2_desc, h_desc, hinv_ptr, ids_ptr,
                    wts_ptr, g2_ptr, sg2_ptr, y_ptr, ws_ptr, cnt_ptr, H, KG_DOWN, TOPK, NPAIR, stride_yt,
@@ -292,7 +284,6 @@ SCHEDULE: str | None = None
 # down tile's rows as DOWN_TILE's (same bits)
 FUSED_TILES = ({False: ((16, 2, 1), (16, 2, 1)), True: ((16, 2, 1), (16, 2, 1))} if INTERPRET else
                {False: ((64, 4, 4), (64, 3, 4)), True: ((64, 3, 4), (64, 3, 4))})
-SPIN_NS = 0   # the fused launch's down tiles sleep this long between polls (256, 2000: no faster)
 
 
 class _StackArgs:
@@ -374,18 +365,17 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
         kernel = _moe_fused_kernel  # looked up per call: tests replace kernels
         nup = I // bn
         cnt = counters(x.device, T * n_tiles + 1 + 2 * npt)
-        fkey = (id(kernel), mx, shared_on, up_tile, down_tile, SPIN_NS)
+        fkey = (id(kernel), mx, shared_on, up_tile, down_tile)
         fused = _SITES.get(fkey) or new_site(_SITES, fkey, kernel, BN_UP=bn, STAGES_UP=stages, BN_DOWN=dbn,
                                              STAGES_DOWN=dstages, G=g, USE_ASM=not INTERPRET, MX=mx,
-                                             SHARED=shared_on, SPIN_NS=SPIN_NS, TRIGGER=not INTERPRET,
-                                             num_warps=max(warps, dwarps))
+                                             SHARED=shared_on, TRIGGER=not INTERPRET, num_warps=max(warps, dwarps))
         fused((npt * (nup + n_tiles),),
               *a1.descs, *a3.descs, *s1.descs, *s3.descs, pairs_descriptor(xp, g, True), xinv,
               a1.gs, a3.gs, s1.gs, s3.gs, x, hp, I, H // 16, lim,
               *a2.descs, *s2.descs, pairs_descriptor(hp, g, True), hinv, ids_c, wts, a2.gs, s2.gs,
               y, ws, cnt, cnt[T * n_tiles:], H, I // 16, k, npair, npt, nup, n_tiles, y.stride(0))
         return y
-    pdl = schedule == "pdl" and not INTERPRET
+    pdl = schedule == "pdl" and emit and not INTERPRET   # without emit, x_pairs(h) runs between the two
     up_kernel, down_kernel = _moe_up_kernel, _moe_down_kernel  # tests replace kernels
     ukey = (id(up_kernel), mx, emit, up_tile, pdl)
     up = _SITES.get(ukey) or new_site(_SITES, ukey, up_kernel, BN=bn, G=g, STAGES=stages, USE_ASM=not INTERPRET,
@@ -396,11 +386,10 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
         I if emit else h.stride(0), lim)   # emitting: x stands in for h (its dtype is the rounding's; nothing stored)
     if not emit:
         hp, hinv = x_pairs(h)
-        pdl = False
     dkey = (id(down_kernel), mx, shared_on, down_tile, pdl)
     down = _SITES.get(dkey) or new_site(_SITES, dkey, down_kernel, BN=dbn, G=g, STAGES=dstages,
                                         USE_ASM=not INTERPRET, MX=mx, SHARED=shared_on, TRIGGER=not INTERPRET,
-                                        PDL=pdl, num_warps=dwarps, **({"launch_pdl": True} if pdl else {}))
+                                        num_warps=dwarps, **pdl_kw(pdl))
     down((n_tiles, npt),
         *a2.descs, *s2.descs, pairs_descriptor(hp, g, True), hinv, ids_c, wts,
         a2.gs, s2.gs, y, ws, counters(x.device, T * n_tiles), H, I // 16, k, npair, y.stride(0))

@@ -22,11 +22,11 @@ from dsv4lab.kernels import moe_decode_tma as m  # noqa: E402
 from moe_tile_sweep import H, I, K, case, graph_us  # noqa: E402
 
 ROUNDS = 2
-# (label, schedule, fused-launch spin ns, fused (up, down) tiles or None for FUSED_TILES): the two
-# launches, the PDL'd down launch, the fused launch at its tiles, with 128-row down tiles (faster on
-# NVFP4, other bits) and with a back-off between polls
-VARIANTS = [("two", "two", 0, None), ("pdl", "pdl", 0, None), ("fused", "fused", 0, None),
-            ("fused_64x4_128", "fused", 0, ((64, 4, 4), (128, 3, 4))), ("fused_spin256", "fused", 256, None)]
+# (label, schedule, fused (up, down) tiles or None for FUSED_TILES): the two launches, the PDL'd
+# down launch, the fused launch at its tiles and with 128-row down tiles (faster on NVFP4, other
+# bits). (The h100/spin_* runs also had a nanosleep back-off between polls, since removed: no gain.)
+VARIANTS = [("two", "two", None), ("pdl", "pdl", None), ("fused", "fused", None),
+            ("fused_64x4_128", "fused", ((64, 4, 4), (128, 3, 4)))]
 
 
 SWEEP_UP = [(64, 3, 4), (32, 3, 4), (128, 3, 4), (64, 4, 4), (64, 2, 4), (32, 4, 2)]
@@ -95,8 +95,8 @@ def main() -> None:
             ref = run().clone()
             tiles0 = dict(m.FUSED_TILES)
             for r in range(ROUNDS):
-                for label, sched, spin, tiles in VARIANTS:
-                    m.SCHEDULE, m.SPIN_NS = sched, spin
+                for label, sched, tiles in VARIANTS:
+                    m.SCHEDULE = sched
                     m.FUSED_TILES = {**tiles0, fmt == "mxfp4": tiles} if tiles else tiles0
                     y = run()
                     same = bool(torch.equal(y, ref))   # before the graph timing's calls
@@ -106,7 +106,7 @@ def main() -> None:
                     rows.append(dict(fmt=fmt, T=T, variant=label, round=r, us=t, bitwise=same, kept=kept,
                                      max_diff=(y.float() - ref.float()).abs().max().item(), of_copy=frac))
                     print(f"{fmt} T={T} {label:22s} r{r} {t:7.1f} us  bitwise {same} kept {kept}  {frac:.1%} of copy", flush=True)
-            m.SCHEDULE, m.SPIN_NS, m.FUSED_TILES = None, 0, tiles0
+            m.SCHEDULE, m.FUSED_TILES = None, tiles0
     out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_Bps=ceil, rows=rows), indent=1))
 
 

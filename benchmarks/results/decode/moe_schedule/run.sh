@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # MoE decode schedules (two launches / PDL'd down launch / one fused launch), on one GPU:
 # GPU tests of the MoE decode (TESTS=0 skips them), the microbench, then one V4-Pro layer per
-# LAYER_VARIANTS entry (schedule:spin ns; LAYER_FORMAT nvfp4 or official), MICRO=0 skips the microbench,
+# LAYER_VARIANTS entry (schedules; LAYER_FORMAT nvfp4 or official), MICRO=0 skips the microbench,
 # alternating, ROUNDS times. Usage: bash benchmarks/results/decode/moe_schedule/run.sh $OUT [ROUNDS]
 set -u
 OUT=${1:?out dir}
@@ -17,10 +17,10 @@ echo "tests: ${SECONDS}s"
 [ "${MICRO:-1}" = 1 ] && timeout 150 python3 $D/moe_schedule.py $OUT/moe_schedule.json | tee $OUT/moe_schedule.txt | grep -v " r[12] " 
 echo "microbench: ${SECONDS}s"
 for i in $(seq 1 "$ROUNDS"); do
-  for s in ${LAYER_VARIANTS:-two:0 fused:0 pdl:0}; do
-    sched=${s%%:*}; spin=${s##*:}; s=${LAYER_FORMAT:-nvfp4}_${sched}_$spin
+  for sched in ${LAYER_VARIANTS:-two fused pdl}; do
+    s=${LAYER_FORMAT:-nvfp4}_${sched}
     timeout 100 python3 -c "import runpy, sys; from dsv4lab.kernels import moe_decode_tma as m
-m.SCHEDULE, m.SPIN_NS = '$sched', $spin
+m.SCHEDULE = '$sched'
 sys.argv = ['benchmarks/decode.py', '--json', '$OUT/layer_${s}_$i.json', '--steps', '64', '--skip-tiny', '--layer-modes', 'kernels', '--format', '${LAYER_FORMAT:-nvfp4}']
 runpy.run_path('benchmarks/decode.py', run_name='__main__')" > /dev/null 2>&1
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], [(r['layer_type'][:5], round(r['graph_ms'] * 1e3, 1), r['kernels_per_step']) for r in d['v4_pro_layer']])" \
