@@ -295,6 +295,22 @@ def test_grouped_kernel_takes_all_row_blocks_in_one_call():
     assert torch.equal(ql.grouped(x, 4), ref) and grouped.calls == 1
 
 
+def test_grouped_kernel_declining_runs_the_row_blocks():
+    """A grouped kernel that returns None (the FP8-block GEMV for several tokens) leaves the call
+    to the per-row-block kernel path: no dense copy of the weight, the reference's values."""
+    g = torch.Generator().manual_seed(3)
+    ql = QLinear(256, 512)
+    ql.set_weight(quantize_fp8_block(torch.randn(512, 256, generator=g)))
+    x = torch.randn(2, 4, 256, generator=g)
+    ref = ql.grouped(x, 4)
+    declining = Counting(lambda x, w, groups: None)
+    per_block = Counting(ref_linear)
+    ql.kernel, ql.grouped_kernel = per_block, declining
+    got = ql.grouped(x, 4)
+    assert declining.calls == 1 and per_block.calls == 4
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
 def test_overridden_dequantisation_or_linears_keep_the_reference():
     """A replaced implementation (e.g. a bug-zoo variant) is not what the kernel computes."""
     from dsv4lab.bugzoo.variants import ActInputScaleMixin, WeightScale2DroppedMixin

@@ -8,7 +8,7 @@ modules are imported together on the first kernel call (``_TritonModules``), cut
 * ``plain_linear(x, w)``: ``QLinear.plain_kernel``, unquantised (bf16 / fp16) weights at decode
   rows in one Triton GEMV launch; ``F.linear`` elsewhere.
 * ``grouped_quant_linear(x, w, groups)``: ``QLinear.grouped_kernel``, the block-diagonal use (wo_a)
-  in one GEMV for one NVFP4 token.
+  in one GEMV for one NVFP4 or FP8-block token.
 * ``act_quant_nvfp4(x, global_scale)``: NVFP4 fake quant of activations (``QLinear.act_kernel``,
   drop-in for ``fake_quant_nvfp4``, bit-exact).
 * ``moe_decode(x, ids, weights, w1, w3, w2, limit)``: routed experts for decode tokens.
@@ -70,7 +70,8 @@ class _TritonModules:
     module attribute is seen."""
 
     MODULES = ("act_quant_nvfp4", "attention_bounded", "attention_decode", "compressor_decode", "indexer_decode",
-               "indexer_prefill", "indexer_topk", "linear_nvfp4", "linear_official", "linear_plain", "mhc_fused",
+               "indexer_prefill", "indexer_topk", "linear_fp8_tma", "linear_nvfp4", "linear_official",
+               "linear_plain", "mhc_fused",
                "moe_decode", "moe_decode_plain", "moe_decode_tma", "moe_prefill", "norm_rope", "router_topk")
 
     def __getattr__(self, name: str):
@@ -153,12 +154,17 @@ def plain_linear_batch(x: torch.Tensor, weights: list[torch.Tensor]) -> list[tor
     return None
 
 
-def grouped_quant_linear(x: torch.Tensor, w, groups: int) -> torch.Tensor:
+def grouped_quant_linear(x: torch.Tensor, w, groups: int) -> torch.Tensor | None:
     """x [..., G, in] times the G row blocks of a ``QuantWeight`` -> [..., G, out/G]: NVFP4 on CUDA
-    through ``linear_nvfp4.nvfp4_grouped_matmul`` (one GEMV for one token), else the dense
-    reference (``grouped_linear`` of ``w.dequantize(x.dtype)``)."""
-    if getattr(w, "format", None) == "nvfp4" and kernel_can_take(x) and weight_on_cuda(w):
-        return _tk.linear_nvfp4.nvfp4_grouped_matmul(x, w.packed, w.block_scale, w.global_scale)
+    through ``linear_nvfp4.nvfp4_grouped_matmul`` (one GEMV for one token); FP8-block through
+    ``linear_fp8_tma.fp8_grouped_gemv`` for one token and None otherwise (``QLinear.grouped`` then
+    runs ``kernel`` per row block: no dequantised copy); else the dense reference
+    (``grouped_linear`` of ``w.dequantize(x.dtype)``)."""
+    fmt = getattr(w, "format", None)
+    if fmt in ("nvfp4", "fp8_block") and kernel_can_take(x) and weight_on_cuda(w):
+        if fmt == "nvfp4":
+            return _tk.linear_nvfp4.nvfp4_grouped_matmul(x, w.packed, w.block_scale, w.global_scale)
+        return _tk.linear_fp8_tma.fp8_grouped_gemv(x, w, groups)
     return grouped_linear(x, w.dequantize(x.dtype), groups)
 
 

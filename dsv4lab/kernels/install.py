@@ -1,7 +1,7 @@
 """Which component gets which kernel, and switching them on and off.
 
 Targets: every ``QLinear`` (``.kernel``: the matmul; ``.act_kernel``: the w4a4 activation
-quantiser; ``.grouped_kernel``: the block-diagonal use, NVFP4; a ``Router`` also ``.route_kernel``:
+quantiser; ``.grouped_kernel``: the block-diagonal use, NVFP4 and FP8-block; a ``Router`` also ``.route_kernel``:
 scores + choice + weights), every routed ``Experts`` block (``.kernel``: the fused decode; ``.prefill_kernel``: the
 grouped-GEMM prefill), every ``Compressor``
 (``.kernel``: the CuTeDSL softmax pool of prefill; ``.decode_kernel``: the Triton decode step), every ``Attention``
@@ -115,7 +115,7 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
             return routed
         mod.kernel = quant_linear
         mod.act_kernel = act_quant_nvfp4  # bit-exact with fake_quant_nvfp4; used in w4a4 only
-        if qw.format == "nvfp4":  # the block-diagonal use (wo_a) in one GEMV
+        if qw.format in ("nvfp4", "fp8_block"):  # the block-diagonal use (wo_a) in one GEMV
             mod.grouped_kernel = grouped_quant_linear
         return True
     if isinstance(mod, Experts):
@@ -179,7 +179,7 @@ def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, stri
 
     Defaults: ``quant_linear`` as ``QLinear.kernel`` (NVFP4, MXFP4, FP8-block weights) with
     ``act_quant_nvfp4`` as its ``act_kernel`` and ``grouped_quant_linear`` as its ``grouped_kernel``
-    (NVFP4), ``route`` as ``Router.route_kernel``, ``moe_decode`` as ``Experts.kernel`` and ``moe_prefill``
+    (NVFP4, FP8-block), ``route`` as ``Router.route_kernel``, ``moe_decode`` as ``Experts.kernel`` and ``moe_prefill``
     as ``Experts.prefill_kernel`` (NVFP4 or MXFP4 experts), ``compressor_pool`` as ``Compressor.kernel``
     and ``compressor_decode`` / ``norm_rope`` as its ``decode_kernel`` / ``rope_kernel``,
     ``prefill_attention`` as ``Attention.kernel`` with ``decode_attention`` as its ``decode_kernel``,

@@ -19,7 +19,8 @@ one launch, graph-safe). x is cast to bf16 (fp16 for fp16 x), the accumulation i
 
 MXFP4 at decode (M <= 16, K % 512 == 0, sm_90+) instead goes through the TMA GEMV of
 ``nvfp4_gemv_tma`` with E8M0 block scales (one per two 16-groups, global scale 1): the TMA ring
-and, at M = 1, the f16x2 loop of NVFP4 (``config={"TMA": False}`` keeps the tiled kernel).
+and, at M = 1, the f16x2 loop of NVFP4; FP8-block at M = 1 (K % 128 == 0, sm_90+) through the TMA
+GEMV of ``linear_fp8_tma`` (``config={"TMA": False}`` keeps the tiled kernel for both).
 
 Measured on the H200 (docs/kernels.md); the dispatcher (``dsv4lab.kernels.dispatch.quant_linear``) still
 checks each (format, shape, batch bucket, dtype, device) against the PyTorch reference on its
@@ -40,6 +41,7 @@ from .common import cdiv, device_capability, INTERPRET, counters, dot_dtype, e8m
 from .device import on_input_device
 from .launch import launch
 from .dequant_gemm import DENSE_MIN_M
+from .linear_fp8_tma import fp8_gemv
 from .linear_gemm import GEMM_MIN_M, gemm_supported, prefill_gemm
 from .linear_nvfp4_tma import GemvTmaPlan, run_gemv_tma, tma_default_config, tma_supported
 
@@ -163,6 +165,14 @@ def _mx_plan(x2: torch.Tensor, w, cfg: dict) -> tuple[GemvTmaPlan, torch.Tensor]
     return GemvTmaPlan(w.packed, s8, tc, x2.shape[0] == 1, x2.dtype), s8
 
 
+def _scales_f32(w) -> torch.Tensor:
+    """The FP8-block weight's fp32 scales, contiguous, kept per weight: E8M0 scales are widened once,
+    not by an elementwise launch on every call (an in-place edit of the scales bumps their
+    ``_version``: a new widening)."""
+    return weight_cached(w.data, ("scales_f32", id(w.scale), w.scale.data_ptr(), w.scale._version),
+                         lambda: w.scale_float().contiguous())
+
+
 @on_input_device
 def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Tensor:
     """y[..., N] = x[..., K] @ W^T for an ``MXFP4Weight`` or ``FP8BlockWeight`` (``supported``)."""
@@ -184,11 +194,15 @@ def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Ten
         if w.format == "mxfp4":
             prefill_gemm(x2, "mxfp4", w.packed, w.scale, None, y, cfg)
         else:
-            prefill_gemm(x2, "fp8_block", w.data, w.scale_float().contiguous(), None, y, cfg)
+            prefill_gemm(x2, "fp8_block", w.data, _scales_f32(w), None, y, cfg)
         return y.reshape(*lead, N)
     if w.format == "mxfp4" and M <= 16 and cfg.get("TMA", True) and mx_tma_supported(x2, w):
         _mx_decode_tma(x2, w, y, cfg)
         return y.reshape(*lead, N)
+    if w.format == "fp8_block" and M == 1 and cfg.get("TMA", True):
+        tma_cfg = {k: v for k, v in cfg.items() if k != "TMA"}
+        if fp8_gemv(x2, w, y, cfg=tma_cfg or None):
+            return y.reshape(*lead, N)
     warps = cfg.get("num_warps", 1 if INTERPRET else 4)
     stages = cfg.get("STAGES", 2 if INTERPRET else 3)
     if w.format == "mxfp4":
@@ -201,7 +215,7 @@ def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Ten
         wps = cdiv(cdiv(KW, split), bw) * bw
         split = cdiv(KW, wps)
     else:
-        s32 = w.scale_float().contiguous()
+        s32 = _scales_f32(w)
         bn = cfg.get("BN", 16 if INTERPRET else 64)
         if 128 % bn:
             raise ValueError(f"FP8-block BN {bn} must divide the 128-row scale block")

@@ -50,7 +50,8 @@ class QLinear(Component):
         self._dense_cache: torch.Tensor | None = None
         self.kernel: Callable | None = None  # optional fast path f(x, qweight) -> y
         self.act_kernel: Callable | None = None  # optional NVFP4 activation fake quant f(x, gs), bit-exact
-        # optional grouped fast path f(x [..., G, in], qweight, G) -> [..., G, out/G] (``grouped``)
+        # optional grouped fast path f(x [..., G, in], qweight, G) -> [..., G, out/G] (``grouped``),
+        # or None where it does not take the call (the row blocks then run ``kernel`` each)
         self.grouped_kernel: Callable | None = None
         # optional fast path f(x, weight) -> y for an unquantised weight (the bf16 decode GEMVs)
         self.plain_kernel: Callable | None = None
@@ -206,7 +207,9 @@ class QLinear(Component):
         """Block-diagonal use (grouped output projection): x [..., G, in] -> [..., G, out/G]."""
         x = self.quantize_input(x, grouped=True)
         if self.uses_kernel() and self.grouped_kernel is not None:  # all row blocks in one call
-            return self.grouped_kernel(x, self.qweight, groups)
+            y = self.grouped_kernel(x, self.qweight, groups)
+            if y is not None:  # None: not this call (e.g. FP8-block with several tokens)
+                return y
         blocks = self._group_weights(groups) if self.uses_kernel() else None
         if blocks is not None:  # one kernel call per row block: no dequantised copy of the weight
             xg = x.movedim(-2, 0).contiguous()  # [G, ..., in]
