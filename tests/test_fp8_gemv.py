@@ -56,6 +56,7 @@ def test_tile_rule(monkeypatch):
     assert wo_b["BN"] == 64 and wo_b["SPLIT"] == 3 and wo_b["PDL"]   # 112 tiles: 2 waves at 3 splits
     wkv = m.fp8_tma_config(512, 7168, cpu)
     assert wkv["SPLIT"] == 28  # 8 tiles x 28 splits of 2 K steps (56 steps)
+    assert m.fp8_tma_config(64, 512, cpu)["SPLIT"] == 2  # at least 2 K steps (of 4) a split
     assert m.fp8_tma_config(16 * 1024, 4096, cpu, rows_per_x=1024)["BN"] == 64
     assert m.fp8_tma_config(4 * 96, 4096, cpu, rows_per_x=96)["BN"] == 32
     assert m.fp8_tma_config(4 * 40, 4096, cpu, rows_per_x=40)["BN"] == 0
@@ -113,10 +114,10 @@ def test_gpu_fp8_gemv_v4_pro_shapes(name, K, N, scale_format):
 @gpu
 def test_gpu_grouped_wo_a_one_launch():
     """wo_a's shape (16 groups of 1024 rows, K = 4096): ``QLinear.grouped`` with the kernel slots set
-    is one launch for one token, each group the bits of its own row block's GEMV; two tokens run
-    the row blocks one by one (no dequantised copy), within a bf16 step of fp64."""
+    is one launch for one token, each group the bits of its own row block's GEMV at the same tiles;
+    two tokens run the row blocks one by one (no dequantised copy), within a bf16 step of fp64."""
     from dsv4lab.kernels.dispatch import grouped_quant_linear, quant_linear
-    from dsv4lab.kernels.linear_official import official_matmul
+    from dsv4lab.kernels.linear_fp8_tma import fp8_gemv, fp8_plan
     from dsv4lab.model.linear import QLinear, grouped_linear
     from dsv4lab.quant.weights import quantize_fp8_block
 
@@ -135,7 +136,12 @@ def test_gpu_grouped_wo_a_one_launch():
     assert len(launches) == 1 and "_fp8_gemv_kernel" in launches[0].name, [e.name for e in launches]
     want = grouped_linear(x.double(), w.dequantize(torch.float64), G)
     _fp64_close(y, want)
+    plan = fp8_plan(x, w, G)
+    tiles = {"BN": plan.wd.block_shape[0], "SPLIT": plan.split, "STAGES": plan.site.kw["STAGES"],
+             "num_warps": plan.site.kw["num_warps"]}
     for i in (0, 7, 15):
-        assert torch.equal(y[0, i], official_matmul(x[0, i:i + 1], w.row_block(i * rows, rows))[0])
+        block = torch.empty(rows, device="cuda", dtype=torch.bfloat16)
+        assert fp8_gemv(x[0, i].contiguous(), w.row_block(i * rows, rows), block, cfg=tiles)
+        assert torch.equal(y[0, i], block)
     x2 = torch.randn(2, G, K, device="cuda", generator=g).to(torch.bfloat16)
     _fp64_close(lin.grouped(x2, G), grouped_linear(x2.double(), w.dequantize(torch.float64), G))

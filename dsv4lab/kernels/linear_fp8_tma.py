@@ -78,11 +78,14 @@ def fp8_tma_supported(x: torch.Tensor, data: torch.Tensor) -> bool:
 
 def fp8_tma_config(N: int, K: int, device: torch.device, rows_per_x: int = 0) -> dict:
     """Tiles: 64 rows x 128 columns a stage (8 KB), 4 stages, 4 warps (64 fp32 accumulators a
-    thread); K split until the grid covers the SMs about twice (at least 2 K steps a split).
-    Grouped: row tiles must not straddle two groups (BN divides ``rows_per_x``)."""
+    thread), K split until the grid covers the SMs about twice (at least 2 K steps a split).
+    Measured in the official V4-Pro layer on one H100 (``benchmarks/results/decode/fp8_gemv/config_ab.sh``):
+    CSA 362.5-362.7 us, HCA 340.4-341.8, against 370.8-372.4 / 349.4-350.7 for the microbench
+    sweep's best single rule (5 stages, 8 warps, one wave), which wins alone by ~2 % and loses
+    beside the layer's other launches. Grouped: row tiles must not straddle two groups (BN divides
+    ``rows_per_x``; 0 where 32 does not)."""
     if INTERPRET:
-        bn = 16
-        return {"BN": bn, "STAGES": 2, "SPLIT": 1, "num_warps": 1, "PDL": False}
+        return {"BN": 16, "STAGES": 2, "SPLIT": 1, "num_warps": 1, "PDL": False}
     bn = 64
     if rows_per_x and rows_per_x % bn:
         bn = 32 if rows_per_x % 32 == 0 else 0
@@ -162,8 +165,9 @@ def fp8_gemv(x: torch.Tensor, w, y: torch.Tensor, groups: int = 1, cfg: dict | N
 
 def fp8_grouped_gemv(x: torch.Tensor, w, groups: int) -> torch.Tensor | None:
     """The block-diagonal use for one token: x [..., G, K] (G * K contiguous elements) -> y
-    [..., G, N/G], row block g of W times x[..., g, :], in one launch (wo_a: 16 blocks); None for
-    several tokens or where the GEMV does not apply (the caller runs the row blocks)."""
+    [..., G, N/G], row block g of W times x[..., g, :], in one launch (wo_a: 16 blocks; each block
+    the bits of its own GEMV at the same tiles); None for several tokens or where the GEMV does not
+    apply (the caller runs the row blocks)."""
     G, K = x.shape[-2], x.shape[-1]
     if G != groups or x.numel() != G * K or not x.is_contiguous() or w.shape[1] != K or w.shape[0] % G:
         return None
