@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from dsv4lab.kernels.dispatch import grouped_quant_linear, quant_linear  # noqa: E402
-from dsv4lab.kernels.linear_fp8_tma import fp8_gemv, fp8_grouped_gemv, fp8_plan  # noqa: E402
-from dsv4lab.kernels.linear_official import official_matmul  # noqa: E402
+from dsv4lab.kernels.linear_fp8_tma import fp8_gemv, fp8_grouped_gemv, fp8_pair_gemv, fp8_plan  # noqa: E402
+from dsv4lab.kernels.linear_official import official_matmul, verified_official_matmul, verified_official_pair  # noqa: E402
 from dsv4lab.model.linear import grouped_linear  # noqa: E402
 from dsv4lab.quant.weights import quantize_fp8_block  # noqa: E402
 
@@ -74,6 +74,22 @@ res["grouped_two_tokens_declined"] = fp8_grouped_gemv(torch.randn(2, G, K).to(to
 # the dispatcher on CPU tensors is the reference (the kernel slot's contract off CUDA)
 res["dispatch_cpu_reference"] = bool(torch.equal(grouped_quant_linear(x, w, G), grouped_linear(x, w.dequantize(x.dtype), G)))
 res["quant_linear_cpu_reference"] = bool(torch.equal(quant_linear(x[0, :1], w), torch.nn.functional.linear(x[0, :1], w.dequantize(x.dtype))))
+# two weights of one x in one launch (wq_a + wkv): each output the bits of its own GEMV; the
+# dispatcher's pair waits for both weights' first-use check
+wa, wb = weight(48, 256), weight(160, 256, "e8m0")
+x = torch.randn(1, 256, generator=g).to(torch.bfloat16)
+ya, yb = torch.empty(1, 48, dtype=torch.bfloat16), torch.empty(1, 160, dtype=torch.bfloat16)
+fp8_gemv(x, wa, ya)
+fp8_gemv(x, wb, yb)
+pa, pb = fp8_pair_gemv(x, wa, wb)
+before_check = verified_official_pair(x, wa, wb)
+verified_official_matmul(x, wa)
+verified_official_matmul(x, wb)
+after = verified_official_pair(x, wa, wb)
+res["pair"] = {"bitwise": torch.equal(pa, ya) and torch.equal(pb, yb), "shapes": [list(pa.shape), list(pb.shape)],
+               "waits_for_check": before_check is None,
+               "after_check_bitwise": after is not None and torch.equal(after[0], ya) and torch.equal(after[1], yb),
+               "other_k_declined": fp8_pair_gemv(x, wa, weight(32, 384)) is None}
 # an in-place edit of E8M0 scales (widened once into the plan) is seen by the next call
 w = weight(64, 256, "e8m0")
 x = torch.randn(1, 256, generator=g)

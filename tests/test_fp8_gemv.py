@@ -37,6 +37,9 @@ def test_interp_fp8_gemv_matches_fp64():
     assert grouped["shape"] == [1, 3, 128] and grouped["rel"] <= UNIT[torch.bfloat16] and grouped["blocks_bitwise"]
     assert res["grouped_two_tokens_declined"] and res["k200_declined"]
     assert res["dispatch_cpu_reference"] and res["quant_linear_cpu_reference"]
+    pair = res["pair"]
+    assert pair == {"bitwise": True, "shapes": [[1, 48], [1, 160]], "waits_for_check": True,
+                    "after_check_bitwise": True, "other_k_declined": True}, pair
     edit = res["scale_edit_seen"]
     assert edit["changed"] and edit["rel"] <= UNIT[torch.float32], edit
 
@@ -145,3 +148,33 @@ def test_gpu_grouped_wo_a_one_launch():
         assert torch.equal(y[0, i], block)
     x2 = torch.randn(2, G, K, device="cuda", generator=g).to(torch.bfloat16)
     _fp64_close(lin.grouped(x2, G), grouped_linear(x2.double(), w.dequantize(torch.float64), G))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_pair_is_each_single_launch():
+    """wq_a and wkv of V4-Pro (7168 -> 1536 and 512) in one launch: each output the bits of its own
+    GEMV (the splits differ: 11 and 28), and the dispatcher's pair only after both weights passed
+    the first-use check."""
+    from dsv4lab.kernels import linear_official as lo
+    from dsv4lab.kernels.dispatch import quant_linear_pair
+    from dsv4lab.kernels.linear_fp8_tma import fp8_gemv, fp8_pair_gemv
+    from dsv4lab.quant.weights import quantize_fp8_block
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    wa = quantize_fp8_block(torch.randn(1536, 7168, device="cuda", generator=g) * 0.01)
+    wb = quantize_fp8_block(torch.randn(512, 7168, device="cuda", generator=g) * 0.01, "e8m0")
+    x = torch.randn(1, 7168, device="cuda", generator=g).to(torch.bfloat16)
+    ya, yb = torch.empty(1, 1536, device="cuda", dtype=torch.bfloat16), torch.empty(1, 512, device="cuda",
+                                                                                     dtype=torch.bfloat16)
+    fp8_gemv(x, wa, ya)
+    fp8_gemv(x, wb, yb)
+    pa, pb = fp8_pair_gemv(x, wa, wb)
+    assert torch.equal(pa, ya) and torch.equal(pb, yb)
+    for key in (lo._verify_key(x, wa), lo._verify_key(x, wb)):
+        lo._VERIFIED.pop(key, None)
+    assert quant_linear_pair(x, wa, wb) is None  # not checked yet: the linears run alone
+    lo.verified_official_matmul(x, wa)
+    lo.verified_official_matmul(x, wb)
+    qa, qb = quant_linear_pair(x, wa, wb)
+    assert torch.equal(qa, ya) and torch.equal(qb, yb)

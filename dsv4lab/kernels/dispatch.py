@@ -122,11 +122,14 @@ nvfp4_linear = quant_linear  # the name QLinear.kernel had when only NVFP4 had a
 
 def quant_linear_pair(x: torch.Tensor, wa, wb) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``Attention.quant_pair_kernel``: (x @ A^T, x @ B^T) in one launch for one decode token and
-    two NVFP4 weights whose M = 1 GEMVs fit one grid (``linear_nvfp4.nvfp4_pair_matmul``: each
-    output the bits of ``quant_linear(x, w)``); None otherwise (the caller runs each on its own)."""
-    if (getattr(wa, "format", None) == "nvfp4" and getattr(wb, "format", None) == "nvfp4" and kernel_can_take(x)
-            and weight_on_cuda(wa) and weight_on_cuda(wb)):
-        return _tk.linear_nvfp4.nvfp4_pair_matmul(x, wa, wb)
+    two NVFP4 weights whose M = 1 GEMVs fit one grid (``linear_nvfp4.nvfp4_pair_matmul``) or two
+    FP8-block ones (``linear_official.verified_official_pair``), each output the bits of
+    ``quant_linear(x, w)``; None otherwise (the caller runs each on its own)."""
+    fa, fb = getattr(wa, "format", None), getattr(wb, "format", None)
+    if fa == fb and fa in ("nvfp4", "fp8_block") and kernel_can_take(x) and weight_on_cuda(wa) and weight_on_cuda(wb):
+        if fa == "nvfp4":
+            return _tk.linear_nvfp4.nvfp4_pair_matmul(x, wa, wb)
+        return _tk.linear_official.verified_official_pair(x, wa, wb)
     return None
 
 

@@ -11,6 +11,9 @@ that step's block scale (one fp32 per CTA and step: BN divides 128, so a tile li
 block). fp32 products and sums, one rounding to x's dtype at the end, like the tiled kernel's fp32
 accumulation (its per-block partial sums round in another order: not the same bits).
 
+``fp8_pair_gemv``: two weights of one x (V4-Pro's wq_a and wkv) in one launch, each CTA exactly its
+single launch's (``Attention.quant_pair_kernel``).
+
 ``ROWS_PER_X`` (grouped use, the block-diagonal wo_a): row block i of that many rows multiplies
 activation row i (x holds the G rows back to back): the 16 groups of wo_a in one launch instead
 of one launch per group. Split K finishes with the counter fix-up of ``common.store_or_fix_up``
@@ -37,14 +40,11 @@ BK = 128  # K step: one FP8 scale block
 
 
 @triton.jit
-def _fp8_gemv_kernel(w_desc, s_ptr, x_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, kps, SPLIT, stride_sn,
-                     USE_SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                     PDL: tl.constexpr, ROWS_PER_X: tl.constexpr):
-    """One CTA: row tile program_id(0) x K split program_id(1) (``kps`` columns, a multiple of BK)."""
-    if PDL:  # x is the previous kernel's output
-        gdc_wait()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+def _fp8_gemv_tile(w_desc, s_ptr, x_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, kps, SPLIT, stride_sn, pid_n, pid_k,
+                   USE_SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                   PDL: tl.constexpr, ROWS_PER_X: tl.constexpr):
+    """One CTA: row tile ``pid_n`` x K split ``pid_k`` (``kps`` columns, a multiple of BK); the body
+    of the single and the paired kernel, so a weight's outputs are the same bits in either."""
     n0 = pid_n * BN
     rows = n0 + tl.arange(0, BN)
     k_lo = pid_k * kps
@@ -64,6 +64,39 @@ def _fp8_gemv_kernel(w_desc, s_ptr, x_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, kps, SP
         gdc_launch_dependents()
     store_or_fix_up(tl.sum(acc, axis=1), y_ptr + rows, ws_ptr + rows, rows < N, cnt_ptr, pid_n, pid_k, N, SPLIT,
                     1.0, USE_SPLIT)
+
+
+@triton.jit
+def _fp8_gemv_kernel(w_desc, s_ptr, x_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, kps, SPLIT, stride_sn,
+                     USE_SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                     PDL: tl.constexpr, ROWS_PER_X: tl.constexpr):
+    """Grid (row tiles, K splits)."""
+    if PDL:  # x is the previous kernel's output
+        gdc_wait()
+    _fp8_gemv_tile(w_desc, s_ptr, x_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, kps, SPLIT, stride_sn, tl.program_id(0),
+                   tl.program_id(1), USE_SPLIT, BN, BK, STAGES, PDL, ROWS_PER_X)
+
+
+@triton.jit
+def _fp8_gemv_pair_kernel(wa_desc, sa_ptr, wb_desc, sb_ptr, x_ptr, ya_ptr, yb_ptr, wsa_ptr, wsb_ptr, cnt_ptr, NA, NB,
+                          K, kpsa, kpsb, SPLIT_A, SPLIT_B, TILES_A, stride_sa, stride_sb,
+                          USE_SPLIT_A: tl.constexpr, USE_SPLIT_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          STAGES: tl.constexpr, PDL: tl.constexpr):
+    """Two weights of one x in one launch (``Fp8GemvPlan.pair``): programs 0 .. TILES_A * SPLIT_A - 1
+    are weight A's (tile, split) CTAs, the rest B's, each exactly the single kernel's CTA (B's tile
+    counters after A's)."""
+    if PDL:
+        gdc_wait()
+    pid = tl.program_id(0)
+    n_a = TILES_A * SPLIT_A
+    if pid < n_a:
+        _fp8_gemv_tile(wa_desc, sa_ptr, x_ptr, ya_ptr, wsa_ptr, cnt_ptr, NA, K, kpsa, SPLIT_A, stride_sa,
+                       pid % TILES_A, pid // TILES_A, USE_SPLIT_A, BN, BK, STAGES, PDL, 0)
+    else:
+        q = pid - n_a
+        tiles_b = tl.cdiv(NB, BN)
+        _fp8_gemv_tile(wb_desc, sb_ptr, x_ptr, yb_ptr, wsb_ptr, cnt_ptr + TILES_A, NB, K, kpsb, SPLIT_B, stride_sb,
+                       q % tiles_b, q // tiles_b, USE_SPLIT_B, BN, BK, STAGES, PDL, 0)
 
 
 def fp8_tma_supported(x: torch.Tensor, data: torch.Tensor) -> bool:
@@ -99,7 +132,7 @@ class Fp8GemvPlan:
     """What a launch derives from the weight and the config alone (descriptor, splits, grid,
     constexprs); ``fp8_gemv`` keeps one per weight (``common.weight_cached``)."""
 
-    __slots__ = ("N", "K", "kps", "split", "n_tiles", "grid", "wd", "s32", "site")
+    __slots__ = ("N", "K", "kps", "split", "n_tiles", "grid", "wd", "s32", "site", "kw", "grouped")
 
     def __init__(self, data: torch.Tensor, s32: torch.Tensor, cfg: dict, rows_per_x: int = 0):
         self.N, self.K = N, K = data.shape
@@ -114,6 +147,8 @@ class Fp8GemvPlan:
         self.wd = TensorDescriptor.from_tensor(data.view(torch.uint8), [bn, BK])
         self.s32 = s32
         pdl = bool(cfg.get("PDL", False)) and PDL_ON and not INTERPRET
+        self.grouped = bool(rows_per_x)
+        self.kw = dict(BN=bn, STAGES=cfg["STAGES"], num_warps=cfg["num_warps"], PDL=pdl)  # what a pair must share
         self.site = LaunchSite(_fp8_gemv_kernel, fixed=(0, 1, 6, 7, 8, 9, 10), USE_SPLIT=split > 1, BN=bn, BK=BK,
                                STAGES=cfg["STAGES"], ROWS_PER_X=rows_per_x, num_warps=cfg["num_warps"],
                                **pdl_kw(pdl))
@@ -127,6 +162,42 @@ class Fp8GemvPlan:
             ws, cnt = y, y
         self.site(self.grid, self.wd, self.s32, x, y, ws, cnt, self.N, self.K, self.kps, self.split,
                   self.s32.stride(0))
+
+
+_PAIR_SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite of _fp8_gemv_pair_kernel
+
+
+def fp8_pair_fits(a: Fp8GemvPlan, b: Fp8GemvPlan) -> bool:
+    """Can two weights' GEMVs of one x share a launch (``fp8_pair_gemv``)? The same K, tile rows,
+    stages, warps and PDL choice (their splits may differ), neither grouped: then each weight's CTAs
+    are exactly its own launch's, so each output is the bits of its own call."""
+    return a.K == b.K and a.kw == b.kw and not a.grouped and not b.grouped
+
+
+def fp8_pair_gemv(x: torch.Tensor, wa, wb) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x @ A^T, x @ B^T) for one token x (K contiguous elements) and two FP8-block weights in one
+    launch (V4-Pro's wq_a and wkv), each the bits of ``fp8_gemv`` of its own; None where the GEMV
+    does not apply or the two plans do not fit one launch (``fp8_pair_fits``)."""
+    if x.numel() != wa.shape[1] or not x.is_contiguous():
+        return None
+    a, b = fp8_plan(x, wa), fp8_plan(x, wb)
+    if a is None or b is None or not fp8_pair_fits(a, b):
+        return None
+    lead = x.shape[:-1]
+    ya, yb = x.new_empty((*lead, a.N)), x.new_empty((*lead, b.N))
+    dev = x.device
+    ws = scratch("fp8_gemv_split_pair", (a.split * a.N + b.split * b.N,), torch.float32, dev)
+    cnt = counters(dev, a.n_tiles + b.n_tiles)
+    kernel = _fp8_gemv_pair_kernel  # looked up per call: a test's stand-in replaces the module attribute
+    key = (id(kernel), tuple(sorted(a.kw.items())), a.split > 1, b.split > 1)
+    site = _PAIR_SITES.get(key)
+    if site is None:
+        site = _PAIR_SITES[key] = LaunchSite(
+            kernel, USE_SPLIT_A=a.split > 1, USE_SPLIT_B=b.split > 1, BN=a.kw["BN"], BK=BK, STAGES=a.kw["STAGES"],
+            num_warps=a.kw["num_warps"], **pdl_kw(a.kw["PDL"]))
+    site((a.n_tiles * a.split + b.n_tiles * b.split,), a.wd, a.s32, b.wd, b.s32, x, ya, yb, ws, ws[a.split * a.N:],
+         cnt, a.N, b.N, a.K, a.kps, b.kps, a.split, b.split, a.n_tiles, a.s32.stride(0), b.s32.stride(0))
+    return ya, yb
 
 
 def fp8_plan(x: torch.Tensor, w, groups: int = 1, cfg: dict | None = None) -> Fp8GemvPlan | None:
@@ -175,4 +246,4 @@ def fp8_grouped_gemv(x: torch.Tensor, w, groups: int) -> torch.Tensor | None:
     return y if fp8_gemv(x, w, y, groups) else None
 
 
-__all__ = ["BK", "Fp8GemvPlan", "fp8_gemv", "fp8_grouped_gemv", "fp8_plan", "fp8_tma_config", "fp8_tma_supported"]
+__all__ = ["BK", "Fp8GemvPlan", "fp8_gemv", "fp8_grouped_gemv", "fp8_pair_fits", "fp8_pair_gemv", "fp8_plan", "fp8_tma_config", "fp8_tma_supported"]

@@ -41,7 +41,7 @@ from .common import cdiv, device_capability, INTERPRET, counters, dot_dtype, e8m
 from .device import on_input_device
 from .launch import launch
 from .dequant_gemm import DENSE_MIN_M
-from .linear_fp8_tma import fp8_gemv
+from .linear_fp8_tma import fp8_gemv, fp8_pair_gemv
 from .linear_gemm import GEMM_MIN_M, gemm_supported, prefill_gemm
 from .linear_nvfp4_tma import GemvTmaPlan, run_gemv_tma, tma_default_config, tma_supported
 
@@ -244,6 +244,27 @@ def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Ten
 _VERIFIED: dict = {}
 
 
+def _verify_key(x: torch.Tensor, w) -> tuple:
+    """The first-use check's key: (format, shape, batch bucket, dtype, device) of a call."""
+    M = x.numel() // max(x.shape[-1], 1)
+    tiers = (1, 16, GEMM_MIN_M - 1, DENSE_MIN_M - 1)  # one bucket per kernel path: GEMV, GEMV, tiled, GEMM, dense
+    bucket = next((b for b in tiers if M <= b), DENSE_MIN_M)
+    return (w.format, *w.shape, bucket, x.dtype, x.device.type, x.device.index)
+
+
+def verified_official_pair(x: torch.Tensor, wa, wb) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``Attention.quant_pair_kernel`` for two FP8-block weights of one decode token: their GEMVs
+    in one launch (``linear_fp8_tma.fp8_pair_gemv``, each output the bits of its own call) once
+    both have passed ``verified_official_matmul``'s first-use check for this call's key (or it
+    is off); None before that, or where the pair does not apply (the linears then run alone)."""
+    if not (wa.format == wb.format == "fp8_block" and supported(x, wa) and supported(x, wb)):
+        return None
+    if os.environ.get("DSV4LAB_KERNEL_VERIFY", "1") != "0" and not (
+            _VERIFIED.get(_verify_key(x, wa)) and _VERIFIED.get(_verify_key(x, wb))):
+        return None
+    return fp8_pair_gemv(x, wa, wb)
+
+
 @on_input_device
 def verified_official_matmul(x: torch.Tensor, w) -> torch.Tensor:
     """``official_matmul`` behind a first-use parity check per (format, N, K, batch bucket, dtype,
@@ -251,10 +272,7 @@ def verified_official_matmul(x: torch.Tensor, w) -> torch.Tensor:
     kernel only when |y - ref| <= 1e-2 |ref| + 1e-2 max|ref| everywhere; a call under capture
     before that check runs the reference (graph-safe). ``DSV4LAB_KERNEL_VERIFY=0`` skips the check."""
     ref = lambda: F.linear(x, w.dequantize(x.dtype))  # noqa: E731
-    M = x.numel() // max(x.shape[-1], 1)
-    tiers = (1, 16, GEMM_MIN_M - 1, DENSE_MIN_M - 1)  # one bucket per kernel path: GEMV, GEMV, tiled, GEMM, dense
-    bucket = next((b for b in tiers if M <= b), DENSE_MIN_M)
-    key = (w.format, *w.shape, bucket, x.dtype, x.device.type, x.device.index)
+    key = _verify_key(x, w)
     ok = _VERIFIED.get(key)
     if ok is None and os.environ.get("DSV4LAB_KERNEL_VERIFY", "1") == "0":
         ok = _VERIFIED[key] = True
