@@ -32,7 +32,7 @@ from dsv4lab.model.compressor import Compressor
 from dsv4lab.model.decode_attention import decode_attention
 from dsv4lab.model.indexer import Indexer, index_scores_decode
 from dsv4lab.model.linear import QLinear
-from dsv4lab.model.moe import Experts, Router
+from dsv4lab.model.moe import Experts, Router, SharedExpert
 from dsv4lab.quant.modes import RoundTrip
 from dsv4lab.workbench import random_model
 from oracle_util import decode_logits as _decode_logits, interp_check_result, random_ids, tiny_config
@@ -196,9 +196,9 @@ def test_use_kernels_installs_and_removes_the_decode_slots(tiny, monkeypatch):
     monkeypatch.setattr(install_mod.pool_cute, "have_cute", lambda: False)
     try:
         # attn (prefill + decode + glue slots), its indexer, their two compressors, the router, the two mHC
-        # sites, the two layer norms, the plain routed experts (``moe_decode``) and every other
-        # unquantised linear (``plain_kernel``)
-        assert m.use_kernels("layers.1") == 10 + _plain_linears(m.layers[1])
+        # sites, the two layer norms, the plain routed experts (``moe_decode``), the shared expert (pair +
+        # SwiGLU) and every other unquantised linear (``plain_kernel``)
+        assert m.use_kernels("layers.1") == 10 + (m.layers[1].mlp.shared_expert is not None) + _plain_linears(m.layers[1])
         attn, ix = m.layers[1].attn, m.layers[1].attn.indexer
         assert attn.decode_kernel is dispatch_decode and ix.decode_kernel is dispatch_scores
         assert m.layers[3].attn.decode_kernel is None
@@ -208,7 +208,7 @@ def test_use_kernels_installs_and_removes_the_decode_slots(tiny, monkeypatch):
         assert torch.equal(_decode_logits(m, ids), ref)
         # every attention, indexer, compressor and router; two mHC sites and two norms per layer, the head's
         # mHC and the final norm
-        n = (sum(isinstance(mod, (Attention, Indexer, Compressor, Router, Experts)) for mod in m.modules())
+        n = (sum(isinstance(mod, (Attention, Indexer, Compressor, Router, Experts, SharedExpert)) for mod in m.modules())
              + 4 * len(m.layers) + 2 + _plain_linears(m))
         assert install_kernels(m) == n
     finally:

@@ -178,3 +178,44 @@ def test_gpu_pair_is_each_single_launch():
     lo.verified_official_matmul(x, wb)
     qa, qb = quant_linear_pair(x, wa, wb)
     assert torch.equal(qa, ya) and torch.equal(qb, yb)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_official_shared_expert_three_launches():
+    """The official format's FP8-block shared expert with its kernels installed: w1 + w3 in one
+    launch, the clamped SwiGLU in one, w2 in one (the reference path: 3 GEMVs and 4 elementwise
+    launches), and the same bits as the linears' kernels with the reference SwiGLU."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from oracle_util import tiny_config
+
+    from dsv4lab.kernels import linear_official as lo
+    from dsv4lab.kernels.install import install_kernels
+    from dsv4lab.model.moe import SharedExpert
+    from dsv4lab.quant.weights import quantize_fp8_block
+
+    cfg = tiny_config(hidden_size=1024, moe_intermediate_size=512, swiglu_limit=7.0)
+    se = SharedExpert(cfg)
+    g = torch.Generator().manual_seed(8)
+    for p in ("w1", "w3", "w2"):
+        ql = getattr(se, p)
+        ql.set_weight(quantize_fp8_block(torch.randn(ql.out_features, ql.in_features, generator=g) * 0.05))
+    se.to("cuda")
+    assert install_kernels(se) == 4  # the shared expert's two slots and its three linears
+    x = (torch.randn(1, 1, 1024, generator=g) * 3).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        slots = se.quant_pair_kernel, se.swiglu_kernel
+        se.quant_pair_kernel = se.swiglu_kernel = None
+        ref = se(x)  # first call: the linears' first-use checks, then the singles' bits
+        ref = se(x)
+        se.quant_pair_kernel, se.swiglu_kernel = slots
+        assert all(lo._VERIFIED.get(lo._verify_key(x, getattr(se, p).qweight)) for p in ("w1", "w3"))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = se(x)
+            torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(names) == 3 and "_fp8_gemv_pair_kernel" in names[0] and "_swiglu_kernel" in names[1], names
+    assert torch.equal(got, ref)

@@ -745,3 +745,44 @@ def test_compressor_kernel_slot_and_install(tiny_nvfp4):
     finally:
         assert install_kernels(m, enable=False) == len(comps)
     assert all(c.kernel is None for c in comps)
+
+
+def test_shared_expert_pair_and_swiglu_slots():
+    """Where the shared expert runs on its own (the official format's FP8-block one), its
+    ``quant_pair_kernel`` computes w1 and w3 in one call and offers each its output (their kernels
+    do not run again, a hook on w1 sees the offered tensor) and ``swiglu_kernel`` replaces the four
+    reference ops; the output is the slot-less one. A bug-zoo variant's forward ignores both."""
+    from dsv4lab.bugzoo import variants as V
+    from dsv4lab.kernels.dispatch import quant_linear, quant_linear_pair
+    from dsv4lab.model.swiglu import clamped_swiglu
+
+    cfg = tiny_config()
+    se = random_model(cfg, seed=4).layers[1].mlp.shared_expert
+    g = torch.Generator().manual_seed(5)
+    for p in ("w1", "w3", "w2"):
+        ql = getattr(se, p)
+        ql.set_weight(quantize_fp8_block(torch.randn(ql.out_features, ql.in_features, generator=g) * 0.1))
+    x = torch.randn(1, 1, cfg.hidden_size, generator=g)
+    with torch.no_grad():
+        ref = se(x)
+
+        def pair(x, wa, wb):
+            return F.linear(x, wa.dequantize(x.dtype)), F.linear(x, wb.dequantize(x.dtype))
+
+        pair_k, swiglu_k = Counting(pair), Counting(clamped_swiglu)
+        linear_k = Counting(ref_linear)
+        linear_k.pairs_with = pair_k  # the linears' kernel is one whose outputs the pair reproduces
+        for p in ("w1", "w3", "w2"):
+            getattr(se, p).kernel = linear_k
+        se.quant_pair_kernel, se.swiglu_kernel = pair_k, swiglu_k
+        seen = []
+        h = se.w1.register_forward_hook(lambda mod, inp, out: seen.append(out))
+        got = se(x)
+        h.remove()
+        assert torch.equal(got, ref)
+        assert pair_k.calls == 1 and swiglu_k.calls == 1 and linear_k.calls == 1  # only w2 ran its kernel
+        assert torch.equal(seen[0], F.linear(x, se.w1.qweight.dequantize(x.dtype)))
+        assert quant_linear.pairs_with is quant_linear_pair  # what install puts in the two slots' places
+        se.__class__ = V.SharedExpertClampAfterSilu
+        se(x)
+        assert pair_k.calls == 1 and swiglu_k.calls == 1

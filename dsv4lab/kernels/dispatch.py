@@ -9,6 +9,7 @@ modules are imported together on the first kernel call (``_TritonModules``), cut
   rows in one Triton GEMV launch; ``F.linear`` elsewhere.
 * ``grouped_quant_linear(x, w, groups)``: ``QLinear.grouped_kernel``, the block-diagonal use (wo_a)
   in one GEMV for one NVFP4 or FP8-block token.
+* ``swiglu(gate, up, limit)``: ``SharedExpert.swiglu_kernel``, ``clamped_swiglu`` in one launch.
 * ``act_quant_nvfp4(x, global_scale)``: NVFP4 fake quant of activations (``QLinear.act_kernel``,
   drop-in for ``fake_quant_nvfp4``, bit-exact).
 * ``moe_decode(x, ids, weights, w1, w3, w2, limit)``: routed experts for decode tokens.
@@ -51,6 +52,7 @@ from ..model.bounded_attention import bounded_attention
 from ..model.linear import grouped_linear
 from ..model.mhc import HyperConnection, collapse, head_weights, mix_logits, mix_weights, sinkhorn
 from ..model.moe import route as route_ref
+from ..model.swiglu import clamped_swiglu
 from ..model.norms import rms_norm as rms_norm_ref
 from ..model.decode_attention import decode_attention as decode_attention_ref
 from ..model.indexer import index_scores_decode as index_scores_decode_ref
@@ -95,7 +97,7 @@ PLAIN_GEMV_MAX_N = 1024  # output rows up to which it does (H200: 64-384 rows fa
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "plain_linear",
            "plain_linear_batch", "grouped_quant_linear",
            "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention",
-           "index_scores_decode", "index_scores_prefill", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "norm_pair", "route", "quant_linear_pair"]
+           "index_scores_decode", "index_scores_prefill", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "norm_pair", "route", "quant_linear_pair", "swiglu"]
 
 
 def weight_on_cuda(w) -> bool:
@@ -169,6 +171,21 @@ def grouped_quant_linear(x: torch.Tensor, w, groups: int) -> torch.Tensor | None
             return _tk.linear_nvfp4.nvfp4_grouped_matmul(x, w.packed, w.block_scale, w.global_scale)
         return _tk.linear_fp8_tma.fp8_grouped_gemv(x, w, groups)
     return grouped_linear(x, w.dequantize(x.dtype), groups)
+
+
+SWIGLU_KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # where the one-launch SwiGLU was checked bitwise
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """``SharedExpert.swiglu_kernel``: ``clamped_swiglu(gate, up, limit)`` bit for bit in one launch
+    (``moe_prefill.swiglu``: the clamps before SiLU, silu in fp32 by libdevice, the reference's
+    roundings) for bf16 / fp16 CUDA tensors of one shape; the reference otherwise (fp32, CPU,
+    an autograd graph to build)."""
+    if (kernel_can_take(gate) and gate.dtype in SWIGLU_KERNEL_DTYPES and up.dtype == gate.dtype
+            and up.shape == gate.shape and gate.is_contiguous() and up.is_contiguous()
+            and not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad))):
+        return _tk.moe_prefill.swiglu(gate, up, limit, None)
+    return clamped_swiglu(gate, up, limit)
 
 
 def act_quant_nvfp4(x: torch.Tensor, global_scale) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Targets: every ``QLinear`` (``.kernel``: the matmul; ``.act_kernel``: the w4a4 activation
 quantiser; ``.grouped_kernel``: the block-diagonal use, NVFP4 and FP8-block; a ``Router`` also ``.route_kernel``:
 scores + choice + weights), every routed ``Experts`` block (``.kernel``: the fused decode; ``.prefill_kernel``: the
-grouped-GEMM prefill), every ``Compressor``
+grouped-GEMM prefill), every ``SharedExpert`` (``.quant_pair_kernel``: w1 and w3 in one launch;
+``.swiglu_kernel``: the clamped SwiGLU in one launch; where it is not folded into the routed kernel), every ``Compressor``
 (``.kernel``: the CuTeDSL softmax pool of prefill; ``.decode_kernel``: the Triton decode step), every ``Attention``
 (``.kernel``: the bounded prefill attention; ``.decode_kernel``: the decode attention;
 ``.norm_kernel`` / ``.rope_kernel``: the q/kv norms and RoPE, the output's inverse RoPE;
@@ -27,7 +28,7 @@ from ..model.compressor import Compressor
 from ..model.indexer import Indexer
 from ..model.linear import QLinear
 from ..model.mhc import HyperConnection, HyperHead
-from ..model.moe import Experts, Router
+from ..model.moe import Experts, Router, SharedExpert
 from ..model.norms import RMSNorm
 from ..patterns import component_matcher, no_match_error, unmatched
 from . import compressor_pool_cute as pool_cute
@@ -35,9 +36,10 @@ from .device import have_triton_cuda
 from .dispatch import (KERNEL_FORMATS, act_quant_nvfp4, compressor_decode, compressor_pool, decode_attention, plain_linear,
                        grouped_quant_linear,
                        index_scores_decode, index_scores_prefill, index_top_k_decode, mhc_head_pre, mhc_post, mhc_pre, moe_decode, moe_prefill,
-                       norm_pair, norm_rope, plain_linear_batch, quant_linear_pair, prefill_attention, quant_linear, rms_norm, route, weight_on_cuda)
+                       norm_pair, norm_rope, plain_linear_batch, quant_linear_pair, prefill_attention, quant_linear, rms_norm, route, swiglu,
+                       weight_on_cuda)
 
-TARGETS = (QLinear, Experts, Compressor, Attention, Indexer, HyperConnection, HyperHead, RMSNorm)
+TARGETS = (QLinear, Experts, SharedExpert, Compressor, Attention, Indexer, HyperConnection, HyperHead, RMSNorm)
 FUSED_NORM_OWNERS = (Attention, Compressor)  # their RMSNorms run inside their own slots (or as their reference)
 
 
@@ -88,6 +90,7 @@ KERNEL_SLOTS: dict[type, tuple[str, ...]] = {  # the first class that matches (R
     Router: ("kernel", "act_kernel", "grouped_kernel", "plain_kernel", "route_kernel"),
     QLinear: ("kernel", "act_kernel", "grouped_kernel", "plain_kernel"),
     Experts: ("kernel", "prefill_kernel"),
+    SharedExpert: ("quant_pair_kernel", "swiglu_kernel"),
     HyperConnection: ("kernel", "post_kernel"),
     Attention: ("kernel", "decode_kernel", "norm_kernel", "rope_kernel", "plain_batch_kernel", "quant_pair_kernel",
                 "norm_pair_kernel"),
@@ -126,6 +129,13 @@ def _install_default(mod: nn.Module, have_triton: bool, have_cute: bool) -> bool
             return False
         mod.kernel = moe_decode
         mod.prefill_kernel = moe_prefill
+        return True
+    if isinstance(mod, SharedExpert):  # where it runs on its own (not folded into the routed kernel)
+        qw = mod.w1.qweight
+        if not (have_triton and (weight_on_cuda(qw) if qw is not None else _on_cuda(mod.w1.weight))):
+            return False
+        mod.quant_pair_kernel = quant_linear_pair
+        mod.swiglu_kernel = swiglu
         return True
     if isinstance(mod, Attention):
         if not (have_triton and _on_cuda(mod.sink)):
@@ -187,7 +197,8 @@ def install_kernels(model: nn.Module, pattern="**", enable: bool = True, *, stri
     ``plain_batch_kernel``,
     ``index_scores_decode`` / ``norm_rope`` / ``index_top_k_decode`` as ``Indexer.decode_kernel`` /
     ``.rope_kernel`` / ``.topk_kernel``, ``rms_norm`` as a layer-level ``RMSNorm.kernel``, ``mhc_pre`` / ``mhc_post`` as
-    ``HyperConnection.kernel`` / ``.post_kernel``, ``mhc_head_pre`` as ``HyperHead.kernel``, each only
+    ``HyperConnection.kernel`` / ``.post_kernel``, ``mhc_head_pre`` as ``HyperHead.kernel``,
+    ``quant_linear_pair`` / ``swiglu`` as ``SharedExpert.quant_pair_kernel`` / ``.swiglu_kernel``, each only
     where it runs (see the module
     docstring). ``linear=`` / ``experts=`` install another callable with the same signature on
     every matching quantised QLinear / Experts whatever the device (e.g. a reference-equal fake on

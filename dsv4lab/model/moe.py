@@ -130,12 +130,33 @@ class Expert(Component):
 
 
 class SharedExpert(Expert):
+    """The shared expert. Where it runs on its own (not folded into the routed experts' kernel:
+    ``MoE.shared_folds``; e.g. the official format's FP8-block shared expert) two optional slots
+    cut its launches: ``quant_pair_kernel`` f(x, w1, w3) -> (x @ w1^T, x @ w3^T) or None, one
+    launch whose outputs are ``offer``-ed to w1 and w3 (each the bits of its own linear, so their
+    hooks see the same tensors), and ``swiglu_kernel`` f(gate, up, limit) -> the bits of
+    ``clamped_swiglu`` in one launch (the reference is four)."""
+
     def __init__(self, config: DSV4Config) -> None:
         super().__init__(config)
         self.hook_out = HookPoint("shared expert output [B,S,D]")
+        self.quant_pair_kernel: Callable | None = None
+        self.swiglu_kernel: Callable | None = None
+
+    def _offer_pair(self, x: torch.Tensor) -> None:
+        k = self.quant_pair_kernel
+        wa = self.w1.pair_weight(x, k)
+        wb = None if wa is None else self.w3.pair_weight(x, k)
+        ys = None if wb is None else k(x, wa, wb)
+        if ys is not None:
+            self.w1.offer(x, ys[0])
+            self.w3.offer(x, ys[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hook_out(super().forward(x))
+        if self.quant_pair_kernel is not None:
+            self._offer_pair(x)
+        swiglu = self.swiglu_kernel if self.swiglu_kernel is not None else clamped_swiglu
+        return self.hook_out(self.w2(swiglu(self.w1(x), self.w3(x), self.limit)))
 
 
 class Experts(Component):
