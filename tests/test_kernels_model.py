@@ -786,3 +786,20 @@ def test_shared_expert_pair_and_swiglu_slots():
         se.__class__ = V.SharedExpertClampAfterSilu
         se(x)
         assert pair_k.calls == 1 and swiglu_k.calls == 1
+
+
+def test_swiglu_slot_is_the_reference_off_the_kernel():
+    """``dispatch.swiglu`` (the shared expert's slot) is ``clamped_swiglu`` itself wherever the
+    one-launch kernel does not run: CPU tensors, fp32, an autograd graph to build."""
+    from dsv4lab.kernels.dispatch import swiglu
+    from dsv4lab.model.swiglu import clamped_swiglu
+
+    g = torch.Generator().manual_seed(9)
+    gate, up = torch.randn(3, 64, generator=g) * 4, torch.randn(3, 64, generator=g) * 4
+    for dt in (torch.float32, torch.bfloat16):
+        assert torch.equal(swiglu(gate.to(dt), up.to(dt), 2.0), clamped_swiglu(gate.to(dt), up.to(dt), 2.0))
+    assert torch.equal(swiglu(gate, up, None), clamped_swiglu(gate, up, None))
+    leaf = gate.clone().requires_grad_(True)
+    out = swiglu(leaf, up, 2.0)
+    out.sum().backward()
+    assert leaf.grad is not None and leaf.grad[gate > 2.0].abs().max() == 0  # clamped before SiLU: no gradient there
