@@ -5,6 +5,7 @@
 | QLinear nvfp4, M <= 16 on sm_90+ | `linear_nvfp4_tma.launch_gemv_tma` via `linear_nvfp4.nvfp4_matmul` | `linear_nvfp4.nvfp4_matmul_ref` (= `NVFP4Weight.dequantize` + `F.linear`) | tests/test_kernels.py |
 | QLinear nvfp4, other M / GPUs | `linear_nvfp4.nvfp4_matmul` (pointer GEMV, tiled GEMM) | `linear_nvfp4.nvfp4_matmul_ref` | tests/test_kernels.py |
 | QLinear mxfp4 / fp8_block | `linear_official.verified_official_matmul` | `w.dequantize` + `F.linear` | tests/test_kernels.py |
+| QLinear fp8_block, M = 1 on sm_90+ (also wq_a + wkv paired) | `linear_fp8_tma.fp8_gemv` / `fp8_pair_gemv` via `official_matmul` / `verified_official_pair` | `w.dequantize` + `F.linear` | tests/test_fp8_gemv.py |
 | QLinear w4a4 activation quant | `act_quant_nvfp4.nvfp4_act_quant` | `dsv4lab.quant.activations.fake_quant_nvfp4` | tests/test_kernels.py |
 | routed Experts decode (nvfp4, mxfp4) | `moe_decode.moe_decode_triton` (-> `moe_decode_tma.moe_decode_tma` on sm_90+) | `moe_decode_ref.moe_decode_ref` | tests/test_kernels.py, tests/test_kernels_model.py |
 | routed Experts decode (plain: BF16 originals, fp32) | `moe_decode_plain.moe_decode_plain_triton` | `moe_decode_ref.moe_decode_plain_ref` | tests/test_moe_plain.py |
@@ -15,7 +16,9 @@
 | Compressor pool | `compressor_pool_cute.compressor_pool_cute` | `compressor_pool_cute.compressor_pool_ref` | tests/test_cute_kernels.py |
 | Compressor decode step | `compressor_decode.compressor_decode_triton` | `dsv4lab.model.compressor.Compressor.decode_window` | tests/test_compressor_decode_kernel.py |
 | QLinear grouped (wo_a), nvfp4 | `linear_nvfp4.nvfp4_grouped_matmul` (-> `linear_nvfp4_tma.launch_gemv_tma(groups=G)`; from 512 tokens one dequantisation + bmm) | `dsv4lab.model.linear.grouped_linear` | tests/test_kernels.py |
-| QLinear grouped (wo_a), mxfp4 / fp8_block | `QLinear.kernel` once per row block (`QuantWeight.row_block` views) | `dsv4lab.model.linear.grouped_linear` | tests/test_kernels_model.py |
+| QLinear grouped (wo_a), fp8_block, one token | `linear_fp8_tma.fp8_grouped_gemv` (one launch) | `dsv4lab.model.linear.grouped_linear` | tests/test_fp8_gemv.py |
+| QLinear grouped (wo_a), mxfp4 / fp8_block otherwise | `QLinear.kernel` once per row block (`QuantWeight.row_block` views) | `dsv4lab.model.linear.grouped_linear` | tests/test_kernels_model.py |
+| SharedExpert on its own (SwiGLU; w1 + w3 paired) | `moe_prefill.swiglu` via `dispatch.swiglu`; `dispatch.quant_linear_pair` | `dsv4lab.model.swiglu.clamped_swiglu`; each linear | tests/test_kernels_model.py, tests/test_fp8_gemv.py |
 | Compressor entries' norm + RoPE (prefill, `rope_kernel`) | `norm_rope.launch_norm_rope` | `Compressor.pool`'s norm + `apply_rope` | tests/model/test_compressor.py |
 | Attention q_norm / norm + RoPE / inverse RoPE (decode glue) | `norm_rope.launch_norm_rope` | `dsv4lab.model.norms.rms_norm`, `norm_rope_ref.norm_rope_ref` | tests/test_glue_kernels.py |
 | Router scores + top-k / hash + weights | `router_topk.route_triton` | `dsv4lab.model.moe.route` | tests/test_glue_kernels.py |
