@@ -59,6 +59,26 @@ def test_interp_moe_prefill(interp):
     assert interp["schedule"] == {"rows_once": True, "one_expert": True, "pos_inverse": True, "src": True}
 
 
+def test_tile_rule(monkeypatch):
+    """The fixed tile rule on a 132-SM GPU: up to 128 tokens of an FP4 format whose 128-row tiles do
+    not cover the SMs (split K) take 64 weight rows and 4 warps at the same split; q_b (512 row
+    tiles), FP8-block and larger batches keep 128 rows and 8 warps."""
+    pytest.importorskip("triton")
+    from dsv4lab.kernels import linear_gemm as lg
+
+    monkeypatch.setattr(lg, "INTERPRET", False)
+    monkeypatch.setattr(lg, "num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    q_a = lg.gemm_tiles("nvfp4", 128, 1536, 7168, cpu)
+    assert (q_a["BN"], q_a["num_warps"], q_a["SPLIT"]) == (64, 4, 11)  # the split of 12 tiles of 128 rows
+    assert lg.gemm_tiles("mxfp4", 128, 3072, 7168, cpu)["BN"] == 64
+    q_b = lg.gemm_tiles("nvfp4", 128, 65536, 1536, cpu)
+    assert (q_b["BN"], q_b["num_warps"], q_b["SPLIT"], q_b["BK"]) == (128, 8, 1, 64)
+    assert lg.gemm_tiles("fp8_block", 128, 1536, 7168, cpu)["BN"] == 128
+    assert lg.gemm_tiles("nvfp4", 256, 1536, 7168, cpu)["BN"] == 128
+    assert lg.gemm_tiles("nvfp4", 4096, 1536, 7168, cpu)["BM"] == 256
+
+
 def _nvfp4_experts(n_experts=12, seed=3):
     cfg = tiny_config(n_routed_experts=n_experts, num_experts_per_tok=3, moe_intermediate_size=32)
     m = random_model(cfg, seed=seed)

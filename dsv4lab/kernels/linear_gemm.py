@@ -107,13 +107,17 @@ def gemm_tiles(fmt: str, M: int, N: int, K: int, device: torch.device) -> dict:
     Always SWAP (weight rows on the MMA's M side, where the registers-dequantised tile can feed
     wgmma directly): M <= 256 in tiles of 128 weight rows x 64/128 tokens, BK 64 when the row tiles
     alone cover the SMs (q_b), else BK 128 and K split into as many parts as fill one wave (>= 4 K steps a
-    split); larger M in 128 rows x 256 tokens, BK 64 (M = 4096: 1.6-1.8x the 128 x 256 plain
-    tiles on q_b, o_b and the experts, all three formats)."""
+    split), and there, up to 128 tokens of the FP4 formats, 64 weight rows and 4 warps at that
+    split (H100, M = 128, graph replays, ``benchmarks/results/kernels/m128_probe``: q_a 36.7 -> 33.4
+    us, o_b 158 -> 139, w1/w3 47.5 -> 40.4, w2 42.1 -> 36.7 NVFP4; MXFP4 1-7 % less; q_b, whose
+    128-row tiles cover the SMs, lost 10 % with them); larger M in 128 rows x 256 tokens, BK 64
+    (M = 4096: 1.6-1.8x the 128 x 256 plain tiles on q_b, o_b and the experts, all three formats)."""
     bk = block_k(K)
     if INTERPRET:
         return {"BM": 64 if M <= 64 else 128, "BN": 32, "BK": min(bk, 64), "SWAP": M <= 256, "GROUP_M": 2,
                 "STAGES": 2, "SPLIT": 1, "num_warps": 4}
     sms = num_sms(device)
+    warps = 8
     if M <= 256:
         bm, bn, bk2 = (64 if M <= 64 else 128), 128, min(bk, 128)
         if cdiv(N, bn) >= sms:
@@ -125,8 +129,10 @@ def gemm_tiles(fmt: str, M: int, N: int, K: int, device: torch.device) -> dict:
     split = 1
     if tiles < sms:  # one wave: a program per SM holds these tiles (~120 KB of stages), so a grid
         split = max(1, min(sms // tiles, steps // 4, 32))  # past the SM count runs a second, mostly idle wave
+        if M <= 128 and fmt != "fp8_block":  # then 64 weight rows, 4 warps: twice the programs at the same split
+            bn, warps = 64, 4
     return {"BM": bm, "BN": bn, "BK": bk2, "SWAP": True, "GROUP_M": 8, "STAGES": 3, "SPLIT": split,
-            "num_warps": 8}
+            "num_warps": warps}
 
 
 def gemm_supported(x2: torch.Tensor, K: int) -> bool:

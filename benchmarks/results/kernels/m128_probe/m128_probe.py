@@ -36,7 +36,7 @@ def main() -> None:
                         "split_double": {"SPLIT": min(64, base["SPLIT"] * 2)}, "bm64": {"BM": 64},
                         "bn64_w4": {"BN": 64, "num_warps": 4}, "stages4": {"STAGES": 4}, "bk64": {"BK": 64},
                         "stages2": {"STAGES": 2}}
-            res = {"shape": name, "format": fmt, "K": K, "N": N, "rule": base,
+            res = {"shape": name, "format": fmt, "K": K, "N": N, "rule_tiles": base,
                    "cublas_bf16_us": timed_graph(lambda: F.linear(x, dense), dev)}
             for vname, v in variants.items():
                 cfg = {**base, **v, "DENSE": False}
