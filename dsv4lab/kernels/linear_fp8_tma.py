@@ -82,7 +82,7 @@ def _fp8_gemv_pair_kernel(wa_desc, sa_ptr, wb_desc, sb_ptr, x_ptr, ya_ptr, yb_pt
                           K, kpsa, kpsb, SPLIT_A, SPLIT_B, TILES_A, stride_sa, stride_sb,
                           USE_SPLIT_A: tl.constexpr, USE_SPLIT_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                           STAGES: tl.constexpr, PDL: tl.constexpr):
-    """Two weights of one x in one launch (``Fp8GemvPlan.pair``): programs 0 .. TILES_A * SPLIT_A - 1
+    """Two weights of one x in one launch (``fp8_pair_gemv``): programs 0 .. TILES_A * SPLIT_A - 1
     are weight A's (tile, split) CTAs, the rest B's, each exactly the single kernel's CTA (B's tile
     counters after A's)."""
     if PDL:
@@ -97,6 +97,14 @@ def _fp8_gemv_pair_kernel(wa_desc, sa_ptr, wb_desc, sb_ptr, x_ptr, ya_ptr, yb_pt
         tiles_b = tl.cdiv(NB, BN)
         _fp8_gemv_tile(wb_desc, sb_ptr, x_ptr, yb_ptr, wsb_ptr, cnt_ptr + TILES_A, NB, K, kpsb, SPLIT_B, stride_sb,
                        q % tiles_b, q // tiles_b, USE_SPLIT_B, BN, BK, STAGES, PDL, 0)
+
+
+def scales_f32(w) -> torch.Tensor:
+    """The ``FP8BlockWeight``'s fp32 scales, contiguous, kept per weight: E8M0 scales are widened
+    once, not by an elementwise launch on every call (an in-place edit of the scales bumps their
+    ``_version``: a new widening). Shared by this GEMV's plans and ``linear_official``'s kernels."""
+    return weight_cached(w.data, ("scales_f32", id(w.scale), w.scale.data_ptr(), w.scale._version),
+                         lambda: w.scale_float().contiguous())
 
 
 def fp8_tma_supported(x: torch.Tensor, data: torch.Tensor) -> bool:
@@ -213,12 +221,11 @@ def fp8_plan(x: torch.Tensor, w, groups: int = 1, cfg: dict | None = None) -> Fp
         c = {**fp8_tma_config(N, K, x.device, rows), **(cfg or {})}
         if c["BN"] <= 0:
             return None
-        return Fp8GemvPlan(w.data, w.scale_float().contiguous(), c, rows)
+        return Fp8GemvPlan(w.data, scales_f32(w), c, rows)
 
     if cfg:
         return build()
-    # the fp32 scales are part of the plan: an E8M0-scaled weight is widened once, not every call
-    # (an in-place edit of the scales bumps their ``_version``: a new plan)
+    # the plan holds the fp32 scales (``scales_f32``): an in-place edit of the scales makes a new one
     return weight_cached(w.data, ("fp8_gemv", id(w.scale), w.scale.data_ptr(), w.scale._version, groups, x.device),
                          build)
 
@@ -246,4 +253,4 @@ def fp8_grouped_gemv(x: torch.Tensor, w, groups: int) -> torch.Tensor | None:
     return y if fp8_gemv(x, w, y, groups) else None
 
 
-__all__ = ["BK", "Fp8GemvPlan", "fp8_gemv", "fp8_grouped_gemv", "fp8_pair_fits", "fp8_pair_gemv", "fp8_plan", "fp8_tma_config", "fp8_tma_supported"]
+__all__ = ["BK", "Fp8GemvPlan", "scales_f32", "fp8_gemv", "fp8_grouped_gemv", "fp8_pair_fits", "fp8_pair_gemv", "fp8_plan", "fp8_tma_config", "fp8_tma_supported"]

@@ -41,7 +41,7 @@ from .common import cdiv, device_capability, INTERPRET, counters, dot_dtype, e8m
 from .device import on_input_device
 from .launch import launch
 from .dequant_gemm import DENSE_MIN_M
-from .linear_fp8_tma import fp8_gemv, fp8_pair_gemv
+from .linear_fp8_tma import fp8_gemv, fp8_pair_gemv, scales_f32
 from .linear_gemm import GEMM_MIN_M, gemm_supported, prefill_gemm
 from .linear_nvfp4_tma import GemvTmaPlan, run_gemv_tma, tma_default_config, tma_supported
 
@@ -165,14 +165,6 @@ def _mx_plan(x2: torch.Tensor, w, cfg: dict) -> tuple[GemvTmaPlan, torch.Tensor]
     return GemvTmaPlan(w.packed, s8, tc, x2.shape[0] == 1, x2.dtype), s8
 
 
-def _scales_f32(w) -> torch.Tensor:
-    """The FP8-block weight's fp32 scales, contiguous, kept per weight: E8M0 scales are widened once,
-    not by an elementwise launch on every call (an in-place edit of the scales bumps their
-    ``_version``: a new widening)."""
-    return weight_cached(w.data, ("scales_f32", id(w.scale), w.scale.data_ptr(), w.scale._version),
-                         lambda: w.scale_float().contiguous())
-
-
 @on_input_device
 def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Tensor:
     """y[..., N] = x[..., K] @ W^T for an ``MXFP4Weight`` or ``FP8BlockWeight`` (``supported``)."""
@@ -194,7 +186,7 @@ def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Ten
         if w.format == "mxfp4":
             prefill_gemm(x2, "mxfp4", w.packed, w.scale, None, y, cfg)
         else:
-            prefill_gemm(x2, "fp8_block", w.data, _scales_f32(w), None, y, cfg)
+            prefill_gemm(x2, "fp8_block", w.data, scales_f32(w), None, y, cfg)
         return y.reshape(*lead, N)
     if w.format == "mxfp4" and M <= 16 and cfg.get("TMA", True) and mx_tma_supported(x2, w):
         _mx_decode_tma(x2, w, y, cfg)
@@ -215,7 +207,7 @@ def official_matmul(x: torch.Tensor, w, config: dict | None = None) -> torch.Ten
         wps = cdiv(cdiv(KW, split), bw) * bw
         split = cdiv(KW, wps)
     else:
-        s32 = _scales_f32(w)
+        s32 = scales_f32(w)
         bn = cfg.get("BN", 16 if INTERPRET else 64)
         if 128 % bn:
             raise ValueError(f"FP8-block BN {bn} must divide the 128-row scale block")

@@ -25,7 +25,7 @@ from .compressor import Compressor
 from .decode_attention import decode_keys_bias, masked_logits, sink_softmax
 from .hooks import HookPoint
 from .indexer import Indexer
-from .linear import QLinear
+from .linear import QLinear, offer_pair
 from .norms import RMSNorm, unweighted_rms_norm
 from .rope import Rotary, apply_rope
 from .roundtrips import kv_fp8_round_trip
@@ -164,17 +164,7 @@ class Attention(Component):
         (both quantised linears read the same x; each output is the bits of its own launch, so hooks
         on either fire on the same tensor either way). False where a linear cannot take part
         (``QLinear.pair_weight``) or the kernel declines (not one decode token, tiles that differ)."""
-        k = self.quant_pair_kernel
-        if k is None:
-            return False
-        wa = self.wq_a.pair_weight(x, k)
-        wb = None if wa is None else self.wkv.pair_weight(x, k)
-        ys = None if wb is None else k(x, wa, wb)
-        if ys is None:
-            return False
-        self.wq_a.offer(x, ys[0])
-        self.wkv.offer(x, ys[1])
-        return True
+        return offer_pair(self.quant_pair_kernel, x, self.wq_a, self.wkv)
 
     def _logits(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Scaled, masked logits [B,H,S,L] of q [B,S,H,Dh] over keys [B,L,Dh], bias [B or 1,S,L]."""

@@ -229,6 +229,23 @@ class QLinear(Component):
         return f"{self.in_features}->{self.out_features}, format={self.format}, mode={self.mode}"
 
 
+def offer_pair(pair_kernel: Callable | None, x: torch.Tensor, a: "QLinear", b: "QLinear") -> bool:
+    """Run linears a and b of the same x as one ``pair_kernel`` launch and ``offer`` each its output
+    (each the bits of its own launch, so hooks on either fire on the same tensor either way). False
+    where no kernel is given, a linear cannot take part (``QLinear.pair_weight``) or the kernel
+    declines (then each runs on its own)."""
+    if pair_kernel is None:
+        return False
+    wa = a.pair_weight(x, pair_kernel)
+    wb = None if wa is None else b.pair_weight(x, pair_kernel)
+    ys = None if wb is None else pair_kernel(x, wa, wb)
+    if ys is None:
+        return False
+    a.offer(x, ys[0])
+    b.offer(x, ys[1])
+    return True
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: int) -> torch.Tensor:
     """Block-diagonal linear: x [..., G, in] times row block g of the dense w [out, in] ->
     [..., G, out/G] (one bmm; the reference of ``QLinear.grouped_kernel``)."""

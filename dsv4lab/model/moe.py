@@ -11,7 +11,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..config import HASH_MOE, DSV4Config
 from ..quant.modes import Mode, RoundTrip
@@ -19,7 +18,7 @@ from ..quant.stacked import StackedMXFP4, StackedNVFP4, stack_one
 from .component import Component, changes
 from .expert_stack import ExpertStack
 from .hooks import HookPoint
-from .linear import QLinear
+from .linear import QLinear, offer_pair
 from .swiglu import clamped_swiglu
 
 # A prefill of at most this many tokens takes the routed experts' decode kernel (2 launches:
@@ -143,18 +142,8 @@ class SharedExpert(Expert):
         self.quant_pair_kernel: Callable | None = None
         self.swiglu_kernel: Callable | None = None
 
-    def _offer_pair(self, x: torch.Tensor) -> None:
-        k = self.quant_pair_kernel
-        wa = self.w1.pair_weight(x, k)
-        wb = None if wa is None else self.w3.pair_weight(x, k)
-        ys = None if wb is None else k(x, wa, wb)
-        if ys is not None:
-            self.w1.offer(x, ys[0])
-            self.w3.offer(x, ys[1])
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant_pair_kernel is not None:
-            self._offer_pair(x)
+        offer_pair(self.quant_pair_kernel, x, self.w1, self.w3)
         swiglu = self.swiglu_kernel if self.swiglu_kernel is not None else clamped_swiglu
         return self.hook_out(self.w2(swiglu(self.w1(x), self.w3(x), self.limit)))
 
