@@ -36,6 +36,11 @@ from .common import cdiv, device_capability, FMT_FP8, FMT_MXFP4, FMT_NVFP4, FORM
 from .dequant_gemm import DENSE_MIN_M, dense_gemm, dense_supported
 from .launch import launch
 
+try:  # Gluon (triton >= 3.5): the async-wgmma GEMM for 64..511 tokens of the FP4 formats
+    from .linear_gemm_wgmma import launch_wgmma_gemm, wgmma_supported
+except ImportError:  # an older triton: this module's tiles take those batches
+    launch_wgmma_gemm = wgmma_supported = None
+
 GEMM_MIN_M = 64  # from this batch on, the prefill GEMM (below: the GEMV / older tiled kernels)
 
 
@@ -180,13 +185,21 @@ def prefill_gemm(x2: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Te
                  y: torch.Tensor, cfg: dict | None = None) -> None:
     """The prefill GEMM's tier for this M: from ``DENSE_MIN_M`` rows on, dequantise + cuBLAS
     (``dequant_gemm.dense_gemm``: compute-bound there, and cuBLAS is ~1.7x this module's tiles);
-    below, ``launch_gemm``. ``cfg``: ``DENSE`` forces a tier; tile keys force ``launch_gemm``."""
+    below, for NVFP4 / MXFP4 on sm_90 with Gluon, ``linear_gemm_wgmma`` (async wgmma, the next
+    tile decoded while the last multiplies); else ``launch_gemm``. ``cfg``: ``DENSE`` / ``WGMMA``
+    force a tier; tile keys force ``launch_gemm``."""
     c = dict(cfg or {})
     dense = c.pop("DENSE", None)
+    wgmma = c.pop("WGMMA", None)
     if dense is None:
-        dense = not c and x2.shape[0] >= DENSE_MIN_M and dense_supported(x2.shape[1])
+        dense = not c and wgmma is None and x2.shape[0] >= DENSE_MIN_M and dense_supported(x2.shape[1])
     if dense:
         dense_gemm(x2, fmt, data, scale, gs, y)
+        return
+    if wgmma is None:
+        wgmma = not c and wgmma_supported is not None and wgmma_supported(x2, fmt, data)
+    if wgmma:
+        launch_wgmma_gemm(x2, fmt, data, scale, gs, y)
     else:
         launch_gemm(x2, fmt, data, scale, gs, y, c or None)
 

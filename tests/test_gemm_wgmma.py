@@ -1,0 +1,115 @@
+"""The Gluon W4A16 GEMM for 64..511 tokens (``dsv4lab.kernels.linear_gemm_wgmma``: async wgmma,
+the next weight tile decoded while the previous wgmma runs).
+
+CPU: compiled for sm_90a through a stand-in driver (tests/wgmma_offline_check.py, in a subprocess):
+it compiles at V4-Pro shapes with the installed triton's Gluon, ptxas spills nothing and does not
+serialise the async wgmmas (its warning C7515, which loses the overlap the kernel exists for), and
+the shared memory fits one CTA an SM. Gluon has no interpreter: the arithmetic is checked on the GPU.
+GPU (``-m gpu``): against dequantise + ``F.linear`` at ragged and V4-Pro shapes, both FP4 formats,
+bf16 and fp16, one and several K splits; twice, bitwise equal (split-K counters reset).
+
+Tolerance (every element): |y - ref| <= 1e-2 (|ref| + max|ref| of its row), as tests/test_gemm.py
+(bf16 output, fp32 accumulation in another order, the NVFP4 reference rounds W * global scale).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+gpu = pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA and triton")
+SMEM_PER_CTA = 227 * 1024  # sm_90's most shared memory one CTA may use
+
+
+def test_offline_sm90_compile():
+    assert HAVE_TRITON, "triton is part of the test set-up (pip install -e '.[kernels]')"
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "wgmma_offline_check.py")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT"):])
+    assert len(res) == 5, sorted(res)
+    for name, v in res.items():
+        assert v["ptxas_rc"] == 0, (name, v["ptxas_err"])
+        assert v["wgmma"] > 0 and v["spill_bytes"] == 0 and not v["serialized"], (name, v)
+        assert v["shared"] <= SMEM_PER_CTA, (name, v["shared"])
+
+
+def test_tile_rule():
+    from dsv4lab.kernels.linear_gemm_wgmma import wgmma_tiles
+
+    o_b = wgmma_tiles(128, 7168, 16384, 132)   # 56 row tiles: split 2 fills one wave, 128 steps each: doubled
+    assert (o_b["BM"], o_b["BN"], o_b["SPLIT"]) == (128, 128, 4)
+    w2 = wgmma_tiles(128, 7168, 3072, 132)     # 24 steps a split: not doubled
+    assert (w2["BM"], w2["SPLIT"]) == (128, 2)
+    q_a = wgmma_tiles(128, 1536, 7168, 132)    # 12 row tiles: 64-token tiles, 24 of them, split 11 (264 CTAs)
+    assert (q_a["BM"], q_a["SPLIT"]) == (64, 11)
+    assert wgmma_tiles(64, 7168, 3072, 132)["BM"] == 64
+    assert wgmma_tiles(300, 7168, 3072, 132)["BM"] == 128  # 3 token tiles, not a 256-token accumulator
+    assert wgmma_tiles(128, 65536, 1536, 132)["SPLIT"] == 1  # q_b: 512 row tiles cover the SMs
+
+
+def test_unsupported_formats_refused():
+    """fp16 x with MXFP4 (an E8M0 scale need not be an f16) and FP8-block stay with linear_gemm."""
+    from dsv4lab.kernels.linear_gemm_wgmma import launch_wgmma_gemm
+
+    x = torch.zeros(64, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="MXFP4 with bf16"):
+        launch_wgmma_gemm(x, "mxfp4", torch.zeros(8, 64, dtype=torch.uint8), torch.zeros(8, 4, dtype=torch.uint8),
+                          None, torch.empty(64, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="fp8_block"):
+        launch_wgmma_gemm(x.bfloat16(), "fp8_block", torch.zeros(8, 128, dtype=torch.uint8), torch.ones(1, 1), None,
+                          torch.empty(64, 8, dtype=torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------- GPU
+def _rand_weight(fmt: str, N: int, K: int, seed: int):
+    from dsv4lab.quant.weights import MXFP4Weight, NVFP4Weight
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    packed = torch.randint(0, 256, (N, K // 2), generator=gen, dtype=torch.uint8, device="cuda")
+    if fmt == "mxfp4":
+        e = torch.randint(118, 124, (N, K // 32), generator=gen, dtype=torch.uint8, device="cuda")
+        return MXFP4Weight(packed, e.view(torch.float8_e8m0fnu))
+    sc = (torch.rand(N, K // 16, generator=gen, device="cuda") * 4 + 2 ** -9).to(torch.float8_e4m3fn)
+    return NVFP4Weight(packed, sc, torch.tensor(0.021, device="cuda"))
+
+
+def _row_close(y, r, rtol):
+    y, r = y.float(), r.float()
+    bad = (y - r).abs() > rtol * (r.abs() + r.abs().amax(dim=-1, keepdim=True))
+    assert int(bad.sum()) == 0, f"{int(bad.sum())} bad, max abs {(y - r).abs().max().item()}"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("M,K,N,cfg,dtype", [
+    (128, 16384, 7168, None, torch.bfloat16),        # o_b, split K
+    (128, 16384, 7168, {"SPLIT": 1}, torch.bfloat16),
+    (64, 7168, 1536, None, torch.bfloat16),          # q_a, 64 tokens
+    (97, 1024, 200, {"SPLIT": 3}, torch.bfloat16),   # ragged tokens and rows, a short last split
+    (300, 3072, 7168, None, torch.float16),          # three token tiles, fp16
+])
+def test_gpu_wgmma_gemm(fmt, M, K, N, cfg, dtype):
+    from dsv4lab.kernels.linear_gemm_wgmma import launch_wgmma_gemm
+
+    if fmt == "mxfp4" and dtype == torch.float16:
+        dtype = torch.bfloat16  # MXFP4 takes bf16 x only (test_unsupported_formats_refused)
+    w = _rand_weight(fmt, N, K, seed=M + N)
+    x = torch.randn(M, K, device="cuda", dtype=dtype)
+    x[1] *= 1e3                                       # an outlier token
+    p, s, gs = (w.packed, w.block_scale, w.global_scale) if fmt == "nvfp4" else (w.packed, w.scale, None)
+    y = torch.empty(M, N, device="cuda", dtype=dtype)
+    launch_wgmma_gemm(x, fmt, p, s, gs, y, cfg)
+    _row_close(y, F.linear(x, w.dequantize(dtype)), 1e-2)
+    y2 = torch.empty_like(y)
+    launch_wgmma_gemm(x, fmt, p, s, gs, y2, cfg)
+    assert torch.equal(y, y2)
