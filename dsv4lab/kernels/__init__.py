@@ -9,7 +9,8 @@
 | QLinear w4a4 activation quant | `act_quant_nvfp4.nvfp4_act_quant` | `dsv4lab.quant.activations.fake_quant_nvfp4` | tests/test_kernels.py |
 | routed Experts decode (nvfp4, mxfp4) | `moe_decode.moe_decode_triton` (-> `moe_decode_tma.moe_decode_tma` on sm_90+) | `moe_decode_ref.moe_decode_ref` | tests/test_kernels.py, tests/test_kernels_model.py |
 | routed Experts decode (plain: BF16 originals, fp32) | `moe_decode_plain.moe_decode_plain_triton` | `moe_decode_ref.moe_decode_plain_ref` | tests/test_moe_plain.py |
-| QLinear nvfp4 / mxfp4 / fp8_block, 64 <= M < 512 on sm_90+ | `linear_gemm.launch_gemm` (via `nvfp4_matmul`, `official_matmul`) | `w.dequantize` + `F.linear` | tests/test_gemm.py |
+| QLinear nvfp4 / mxfp4 (bf16 x; nvfp4 also fp16), 64 <= M < 512 on sm_90+ with Gluon | `linear_gemm_wgmma.launch_wgmma_gemm` (async wgmma; via `linear_gemm.prefill_gemm`) | `w.dequantize` + `F.linear` | tests/test_gemm_wgmma.py, tests/test_gemm.py |
+| QLinear fp8_block (and the FP4 formats without Gluon), 64 <= M < 512 on sm_90+ | `linear_gemm.launch_gemm` (via `nvfp4_matmul`, `official_matmul`) | `w.dequantize` + `F.linear` | tests/test_gemm.py |
 | QLinear nvfp4 / mxfp4 / fp8_block, M >= 512 | `dequant_gemm.dense_gemm` (dequantise + cuBLAS, via `linear_gemm.prefill_gemm`) | `w.dequantize` + `F.linear` (bitwise) | tests/test_dequant_gemm.py |
 | routed Experts prefill, >= 512 rows an expert | `moe_prefill.moe_prefill_dense` | `moe_prefill_ref.moe_prefill_ref` | tests/test_dequant_gemm.py |
 | routed Experts prefill (nvfp4, mxfp4) | `moe_prefill.moe_prefill_triton` | `moe_prefill_ref.moe_prefill_ref` | tests/test_gemm.py |

@@ -52,6 +52,7 @@ def main() -> None:
                        "cublas_bf16_us": timed_graph(lambda: F.linear(x, dense), dev)}
                 tcfg = {**gemm_tiles(fmt, M, N, K, dev), "DENSE": False}
                 res["triton_us"] = timed_graph(lambda: matmul(x, w, tcfg), dev)
+                res["old_path_us"] = timed_graph(lambda: matmul(x, w, {"TILED": True}), dev)  # issue 25's "today"
                 variants = {"rule": {}, "split1": {"SPLIT": 1}, "split_x2": {"SPLIT": min(64, base["SPLIT"] * 2)},
                             "no_decode": {"PROBE": 1}, "no_mma": {"PROBE": 2}, "bm64": {"BM": 64},
                             "bm64_split_x2": {"BM": 64, "SPLIT": min(64, base["SPLIT"] * 2)},
@@ -76,7 +77,8 @@ def main() -> None:
                 ok = [k for k in variants if "us" in res.get(k, {})]
                 best = min(ok, key=lambda k: res[k]["us"]) if ok else None
                 r = res["rule"]
-                print(f"M={M} {name:6s} {fmt:6s} cuBLAS {res['cublas_bf16_us']:6.1f} triton {res['triton_us']:6.1f} "
+                print(f"M={M} {name:6s} {fmt:6s} cuBLAS {res['cublas_bf16_us']:6.1f} old {res['old_path_us']:6.1f} "
+                      f"triton {res['triton_us']:6.1f} "
                       f"wgmma {r.get('us', float('nan')):6.1f} err {r.get('err', r.get('error'))} split {base['SPLIT']} | "
                       + "  ".join(f"{k} {res[k]['us']:.1f}" for k in ok if k != "rule") + f"  best {best}", flush=True)
                 rows.append(res)
