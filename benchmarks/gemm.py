@@ -113,7 +113,10 @@ def gemm_row(name, fmt, K, N, M, dev, sweep: bool) -> dict:
            "kernel_us": t_k, "kernel_TFLOPs": flop / t_k / 1e6, "cublas_bf16_us": t_b,
            "cublas_bf16_TFLOPs": flop / t_b / 1e6, "of_cublas": t_b / t_k}
     if M >= 64:  # both prefill tiers whatever the dispatcher picks: where dequantise + cuBLAS wins
-        for tier, c in (("triton", {"DENSE": False}), ("dense", {"DENSE": True})):
+        tiers = [("triton", {"DENSE": False, "WGMMA": False}), ("dense", {"DENSE": True})]
+        if fmt != "fp8_block" and M < 512:  # the Gluon async-wgmma tier (linear_gemm_wgmma)
+            tiers.append(("wgmma", {"DENSE": False, "WGMMA": True}))
+        for tier, c in tiers:
             t = timed(lambda: matmul(x, w, c), dev)
             row.update({f"{tier}_us": t, f"{tier}_of_cublas": t_b / t})
     if M <= 256:  # eager timing of a small M is the host's launch cost: also time the GPU alone

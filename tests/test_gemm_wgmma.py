@@ -69,6 +69,35 @@ def test_unsupported_formats_refused():
                           torch.empty(64, 8, dtype=torch.bfloat16))
 
 
+def test_prefill_gemm_routes_and_falls_back(monkeypatch):
+    """``prefill_gemm`` takes the Gluon GEMM where ``wgmma_supported`` says so; if it fails (a triton
+    whose Gluon it does not compile on) one warning, and the Triton tiles take every later call;
+    ``WGMMA=True`` in a config surfaces the error, ``WGMMA=False`` skips the Gluon GEMM."""
+    import dsv4lab.kernels.linear_gemm as lg
+
+    calls = []
+
+    def broken(*a, **k):
+        calls.append("wgmma")
+        raise RuntimeError("no such Gluon op")
+
+    monkeypatch.setattr(lg, "wgmma_supported", lambda x2, fmt, data: True)
+    monkeypatch.setattr(lg, "launch_wgmma_gemm", broken)
+    monkeypatch.setattr(lg, "launch_gemm", lambda *a, **k: calls.append("triton"))
+    monkeypatch.setattr(lg, "_wgmma_ok", [True])
+    x, p, s, y = torch.zeros(64, 128), torch.zeros(8, 64, dtype=torch.uint8), torch.zeros(8, 8), torch.zeros(64, 8)
+    with pytest.warns(UserWarning, match="Triton tiles take these calls"):
+        lg.prefill_gemm(x, "nvfp4", p, s, None, y)
+    assert calls == ["wgmma", "triton"] and lg._wgmma_ok == [False]
+    lg.prefill_gemm(x, "nvfp4", p, s, None, y)
+    assert calls[2:] == ["triton"]
+    with pytest.raises(RuntimeError, match="no such Gluon op"):
+        lg.prefill_gemm(x, "nvfp4", p, s, None, y, {"WGMMA": True})
+    monkeypatch.setattr(lg, "_wgmma_ok", [True])
+    lg.prefill_gemm(x, "nvfp4", p, s, None, y, {"WGMMA": False})
+    assert calls[-1] == "triton"
+
+
 # ----------------------------------------------------------------------------- GPU
 def _rand_weight(fmt: str, N: int, K: int, seed: int):
     from dsv4lab.quant.weights import MXFP4Weight, NVFP4Weight

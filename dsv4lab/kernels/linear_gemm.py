@@ -26,6 +26,7 @@ and ``linear_official``).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import triton
@@ -196,12 +197,21 @@ def prefill_gemm(x2: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Te
     if dense:
         dense_gemm(x2, fmt, data, scale, gs, y)
         return
-    if wgmma is None:
-        wgmma = not c and wgmma_supported is not None and wgmma_supported(x2, fmt, data)
-    if wgmma:
+    if wgmma is None and not c and _wgmma_ok[0] and wgmma_supported is not None and wgmma_supported(x2, fmt, data):
+        try:
+            launch_wgmma_gemm(x2, fmt, data, scale, gs, y)
+            return
+        except Exception as e:  # noqa: BLE001 - a triton whose Gluon this kernel does not compile on
+            _wgmma_ok[0] = False
+            warnings.warn(f"the Gluon GEMM (linear_gemm_wgmma) failed here ({type(e).__name__}: {e}); "
+                          "the Triton tiles take these calls from now on")
+    if wgmma:  # forced by cfg: errors surface
         launch_wgmma_gemm(x2, fmt, data, scale, gs, y)
     else:
         launch_gemm(x2, fmt, data, scale, gs, y, c or None)
+
+
+_wgmma_ok = [True]  # False once the Gluon GEMM failed to compile or launch in this process
 
 
 __all__ = ["GEMM_MIN_M", "prefill_gemm", "FMT_NVFP4", "FMT_MXFP4", "FMT_FP8", "gemm_tiles", "gemm_supported", "launch_gemm",
