@@ -1,4 +1,4 @@
-"""W4A16 GEMM for small batches (64..256 tokens) on Hopper, written in Gluon: explicit async wgmma.
+"""W4A16 GEMM for small batches (64..511 tokens) on Hopper, written in Gluon: explicit async wgmma.
 
 Why a second prefill GEMM: ``linear_gemm``'s Triton kernel dequantises the weight tile in the same
 warps that then wait on its wgmma, so at M = 128 the tensor cores idle while the next tile decodes
@@ -6,22 +6,22 @@ warps that then wait on its wgmma, so at M = 128 the tensor cores idle while the
 triton) lets the kernel say what Triton's pipeliner does not: issue the wgmma of step i
 asynchronously and decode step i + 1 while it runs.
 
-One CTA: BN weight rows x BM tokens (the swapped orientation, acc[BN, BM] = W · xᵀ: weight rows
-on wgmma's M side, 64 per warpgroup) over one K split. Per K step of BK:
+One CTA (8 warps): 128 weight rows x BM tokens (the swapped orientation, acc[BN, BM] = W · xᵀ:
+weight rows on wgmma's M side, 64 a warpgroup) over one K split. Per K step of BK:
 
 * TMA brings the packed weight bytes [BN, BK/2] and the x tile [BM, BK] into a STAGES-deep ring
-  (one mbarrier a slot); the block scales [BN, BK/16] (E8M0: BK/32) come by plain loads, too
+  (one mbarrier a slot); the block scales (BK/16 e4m3, BK/32 E8M0 a row) come by plain loads, too
   narrow a row for a TMA box.
-* Every thread decodes its bytes (one 16-element group per thread and row: E2M1 by the f16 bit
-  trick, times the block scale · 2^14 in fp32, one cast to bf16/fp16, exact as in
-  ``common.dequant_tile``) and stores the tile into a double-buffered wgmma operand in shared
-  memory; a fence and a CTA barrier; then the async wgmma against the x tile; then a wait until
-  at most one wgmma is in flight (the previous one is done: its x slot is refilled by TMA).
+* Every thread decodes one 16-code group of a row (``_PAIRS_ASM``: integer multiplies and masks,
+  two packed multiplies, exact) into a double-buffered wgmma operand in shared memory; a fence
+  and a CTA barrier; the async wgmma against the x tile; a wait until at most one wgmma is in
+  flight (the previous one is done: its ring slot is refilled by TMA).
 
-Split K finishes with the counter fix-up of ``common.store_or_fix_up`` (fp32 partials summed in
-split order by the last split, deterministic, one launch). NVFP4's global scale multiplies the fp32
-result. Needs sm_90 and triton's Gluon: no interpreter path (``linear_gemm`` stays the CPU and
-pre-Hopper kernel and the oracle's stand-in).
+Step 0 is peeled out of the loop (see ``_wgmma_gemm_kernel``). Split K: fp32 partials in a
+tile-local block, summed in split order by the last split to arrive (a counter per tile, reset after;
+deterministic, one launch). NVFP4's global scale multiplies the fp32 result. Needs sm_90 and
+triton's Gluon: no interpreter path (``linear_gemm`` stays the CPU and pre-Hopper kernel); CI
+compiles it for sm_90a offline (tests/wgmma_offline_check.py).
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ PAIRS_F16 = gl.constexpr(_PAIRS_ASM.replace("KBIAS", "0x74007400").replace("MMUL
 def _scale_pairs(sc_ptrs, sc_mask, FMT: gl.constexpr, F16: gl.constexpr):
     """The block scale of each weight word as a 16-bit pair (bf16, or f16 for fp16 x), exact:
     e4m3 (NVFP4) or E8M0 (MXFP4: 2^(e-127); e = 0 the subnormal 2^-127, 255 NaN, as torch)."""
-    if FMT == 0:
+    if FMT == FMT_NVFP4:
         s = gl.load(sc_ptrs, mask=sc_mask, other=0).to(gl.float8e4nv, bitcast=True).to(gl.float32)
         if F16:
             h = s.to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
@@ -119,7 +119,7 @@ def _step(acc, i, k_lo, ready, w_smem, x_smem, a_smem, sc_base, sc_mask, FMT: gl
     CTA barrier, issue the async wgmma (not waited for here)."""
     s = i % STAGES
     k = k_lo + i * BK
-    if FMT == 0:
+    if FMT == FMT_NVFP4:
         sc_ptrs = sc_base + k // 16
     else:
         sc_ptrs = sc_base + k // 32
@@ -142,7 +142,8 @@ def _wgmma_gemm_kernel(x_desc, w_desc, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
                        FMT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                        STAGES: gl.constexpr, USE_SPLIT: gl.constexpr, PROBE: gl.constexpr,
                        num_warps: gl.constexpr):
-    GPR: gl.constexpr = BK // 16                       # 16-element groups a row per K step
+    """y = x @ Wᵀ for one (row tile x token tile, K split) (module docstring). ``PROBE`` (timing
+    probes only, benchmarks/results/kernels/wgmma_probe): 1 skips the decode, 2 the wgmma."""
     num_n = gl.cdiv(N, BN)
     tile = gl.program_id(0)
     n0 = (tile % num_n) * BN
@@ -170,13 +171,12 @@ def _wgmma_gemm_kernel(x_desc, w_desc, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
         ok = j < n_steps
         mbarrier.expect(ready.index(j), nbytes, pred=ok)
         tma_load(x_desc, [m0, k_lo + j * BK], ready.index(j), x_smem.index(j), pred=ok)
-        tma_load(w_desc, [n0, (k_lo + j * BK) // 2], ready.index(j), w_smem.index(j),
-                                        pred=ok)
+        tma_load(w_desc, [n0, (k_lo + j * BK) // 2], ready.index(j), w_smem.index(j), pred=ok)
 
     rows = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, wl))
     word = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, wl))
     sc_mask = gl.expand_dims(rows < N, 1) & gl.expand_dims(word < BK // 8, 0)
-    if FMT == 0:   # one scale a 16-code group (two words)
+    if FMT == FMT_NVFP4:   # one scale a 16-code group (two words)
         sc_base = s_ptr + gl.expand_dims(rows, 1) * stride_sn + gl.expand_dims(word // 2, 0)
     else:          # one E8M0 a 32-code group (four words)
         sc_base = s_ptr + gl.expand_dims(rows, 1) * stride_sn + gl.expand_dims(word // 4, 0)
@@ -223,7 +223,7 @@ def _store_y(acc, y_ptr, gs_ptr, m0, n0, M, N, stride_ym, FMT: gl.constexpr, BN:
              mma: gl.constexpr):
     """y[m0 + j, n0 + i] = acc[i, j] (times NVFP4's global scale), one rounding to y's dtype."""
     gs = 1.0
-    if FMT == 0:
+    if FMT == FMT_NVFP4:
         gs = gl.load(gs_ptr).to(gl.float32)
     offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     offs_m = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
