@@ -43,7 +43,7 @@ def test_offline_sm90_compile():
 
 
 def test_tile_rule():
-    from dsv4lab.kernels.linear_gemm_wgmma import wgmma_tiles
+    from dsv4lab.kernels.linear_gemm_wgmma import MAX_SPLIT, wgmma_tiles
 
     o_b = wgmma_tiles(128, 7168, 16384, 132)   # 56 row tiles: split 2 fills one wave, 128 steps each: doubled
     assert (o_b["BM"], o_b["BN"], o_b["SPLIT"]) == (128, 128, 4)
@@ -54,6 +54,7 @@ def test_tile_rule():
     assert wgmma_tiles(64, 7168, 3072, 132)["BM"] == 64
     assert wgmma_tiles(300, 7168, 3072, 132)["BM"] == 128  # 3 token tiles, not a 256-token accumulator
     assert wgmma_tiles(128, 65536, 1536, 132)["SPLIT"] == 1  # q_b: 512 row tiles cover the SMs
+    assert wgmma_tiles(128, 512, 7168, 132)["SPLIT"] > MAX_SPLIT >= q_a["SPLIT"]  # wkv stays with the Triton tiles
 
 
 def test_unsupported_formats_refused():

@@ -253,10 +253,17 @@ def wgmma_tiles(M: int, N: int, K: int, sms: int) -> dict:
     return {"BM": bm, "BN": bn, "BK": bk, "STAGES": 4, "SPLIT": split, "num_warps": 8}
 
 
+MAX_SPLIT = 12  # H100, M = 128: q_a's 11 splits beat the Triton tiles (30.3 vs 33.2 us), wkv's 28 lost (43.9 vs 25.0)
+
+
 def wgmma_supported(x2: torch.Tensor, fmt: str, data: torch.Tensor) -> bool:
     """NVFP4 (bf16 or fp16 x) / MXFP4 (bf16 x: an E8M0 scale is not always an f16) on sm_90+, K a
-    multiple of 128, x rows and the packed weight as TMA reads them (unit stride, 16-byte aligned)."""
+    multiple of 128, x rows and the packed weight as TMA reads them (unit stride, 16-byte aligned),
+    and a shape whose tiles need at most MAX_SPLIT K splits (a few long weight rows, V4-Pro's wkv
+    [512, 7168], are split so thin that the fix-up dominates: the Triton tiles keep them)."""
     K = x2.shape[1]
+    if x2.is_cuda and wgmma_tiles(x2.shape[0], data.shape[0], K, num_sms(x2.device))["SPLIT"] > MAX_SPLIT:
+        return False
     ok_dtype = x2.dtype == torch.bfloat16 or (x2.dtype == torch.float16 and fmt == "nvfp4")
     return (fmt in ("nvfp4", "mxfp4") and x2.is_cuda and ok_dtype and K % 128 == 0
             and x2.stride(-1) == 1 and (x2.stride(0) * x2.element_size()) % 16 == 0 and x2.data_ptr() % 16 == 0
