@@ -114,7 +114,8 @@ def gemm_row(name, fmt, K, N, M, dev, sweep: bool) -> dict:
            "cublas_bf16_TFLOPs": flop / t_b / 1e6, "of_cublas": t_b / t_k}
     if M >= 64:  # both prefill tiers whatever the dispatcher picks: where dequantise + cuBLAS wins
         tiers = [("triton", {"DENSE": False, "WGMMA": False}), ("dense", {"DENSE": True})]
-        if fmt != "fp8_block" and M < 512:  # the Gluon async-wgmma tier (linear_gemm_wgmma)
+        sm90 = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
+        if fmt != "fp8_block" and M < 512 and sm90:  # the Gluon async-wgmma tier (linear_gemm_wgmma)
             tiers.append(("wgmma", {"DENSE": False, "WGMMA": True}))
         for tier, c in tiers:
             t = timed(lambda: matmul(x, w, c), dev)
