@@ -23,6 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from test_gemm import _rand_weight, _row_close  # the GPU weights and row tolerance of the Triton GEMM's tests
+
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA and triton")
@@ -100,24 +102,6 @@ def test_prefill_gemm_routes_and_falls_back(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- GPU
-def _rand_weight(fmt: str, N: int, K: int, seed: int):
-    from dsv4lab.quant.weights import MXFP4Weight, NVFP4Weight
-
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    packed = torch.randint(0, 256, (N, K // 2), generator=gen, dtype=torch.uint8, device="cuda")
-    if fmt == "mxfp4":
-        e = torch.randint(118, 124, (N, K // 32), generator=gen, dtype=torch.uint8, device="cuda")
-        return MXFP4Weight(packed, e.view(torch.float8_e8m0fnu))
-    sc = (torch.rand(N, K // 16, generator=gen, device="cuda") * 4 + 2 ** -9).to(torch.float8_e4m3fn)
-    return NVFP4Weight(packed, sc, torch.tensor(0.021, device="cuda"))
-
-
-def _row_close(y, r, rtol):
-    y, r = y.float(), r.float()
-    bad = (y - r).abs() > rtol * (r.abs() + r.abs().amax(dim=-1, keepdim=True))
-    assert int(bad.sum()) == 0, f"{int(bad.sum())} bad, max abs {(y - r).abs().max().item()}"
-
-
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

@@ -25,6 +25,8 @@ compiles it for sm_90a offline (tests/wgmma_offline_check.py).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -233,6 +235,7 @@ def _store_y(acc, y_ptr, gs_ptr, m0, n0, M, N, stride_ym, FMT: gl.constexpr, BN:
              mask=mask)
 
 
+@functools.lru_cache(maxsize=4096)  # asked twice a call (wgmma_supported, the launch): once per shape
 def wgmma_tiles(M: int, N: int, K: int, sms: int) -> dict:
     """The fixed tile rule (H100 probe at M = 128, ``benchmarks/results/kernels/wgmma_probe``): 128
     weight rows (8 warps, 64 a warpgroup), BK 64 in 4 stages (~115 KB of shared memory and ~100
@@ -281,7 +284,7 @@ def launch_wgmma_gemm(x2: torch.Tensor, fmt: str, data: torch.Tensor, scale: tor
                          "(NVFP4 with bf16 / fp16, MXFP4 with bf16); use linear_gemm.launch_gemm")
     M, K = x2.shape
     N = data.shape[0]
-    c = {**wgmma_tiles(M, N, K, num_sms(x2.device)), **(cfg or {})}
+    c = {**wgmma_tiles(M, N, K, num_sms(x2.device)), **(cfg or {})}  # a copy: the cached dict stays as it is
     bm, bn, bk = c["BM"], c["BN"], c["BK"]
     kps = cdiv(cdiv(K, c["SPLIT"]), bk) * bk
     split = cdiv(K, kps)
