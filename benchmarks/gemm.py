@@ -241,6 +241,13 @@ def moe_phase_sweep(fmt, T, E, k, H, I, dev, limit=10.0, bms=(64, 128, 256), til
     return rows
 
 
+def grouped_wgmma_ok(x, w1, w3, w2) -> bool:
+    """The Gluon grouped GEMMs run here (sm_90, a triton with Gluon)."""
+    from dsv4lab.kernels import moe_prefill  # lazy: imports triton
+
+    return moe_prefill.grouped_wgmma_supported is not None and moe_prefill.grouped_wgmma_supported(x, w1, w3, w2)
+
+
 def moe_row(fmt, T, E, k, H, I, dev, limit=10.0, sweep: bool = False) -> dict:
     from dsv4lab.kernels.moe_prefill import moe_prefill_triton  # lazy: imports triton
     from dsv4lab.kernels.moe_prefill_ref import moe_prefill_ref
@@ -250,8 +257,15 @@ def moe_row(fmt, T, E, k, H, I, dev, limit=10.0, sweep: bool = False) -> dict:
     ref = moe_prefill_ref(x, ids, wt, w1, w3, w2, limit)
     t_k = timed(lambda: moe_prefill_triton(x, ids, wt, w1, w3, w2, limit), dev)
     t_r = timed(lambda: moe_prefill_ref(x, ids, wt, w1, w3, w2, limit), dev)
-    tiers = {f"{tier}_us": timed(lambda: moe_prefill_triton(x, ids, wt, w1, w3, w2, limit, cfg=c), dev)
-             for tier, c in (("grouped", {"DENSE": False}), ("dense", {"DENSE": True}))}
+    tier_cfgs = [("grouped", {"DENSE": False, "WGMMA": False}), ("dense", {"DENSE": True})]
+    if dev.type == "cuda" and grouped_wgmma_ok(x, w1, w3, w2):   # the Gluon grouped GEMMs, both tile heights
+        tier_cfgs += [("wgmma", {"DENSE": False, "WGMMA": True}), ("wgmma_bm64", {"DENSE": False, "WGMMA": True, "BM": 64}),
+                      ("wgmma_bm128", {"DENSE": False, "WGMMA": True, "BM": 128})]
+    tiers = {}
+    for tier, c in tier_cfgs:
+        yt = moe_prefill_triton(x, ids, wt, w1, w3, w2, limit, cfg=c)
+        tiers[f"{tier}_err"] = float((yt.float() - ref.float()).abs().max() / ref.float().abs().max())
+        tiers[f"{tier}_us"] = timed(lambda: moe_prefill_triton(x, ids, wt, w1, w3, w2, limit, cfg=c), dev)
     flop = 2 * T * k * 3 * H * I
     variants = []
     if sweep and dev.type == "cuda":

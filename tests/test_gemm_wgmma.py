@@ -1,7 +1,8 @@
 """The Gluon W4A16 GEMM for 64..511 tokens (``dsv4lab.kernels.linear_gemm_wgmma``: async wgmma,
 the next weight tile decoded while the previous wgmma runs).
 
-CPU: compiled for sm_90a through a stand-in driver (tests/wgmma_offline_check.py, in a subprocess):
+CPU: compiled for sm_90a through a stand-in driver (tests/wgmma_offline_check.py, in a subprocess),
+with the grouped MoE prefill GEMMs of ``moe_prefill_wgmma`` (their ``grouped_*`` cases):
 it compiles at V4-Pro shapes with the installed triton's Gluon, ptxas spills nothing and does not
 serialise the async wgmmas (its warning C7515, which loses the overlap the kernel exists for), and
 the shared memory fits one CTA an SM. Gluon has no interpreter: the arithmetic is checked on the GPU.
@@ -37,7 +38,7 @@ def test_offline_sm90_compile():
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1][len("RESULT"):])
-    assert len(res) == 5, sorted(res)
+    assert len(res) == 8 and sum(n.startswith("grouped_") for n in res) == 3, sorted(res)
     for name, v in res.items():
         assert v["ptxas_rc"] == 0, (name, v["ptxas_err"])
         assert v["wgmma"] > 0 and v["spill_bytes"] == 0 and not v["serialized"], (name, v)

@@ -28,16 +28,21 @@ class StandInDriver:  # what JITFunction.run asks of the driver, for an sm_90 GP
 
 triton.runtime.driver.set_active(StandInDriver())
 from dsv4lab.kernels import linear_gemm_wgmma as g  # noqa: E402
+from dsv4lab.kernels import moe_prefill_wgmma as mg  # noqa: E402
+from dsv4lab.kernels.moe_prefill import expert_schedule  # noqa: E402
+from dsv4lab.quant.stacked import StackedMXFP4, StackedNVFP4  # noqa: E402
 
 compiled = []
-_run = g._wgmma_gemm_kernel.run
 
 
-def _warmup_only(*args, grid, warmup, **kw):
-    compiled.append(_run(*args, grid=grid, warmup=True, **kw))
+def _warmup_only(run):
+    def go(*args, grid, warmup, **kw):
+        compiled.append(run(*args, grid=grid, warmup=True, **kw))
+    return go
 
 
-g._wgmma_gemm_kernel.run = _warmup_only
+g._wgmma_gemm_kernel.run = _warmup_only(g._wgmma_gemm_kernel.run)
+mg._grouped_wgmma_kernel.run = _warmup_only(mg._grouped_wgmma_kernel.run)
 g.num_sms = lambda device: 132
 PTXAS = get_ptxas(90).path  # the ptxas this triton compiles sm_90 with (its PTX version)
 # name: (format, M, K, N, config override): V4-Pro's o_b (split K) and w1/w3, both formats, 64 / 128 /
@@ -47,12 +52,39 @@ CASES = {"nvfp4_o_b_m128": ("nvfp4", 128, 16384, 7168, None, torch.bfloat16),
          "nvfp4_q_a_m64": ("nvfp4", 64, 7168, 1536, None, torch.bfloat16),
          "nvfp4_w2_m256_f16": ("nvfp4", 256, 3072, 7168, None, torch.float16),
          "nvfp4_o_b_one_split": ("nvfp4", 128, 16384, 7168, {"SPLIT": 1}, torch.bfloat16)}
+# the grouped MoE prefill GEMMs (moe_prefill_wgmma) at V4-Pro's expert shapes: name: (format,
+# rows a tile, K, N, up (w1 + w3, SwiGLU, routing weight) or down, x dtype)
+GROUPED = {"grouped_nvfp4_up_bm128": ("nvfp4", 128, 7168, 3072, True, torch.bfloat16),
+           "grouped_mxfp4_up_bm64": ("mxfp4", 64, 7168, 3072, True, torch.bfloat16),
+           "grouped_nvfp4_down_bm128_f16": ("nvfp4", 128, 3072, 7168, False, torch.float16)}
+
+
+def _stack(fmt: str, E: int, N: int, K: int):
+    p = torch.zeros(E, N, K // 2, dtype=torch.uint8)
+    if fmt == "nvfp4":
+        return StackedNVFP4(p, torch.zeros(E, N, K // 16, dtype=torch.float8_e4m3fn), torch.ones(E))
+    return StackedMXFP4(p, torch.zeros(E, N, K // 32, dtype=torch.uint8))
+
+
+def _launch(name: str) -> None:
+    if name in CASES:
+        fmt, M, K, N, cfg, dt = CASES[name]
+        x = torch.zeros(M, K, dtype=dt)
+        p = torch.zeros(N, K // 2, dtype=torch.uint8)
+        s = torch.zeros(N, K // (16 if fmt == "nvfp4" else 32), dtype=torch.uint8)
+        g.launch_wgmma_gemm(x, fmt, p, s, torch.ones(1), torch.empty(M, N, dtype=dt), cfg)
+        return
+    fmt, bm, K, N, up, dt = GROUPED[name]
+    E, T, k = 4, 96, 2
+    sched = expert_schedule(torch.arange(T * k).reshape(T, k) % E, E, bm)
+    w = _stack(fmt, E, N, K)
+    mg.grouped_wgmma(torch.zeros(T * k, K, dtype=dt), sched, bm, w, _stack(fmt, E, N, K) if up else None,
+                     10.0 if up else None, torch.ones(T * k) if up else None)
+
+
 res = {}
-for name, (fmt, M, K, N, cfg, dt) in CASES.items():
-    x = torch.zeros(M, K, dtype=dt)
-    p = torch.zeros(N, K // 2, dtype=torch.uint8)
-    s = torch.zeros(N, K // (16 if fmt == "nvfp4" else 32), dtype=torch.uint8)
-    g.launch_wgmma_gemm(x, fmt, p, s, torch.ones(1), torch.empty(M, N, dtype=dt), cfg)
+for name in [*CASES, *GROUPED]:
+    _launch(name)
     k = compiled[-1]
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "k.ptx").write_text(k.asm["ptx"])

@@ -14,6 +14,7 @@
 | QLinear nvfp4 / mxfp4 / fp8_block, M >= 512 | `dequant_gemm.dense_gemm` (dequantise + cuBLAS, via `linear_gemm.prefill_gemm`) | `w.dequantize` + `F.linear` (bitwise) | tests/test_dequant_gemm.py |
 | routed Experts prefill, >= 512 rows an expert | `moe_prefill.moe_prefill_dense` | `moe_prefill_ref.moe_prefill_ref` | tests/test_dequant_gemm.py |
 | routed Experts prefill (nvfp4, mxfp4) | `moe_prefill.moe_prefill_triton` | `moe_prefill_ref.moe_prefill_ref` | tests/test_gemm.py |
+| routed Experts prefill (nvfp4, mxfp4) on sm_90+ with Gluon | `moe_prefill_wgmma.grouped_wgmma` (async wgmma; via `moe_prefill.moe_prefill_triton`) | `moe_prefill_ref.moe_prefill_ref` | tests/test_moe_prefill_wgmma.py |
 | Compressor pool | `compressor_pool_cute.compressor_pool_cute` | `compressor_pool_cute.compressor_pool_ref` | tests/test_cute_kernels.py |
 | Compressor decode step | `compressor_decode.compressor_decode_triton` | `dsv4lab.model.compressor.Compressor.decode_window` | tests/test_compressor_decode_kernel.py |
 | QLinear grouped (wo_a), nvfp4 | `linear_nvfp4.nvfp4_grouped_matmul` (-> `linear_nvfp4_tma.launch_gemv_tma(groups=G)`; from 512 tokens one dequantisation + bmm) | `dsv4lab.model.linear.grouped_linear` | tests/test_kernels.py |

@@ -29,6 +29,8 @@ grouped kernels.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -39,6 +41,11 @@ from .common import cdiv, device_capability, FMT_NVFP4, INTERPRET, dequant_tile,
 from .dequant_gemm import DENSE_MIN_M, dense_supported, dequantize_rows
 from .device import copy_to_host, on_input_device, wait_for_host
 from .linear_gemm import block_k
+
+try:  # Gluon (triton >= 3.5): the async-wgmma grouped GEMMs, sm_90
+    from .moe_prefill_wgmma import grouped_wgmma, grouped_wgmma_supported, wgmma_rows
+except ImportError:  # a triton without Gluon: the Triton grouped kernel takes every call
+    grouped_wgmma = grouped_wgmma_supported = wgmma_rows = None
 
 
 @triton.jit
@@ -234,7 +241,9 @@ def moe_prefill_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     of one format (``moe_prefill_supported``). ``weight_before_w2``: the routing weight multiplies
     the SwiGLU output (DeepSeek's order), else each expert's output. ``cfg`` overrides the tiles of
     both GEMMs, its ``up`` / ``down`` entries those of one (``BM`` only for both: the schedule's);
-    ``DENSE`` forces or refuses ``moe_prefill_dense`` (by default it runs where ``dense_moe_fits``)."""
+    ``DENSE`` forces or refuses ``moe_prefill_dense`` (by default it runs where ``dense_moe_fits``);
+    ``WGMMA`` forces or refuses the Gluon grouped GEMMs (``moe_prefill_wgmma``: by default on sm_90
+    where ``grouped_wgmma_supported``; ``BM`` may come with it)."""
     if x.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(f"x must be [T, H] and ids / weights [T, k] with the same T; got x {tuple(x.shape)}, "
                          f"ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
@@ -249,14 +258,44 @@ def moe_prefill_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
         return out
     x = x.contiguous()
     rw = weights.reshape(-1).float().contiguous()
-    up, down = cfg.pop("up", {}), cfg.pop("down", {})  # per-GEMM overrides (the tile sweep)
     rows = T * k / E
+    wgmma = cfg.pop("WGMMA", None)
+    if wgmma or (wgmma is None and not cfg and _wgmma_ok[0] and grouped_wgmma_supported is not None
+                 and grouped_wgmma_supported(x, w1, w3, w2)):
+        try:
+            return _moe_prefill_wgmma(x, ids, rw, w1, w3, w2, limit, weight_before_w2, cfg.get("BM", wgmma_rows(rows)),
+                                      out)
+        except Exception as e:  # noqa: BLE001 - a triton whose Gluon this kernel does not compile on
+            if wgmma:  # forced: errors surface
+                raise
+            _wgmma_ok[0] = False
+            warnings.warn(f"the Gluon grouped GEMMs (moe_prefill_wgmma) failed here ({type(e).__name__}: {e}); "
+                          "the Triton grouped kernel takes these calls from now on")
+    up, down = cfg.pop("up", {}), cfg.pop("down", {})  # per-GEMM overrides (the tile sweep)
     bm = {**prefill_tiles(I, H, rows), **cfg}["BM"]
     cfg["BM"] = bm  # both grouped GEMMs walk the schedule's tiles
     sched = expert_schedule(ids, E, bm)
     rw_sorted = rw[sched["order"]] if weight_before_w2 else None
     h = grouped_gemm(x, sched, True, w1, w3, limit, rw_sorted, {**prefill_tiles(I, H, rows), **cfg, **up})
     y = grouped_gemm(h, sched, False, w2, cfg={**prefill_tiles(H, I, rows), **cfg, **down})
+    return unpermute(y, sched["pos"], rw, out, k, weight=not weight_before_w2)
+
+
+_wgmma_ok = [True]  # False once the Gluon grouped GEMMs failed to compile or launch in this process
+
+
+def _moe_prefill_wgmma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1, w3, w2, limit: float | None,
+                       weight_before_w2: bool, bm: int, out: torch.Tensor) -> torch.Tensor:
+    """``moe_prefill_triton`` by the Gluon grouped GEMMs. Transient: x's rows in sorted order
+    [T*k, H] (TMA reads boxes, not gathered rows), freed once h [T*k, I] exists, before y [T*k, H]:
+    the Triton path's peak (h + y)."""
+    T, k = ids.shape
+    sched = expert_schedule(ids, w1.shape[0], bm)
+    xs = x.index_select(0, sched["src"])
+    h = grouped_wgmma(xs, sched, bm, w1, w3, limit, rw[sched["order"]] if weight_before_w2 else None)
+    del xs
+    y = grouped_wgmma(h, sched, bm, w2)
+    del h
     return unpermute(y, sched["pos"], rw, out, k, weight=not weight_before_w2)
 
 
