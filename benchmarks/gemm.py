@@ -260,7 +260,10 @@ def moe_row(fmt, T, E, k, H, I, dev, limit=10.0, sweep: bool = False) -> dict:
     tier_cfgs = [("grouped", {"DENSE": False, "WGMMA": False}), ("dense", {"DENSE": True})]
     if dev.type == "cuda" and grouped_wgmma_ok(x, w1, w3, w2):   # the Gluon grouped GEMMs, both tile heights
         tier_cfgs += [("wgmma", {"DENSE": False, "WGMMA": True}), ("wgmma_bm64", {"DENSE": False, "WGMMA": True, "BM": 64}),
-                      ("wgmma_bm128", {"DENSE": False, "WGMMA": True, "BM": 128})]
+                      ("wgmma_bm128", {"DENSE": False, "WGMMA": True, "BM": 128}),
+                      ("wgmma_mixed", {"DENSE": False, "WGMMA": True, "BM": "mixed"}),
+                      ("wgmma_frag", {"DENSE": False, "WGMMA": True, "FRAG": True}),
+                      ("wgmma_frag_mixed", {"DENSE": False, "WGMMA": True, "FRAG": True, "BM": "mixed"})]
     tiers = {}
     for tier, c in tier_cfgs:
         yt = moe_prefill_triton(x, ids, wt, w1, w3, w2, limit, cfg=c)

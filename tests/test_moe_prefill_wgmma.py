@@ -91,20 +91,51 @@ def test_boundary_refusals():
     assert (wgmma_rows(64.0), wgmma_rows(16.0)) == (128, 64)
 
 
+def test_mixed_tiles_cover_every_row_once():
+    """``mixed_tiles`` on skewed routing (empty experts, 1..64-row experts, experts over 128 rows):
+    every sorted row in exactly one tile of its own expert, one 64-row tile for each expert of at
+    most 64 rows, 128-row tiles for the rest, surplus tiles marked -1 within the host bounds."""
+    from dsv4lab.kernels.moe_prefill import expert_schedule, mixed_tiles
+
+    g = torch.Generator().manual_seed(0)
+    E, T, k = 24, 700, 6
+    p = torch.rand(E, generator=g) ** 4  # skewed: some experts far over 128 rows, some empty
+    p[3] = p[17] = 0
+    ids = torch.stack([torch.multinomial(p, k, generator=g) for _ in range(T)])
+    sched = expert_schedule(ids, E, 128)
+    counts = sched["counts"]
+    assert (counts > 128).any() and ((counts > 0) & (counts <= 64)).any() and (counts == 0).any()
+    expert_of_row = torch.repeat_interleave(torch.arange(E), counts)
+    seen = torch.zeros(T * k, dtype=torch.long)
+    groups = mixed_tiles(sched)
+    assert [b for b, _ in groups] == [64, 128]
+    assert groups[0][1]["tiles"] == E and groups[1][1]["tiles"] == -(-T * k // 128) + E
+    for bm, t in groups:
+        live = t["tile_e"] >= 0
+        for e, r0, r1 in zip(t["tile_e"][live].tolist(), t["tile_r0"][live].tolist(), t["tile_r1"][live].tolist()):
+            rows = torch.arange(r0, min(r0 + bm, r1))
+            assert len(rows) and (expert_of_row[rows] == e).all() and (counts[e] <= 64) == (bm == 64)
+            seen[rows] += 1
+        assert live.sum() == (((counts > 0) & (counts <= 64)).sum() if bm == 64
+                              else torch.where(counts > 64, -(-counts // 128), 0).sum())
+    assert (seen == 1).all()
+
+
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("before", [False, True])
-@pytest.mark.parametrize("bm", [64, 128])
-def test_gpu_grouped_wgmma_v4_pro_experts(fmt, before, bm):
+@pytest.mark.parametrize("bm,frag", [(64, True), (128, True), (128, False), ("mixed", True), ("mixed", False)])
+def test_gpu_grouped_wgmma_v4_pro_experts(fmt, before, bm, frag):
     """683 tokens, top-6 of 64 V4-Pro-sized experts (~64 rows each, as 384 experts at 4096 tokens),
-    clamp 10: against the reference and the Triton grouped kernel; bitwise on a second call."""
+    clamp 10, A from registers (fragment order) or through shared memory: against the reference
+    and the Triton grouped kernel; bitwise on a second call."""
     from dsv4lab.kernels.moe_prefill import moe_prefill_triton
     from dsv4lab.kernels.moe_prefill_ref import moe_prefill_ref
 
     w1, w3, w2, x, ids, wt = _moe_inputs(fmt, 64, T=683)
-    c = {"WGMMA": True, "BM": bm}
+    c = {"WGMMA": True, "BM": bm, "FRAG": frag}
     y = moe_prefill_triton(x, ids, wt, w1, w3, w2, 10.0, before, cfg=c)
     _row_close(y, moe_prefill_ref(x, ids, wt, w1, w3, w2, 10.0, before), 2e-2)
     _row_close(y, moe_prefill_triton(x, ids, wt, w1, w3, w2, 10.0, before, cfg={"WGMMA": False}), 2e-2)

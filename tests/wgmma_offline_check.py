@@ -54,9 +54,10 @@ CASES = {"nvfp4_o_b_m128": ("nvfp4", 128, 16384, 7168, None, torch.bfloat16),
          "nvfp4_o_b_one_split": ("nvfp4", 128, 16384, 7168, {"SPLIT": 1}, torch.bfloat16)}
 # the grouped MoE prefill GEMMs (moe_prefill_wgmma) at V4-Pro's expert shapes: name: (format,
 # rows a tile, K, N, up (w1 + w3, SwiGLU, routing weight) or down, x dtype)
-GROUPED = {"grouped_nvfp4_up_bm128": ("nvfp4", 128, 7168, 3072, True, torch.bfloat16),
-           "grouped_mxfp4_up_bm64": ("mxfp4", 64, 7168, 3072, True, torch.bfloat16),
-           "grouped_nvfp4_down_bm128_f16": ("nvfp4", 128, 3072, 7168, False, torch.float16)}
+GROUPED = {"grouped_nvfp4_up_bm128": ("nvfp4", 128, 7168, 3072, True, torch.bfloat16, True),
+           "grouped_mxfp4_up_bm64": ("mxfp4", 64, 7168, 3072, True, torch.bfloat16, True),
+           "grouped_nvfp4_down_bm128_f16": ("nvfp4", 128, 3072, 7168, False, torch.float16, True),
+           "grouped_nvfp4_up_bm128_smem_a": ("nvfp4", 128, 7168, 3072, True, torch.bfloat16, False)}
 
 
 def _stack(fmt: str, E: int, N: int, K: int):
@@ -74,12 +75,12 @@ def _launch(name: str) -> None:
         s = torch.zeros(N, K // (16 if fmt == "nvfp4" else 32), dtype=torch.uint8)
         g.launch_wgmma_gemm(x, fmt, p, s, torch.ones(1), torch.empty(M, N, dtype=dt), cfg)
         return
-    fmt, bm, K, N, up, dt = GROUPED[name]
+    fmt, bm, K, N, up, dt, frag = GROUPED[name]
     E, T, k = 4, 96, 2
     sched = expert_schedule(torch.arange(T * k).reshape(T, k) % E, E, bm)
     w = _stack(fmt, E, N, K)
     mg.grouped_wgmma(torch.zeros(T * k, K, dtype=dt), sched, bm, w, _stack(fmt, E, N, K) if up else None,
-                     10.0 if up else None, torch.ones(T * k) if up else None)
+                     10.0 if up else None, torch.ones(T * k) if up else None, frag)
 
 
 res = {}
@@ -92,7 +93,8 @@ for name in [*CASES, *GROUPED]:
                            capture_output=True, text=True)
     regs = re.search(r"Used (\d+) registers", r.stderr)
     spill = re.search(r"(\d+) bytes spill stores", r.stderr)
-    res[name] = {"ptxas_rc": r.returncode, "shared": k.metadata.shared, "registers": int(regs.group(1)) if regs else None,
+    loop = k.asm["ptx"]  # shared-memory stores: the A operand's round trip (none in fragment order but the epilogue's)
+    res[name] = {"st_shared": loop.count("st.shared"), "ptxas_rc": r.returncode, "shared": k.metadata.shared, "registers": int(regs.group(1)) if regs else None,
                  "spill_bytes": int(spill.group(1)) if spill else None, "serialized": "C7515" in r.stderr,
                  "wgmma": k.asm["ptx"].count("wgmma.mma_async"), "ptxas_err": r.stderr[-300:] if r.returncode else ""}
 print("RESULT" + json.dumps(res))

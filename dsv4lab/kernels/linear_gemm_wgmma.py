@@ -138,6 +138,87 @@ def _step(acc, i, k_lo, ready, w_smem, x_smem, a_smem, sc_base, sc_mask, FMT: gl
     return acc
 
 
+# ---- the weight tile decoded straight into wgmma's register A operand (no shared-memory round trip)
+# A thread of the m64nNk16 A fragment holds, per row r and r + 8 of its warp's 16, the k pairs 2c and
+# 2c + 8 of every 16 (c = lane % 4): scattered bytes of the packed row. wgmma sums over k in any order
+# as long as A and B agree, so a kernel may multiply in "fragment order" within each 64-wide K step:
+# a thread decodes its two contiguous words (16 codes, one NVFP4 scale) of each of its rows, and the x
+# columns are permuted the same way beforehand (``fragment_order``). Within a 64-block, code
+# L = 16c + 8w1 + 2b + e (word 2c + w1, byte b, low/high nibble e) sits at column
+# 32w1 + 16(b // 2) + 8(b % 2) + 2c + e. With these layouts the compiler moves no data between
+# threads (offline PTX: no st.shared). The registers of an in-flight wgmma's A must not be rewritten
+# until a wgmma wait covers it: a loop decoding into one SSA value every step would rewrite them
+# while the previous step's wgmma still reads them, so callers alternate two (the K loop unrolled by 2).
+SPLIT_PAIR = gl.constexpr("mov.b32 {$0, $1}, $2;")
+# words [128, 8] (128 weight rows, BK 64, 8 warps) as the A fragment wants them: lanes % 4 pick a
+# word pair, lanes / 4 a row, registers the pair's second word and row + 8, warps 16 rows each
+FRAG_WORDS = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[128, 8]))
+
+
+@gluon.jit
+def _decode_fragment(wq, sp, dot_a: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, F16: gl.constexpr):
+    """Packed words [BN, BK/8] in ``FRAG_WORDS`` and their scale pairs -> the A operand [BN, BK]
+    in fragment order, in ``dot_a`` (a register relabelling: nothing moves)."""
+    if F16:
+        p0, p1, p2, p3 = gl.inline_asm_elementwise(PAIRS_F16, "=r,=r,=r,=r,r,r", [wq, sp],
+                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                   is_pure=True, pack=1)
+    else:
+        p0, p1, p2, p3 = gl.inline_asm_elementwise(PAIRS_BF16, "=r,=r,=r,=r,r,r", [wq, sp],
+                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                   is_pure=True, pack=1)
+    G: gl.constexpr = BK // 16
+    # [BN, c, w1] per byte b; joined -> [BN, c, w1, b % 2, b // 2]; column pair 16 w1 + 8 (b // 2) + 4 (b % 2) + c
+    j = gl.join(gl.join(gl.reshape(p0, [BN, G, 2]), gl.reshape(p1, [BN, G, 2])),
+                gl.join(gl.reshape(p2, [BN, G, 2]), gl.reshape(p3, [BN, G, 2])))
+    pairs = gl.reshape(gl.permute(j, [0, 2, 4, 3, 1]), [BN, BK // 2])
+    if F16:
+        lo, hi = gl.inline_asm_elementwise(SPLIT_PAIR, "=h,=h,r", [pairs], dtype=(gl.float16, gl.float16),
+                                           is_pure=True, pack=1)
+    else:
+        lo, hi = gl.inline_asm_elementwise(SPLIT_PAIR, "=h,=h,r", [pairs], dtype=(gl.bfloat16, gl.bfloat16),
+                                           is_pure=True, pack=1)
+    return gl.convert_layout(gl.reshape(gl.join(lo, hi), [BN, BK]), dot_a)
+
+
+@gluon.jit
+def fragment_column(n):
+    """Where logical column ``n`` (of a 64-aligned K) sits in fragment order."""
+    L = n % 64
+    return n - L + 32 * ((L // 8) % 2) + 16 * ((L // 4) % 2) + 8 * ((L // 2) % 2) + 2 * (L // 16) + L % 2
+
+
+def fragment_order(x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (K a multiple of 64) with each 64-block's columns in fragment order (one copy; with
+    ``rows``, only those rows, gathered in the same copy)."""
+    M, K = x.shape
+    v = x.view(M, K // 64, 4, 2, 2, 2, 2).permute(0, 1, 3, 4, 5, 2, 6)  # (c, w1, b//2, b%2, e) -> (w1, b//2, b%2, c, e)
+    if rows is not None:
+        v = v[rows.long()]
+    return v.reshape(v.shape[0], K)
+
+
+@gluon.jit
+def _step_fragment(acc, i, k_lo, ready, w_smem, x_smem, sc_base, sc_mask, FMT: gl.constexpr, BN: gl.constexpr,
+                   BK: gl.constexpr, STAGES: gl.constexpr, lw: gl.constexpr, dot_a: gl.constexpr,
+                   F16: gl.constexpr):
+    """K step i with A from registers: wait for its slot, decode into the fragment, issue the async
+    wgmma, wait until step i - 1's is done (its slot may be refilled once both warpgroups are here)."""
+    s = i % STAGES
+    k = k_lo + i * BK
+    if FMT == FMT_NVFP4:
+        sc_ptrs = sc_base + k // 16
+    else:
+        sc_ptrs = sc_base + k // 32
+    sp = _scale_pairs(sc_ptrs, sc_mask, FMT, F16)
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    a = _decode_fragment(_words(w_smem.index(s), BN, BK // 8, 0).load(lw), sp, dot_a, BN, BK, F16)
+    acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, use_acc=i > 0, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+
+
 @gluon.jit
 def _wgmma_gemm_kernel(x_desc, w_desc, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split, SPLIT,
                        stride_sn, stride_ym,

@@ -43,9 +43,10 @@ from .device import copy_to_host, on_input_device, wait_for_host
 from .linear_gemm import block_k
 
 try:  # Gluon (triton >= 3.5): the async-wgmma grouped GEMMs, sm_90
+    from .linear_gemm_wgmma import fragment_order
     from .moe_prefill_wgmma import grouped_wgmma, grouped_wgmma_supported, wgmma_rows
 except ImportError:  # a triton without Gluon: the Triton grouped kernel takes every call
-    grouped_wgmma = grouped_wgmma_supported = wgmma_rows = None
+    grouped_wgmma = grouped_wgmma_supported = wgmma_rows = fragment_order = None
 
 
 @triton.jit
@@ -155,21 +156,40 @@ def expert_schedule(ids: torch.Tensor, n_experts: int, bm: int) -> dict:
     order = torch.argsort(flat, stable=True)
     # not bincount: on CUDA it reads the maximum id back to the host, which a CUDA graph capture forbids
     counts = torch.zeros(n_experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
-    ends = torch.cumsum(counts, 0)
-    starts = ends - counts
-    ntiles = (counts + bm - 1) // bm
-    tcum = torch.cumsum(ntiles, 0)
-    mt = cdiv(R, bm) + min(n_experts, R)
-    t = torch.arange(mt, device=ids.device)
-    e = torch.searchsorted(tcum, t, right=True)
-    valid = e < n_experts
-    ec = e.clamp(max=n_experts - 1)
-    r0 = starts[ec] + (t - (tcum[ec] - ntiles[ec])) * bm
     pos = torch.empty(R, dtype=torch.int32, device=ids.device)
     pos[order] = torch.arange(R, dtype=torch.int32, device=ids.device)
-    return {"src": (order // k).to(torch.int32), "order": order, "pos": pos, "tiles": mt, "counts": counts,
-            "tile_e": torch.where(valid, ec, -1).to(torch.int32), "tile_r0": r0.to(torch.int32),
+    tiles = expert_tiles(counts, bm, (counts + bm - 1) // bm, cdiv(R, bm) + min(n_experts, R))
+    return {"src": (order // k).to(torch.int32), "order": order, "pos": pos, "counts": counts, **tiles}
+
+
+def expert_tiles(counts: torch.Tensor, bm: int, ntiles: torch.Tensor, bound: int) -> dict:
+    """Tiles of ``bm`` rows over the sorted rows: ``ntiles[e]`` from expert e's first row (its
+    ``counts[e]`` rows), ``bound`` tiles in all (host-side: the surplus ones get expert -1)."""
+    E = counts.numel()
+    ends = torch.cumsum(counts, 0)
+    starts = ends - counts
+    tcum = torch.cumsum(ntiles, 0)
+    t = torch.arange(bound, device=counts.device)
+    e = torch.searchsorted(tcum, t, right=True)
+    valid = e < E
+    ec = e.clamp(max=E - 1)
+    r0 = starts[ec] + (t - (tcum[ec] - ntiles[ec])) * bm
+    return {"tiles": bound, "tile_e": torch.where(valid, ec, -1).to(torch.int32), "tile_r0": r0.to(torch.int32),
             "tile_r1": ends[ec].to(torch.int32)}
+
+
+def mixed_tiles(sched: dict, small: int = 64, big: int = 128) -> list[tuple[int, dict]]:
+    """Two tile lists over ``sched``'s sorted rows: one ``small``-row tile for each expert with
+    1..``small`` rows, ``big``-row tiles for the others. Each expert's weights are then decoded
+    once (as with ``big`` alone) without multiplying a mostly empty tile (as with ``big`` for
+    the experts a ``small`` tile holds). Host-side bounds: min(E, R) and cdiv(R, big) + min(E,
+    R // (small + 1))."""
+    counts = sched["counts"]
+    E, R = counts.numel(), sched["src"].numel()
+    few = (counts > 0) & (counts <= small)
+    many = torch.where(counts > small, (counts + big - 1) // big, 0)
+    return [(small, expert_tiles(counts, small, few.long(), min(E, R))),
+            (big, expert_tiles(counts, big, many, cdiv(R, big) + min(E, R // (small + 1))))]
 
 
 def prefill_tiles(N: int, K: int, rows_per_expert: float = 0.0) -> dict:
@@ -243,7 +263,8 @@ def moe_prefill_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     both GEMMs, its ``up`` / ``down`` entries those of one (``BM`` only for both: the schedule's);
     ``DENSE`` forces or refuses ``moe_prefill_dense`` (by default it runs where ``dense_moe_fits``);
     ``WGMMA`` forces or refuses the Gluon grouped GEMMs (``moe_prefill_wgmma``: by default on sm_90
-    where ``grouped_wgmma_supported``; ``BM`` may come with it)."""
+    where ``grouped_wgmma_supported``; ``BM`` may come with it: 64, 128 or "mixed", ``mixed_tiles``;
+    ``FRAG`` True: A decoded into registers, fragment order)."""
     if x.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(f"x must be [T, H] and ids / weights [T, k] with the same T; got x {tuple(x.shape)}, "
                          f"ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
@@ -264,13 +285,15 @@ def moe_prefill_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                  and grouped_wgmma_supported(x, w1, w3, w2)):
         try:
             return _moe_prefill_wgmma(x, ids, rw, w1, w3, w2, limit, weight_before_w2, cfg.get("BM", wgmma_rows(rows)),
-                                      out)
+                                      out, cfg.get("FRAG", False))
         except Exception as e:  # noqa: BLE001 - a triton whose Gluon this kernel does not compile on
             if wgmma:  # forced: errors surface
                 raise
             _wgmma_ok[0] = False
             warnings.warn(f"the Gluon grouped GEMMs (moe_prefill_wgmma) failed here ({type(e).__name__}: {e}); "
                           "the Triton grouped kernel takes these calls from now on")
+    if cfg.get("BM") == "mixed":  # the Gluon GEMMs' two tile heights: this kernel keeps its rule
+        cfg.pop("BM")
     up, down = cfg.pop("up", {}), cfg.pop("down", {})  # per-GEMM overrides (the tile sweep)
     bm = {**prefill_tiles(I, H, rows), **cfg}["BM"]
     cfg["BM"] = bm  # both grouped GEMMs walk the schedule's tiles
@@ -285,16 +308,24 @@ _wgmma_ok = [True]  # False once the Gluon grouped GEMMs failed to compile or la
 
 
 def _moe_prefill_wgmma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1, w3, w2, limit: float | None,
-                       weight_before_w2: bool, bm: int, out: torch.Tensor) -> torch.Tensor:
-    """``moe_prefill_triton`` by the Gluon grouped GEMMs. Transient: x's rows in sorted order
-    [T*k, H] (TMA reads boxes, not gathered rows), freed once h [T*k, I] exists, before y [T*k, H]:
-    the Triton path's peak (h + y)."""
+                       weight_before_w2: bool, bm: int | str, out: torch.Tensor, frag: bool = False) -> torch.Tensor:
+    """``moe_prefill_triton`` by the Gluon grouped GEMMs (``frag``: A from registers, x and h in
+    fragment order; ``bm`` "mixed": ``mixed_tiles``, two launches a GEMM). Transient: x's rows in
+    sorted order [T*k, H] (TMA reads boxes, not gathered rows), freed once h [T*k, I] exists,
+    before y [T*k, H]: the Triton path's peak (h + y)."""
     T, k = ids.shape
-    sched = expert_schedule(ids, w1.shape[0], bm)
-    xs = x.index_select(0, sched["src"])
-    h = grouped_wgmma(xs, sched, bm, w1, w3, limit, rw[sched["order"]] if weight_before_w2 else None)
+    E, I, H = w1.shape
+    sched = expert_schedule(ids, E, 128 if bm == "mixed" else bm)
+    groups = mixed_tiles(sched) if bm == "mixed" else [(bm, sched)]
+    xs = fragment_order(x, sched["src"]) if frag else x.index_select(0, sched["src"])
+    rws = rw[sched["order"]] if weight_before_w2 else None
+    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
+    for b, tiles in groups:
+        grouped_wgmma(xs, tiles, b, w1, w3, limit, rws, frag, out=h)
     del xs
-    y = grouped_wgmma(h, sched, bm, w2)
+    y = torch.empty((T * k, H), dtype=x.dtype, device=x.device)
+    for b, tiles in groups:
+        grouped_wgmma(h, tiles, b, w2, frag=frag, out=y)
     del h
     return unpermute(y, sched["pos"], rw, out, k, weight=not weight_before_w2)
 

@@ -30,7 +30,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
 from .common import FMT_NVFP4, FORMAT_CODES, cdiv, device_capability
-from .linear_gemm_wgmma import _step, cta_barrier, tma_load
+from .linear_gemm_wgmma import FRAG_WORDS, _step, _step_fragment, cta_barrier, fragment_column, tma_load
 
 BN, BK, STAGES, WARPS = 128, 64, 4, 8  # the dense kernel's tile (H100 probe, linear_gemm_wgmma.wgmma_tiles)
 
@@ -48,11 +48,27 @@ def _load_step(x_desc, w_desc, w3_desc, bar, x_buf, w_buf, r0, wr0, k, ok, DUAL:
 
 
 @gluon.jit
+def _refill(x_desc, w_desc, w3_desc, ready, x_smem, w_smem, i, n_steps, r0, wr0, nbytes: gl.constexpr,
+            BK: gl.constexpr, STAGES: gl.constexpr, DUAL: gl.constexpr, HALF: gl.constexpr, SYNC: gl.constexpr = True):
+    """At step i (step i - 1's wgmma done in this warpgroup): refill step i - 1's ring slot with step
+    i - 1 + STAGES. ``SYNC``: a CTA barrier first (A from registers: nothing else has made both
+    warpgroups pass their wait)."""
+    if SYNC:
+        cta_barrier()
+    nxt = i - 1 + STAGES
+    ok = nxt < n_steps
+    sp = (i + STAGES - 1) % STAGES
+    mbarrier.expect(ready.index(sp), nbytes, pred=ok)
+    _load_step(x_desc, w_desc, w3_desc, ready.index(sp), x_smem.index(sp), w_smem.index(sp), r0, wr0, nxt * BK, ok,
+               DUAL, HALF)
+
+
+@gluon.jit
 def _grouped_wgmma_kernel(x_desc, w_desc, w3_desc, s_ptr, s3_ptr, gs_ptr, gs3_ptr, tile_e_ptr, tile_r0_ptr,
                           tile_r1_ptr, rw_ptr, y_ptr, N, K, n_cols, stride_sn, stride_ym, limit,
                           FMT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                           STAGES: gl.constexpr, DUAL: gl.constexpr, CLAMP: gl.constexpr, WEIGHT: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          FRAG: gl.constexpr, num_warps: gl.constexpr):
     """y[rows, cols] of one (schedule tile, column block) (module docstring). Weights as 2-D
     [E * N, K/2] views: expert e's rows start at e * N."""
     pid = gl.program_id(0)
@@ -70,13 +86,14 @@ def _grouped_wgmma_kernel(x_desc, w_desc, w3_desc, s_ptr, s3_ptr, gs_ptr, gs3_pt
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BM, 16])
-        wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[32 // (BK // 16), BK // 16],
-                                            warps_per_cta=[num_warps, 1], order=[1, 0])
-        a_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], dt)
+        if FRAG:   # A decoded into wgmma's registers (linear_gemm_wgmma: fragment order)
+            wl: gl.constexpr = FRAG_WORDS
+        else:      # A decoded into a double-buffered shared-memory operand
+            wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[32 // (BK // 16), BK // 16],
+                                                warps_per_cta=[num_warps, 1], order=[1, 0])
         F16: gl.constexpr = dt == gl.float16
         x_smem = gl.allocate_shared_memory(dt, [STAGES, BM, BK], x_desc.layout)
         w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK // 2], w_desc.layout)
-        a_smem = gl.allocate_shared_memory(dt, [2, BN, BK], a_l)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(STAGES):
             mbarrier.init(ready.index(j), count=1)
@@ -107,18 +124,33 @@ def _grouped_wgmma_kernel(x_desc, w_desc, w3_desc, s_ptr, s3_ptr, gs_ptr, gs3_pt
             sc_base = s_ptr + sc_off
 
         # step 0 peeled, as in linear_gemm_wgmma (keeps ptxas from serialising the async wgmmas)
-        acc = _step(gl.zeros([BN, BM], gl.float32, mma), 0, 0, ready, w_smem, x_smem, a_smem, sc_base, sc_mask,
-                    FMT, BN, BK, STAGES, 0, wl, F16)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        for i in range(1, n_steps):
-            acc = _step(acc, i, 0, ready, w_smem, x_smem, a_smem, sc_base, sc_mask, FMT, BN, BK, STAGES, 0, wl, F16)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # step i - 1's wgmma is done:
-            nxt = i - 1 + STAGES                                        # refill its slot
-            ok = nxt < n_steps
-            sp = (i + STAGES - 1) % STAGES
-            mbarrier.expect(ready.index(sp), nbytes, pred=ok)
-            _load_step(x_desc, w_desc, w3_desc, ready.index(sp), x_smem.index(sp), w_smem.index(sp), r0, wr0,
-                       nxt * BK, ok, DUAL, HALF)
+        acc = gl.zeros([BN, BM], gl.float32, mma)
+        if FRAG:   # unrolled by 2: A alternates between two register sets (linear_gemm_wgmma, fragment order)
+            dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+            acc = _step_fragment(acc, 0, 0, ready, w_smem, x_smem, sc_base, sc_mask, FMT, BN, BK, STAGES, wl, dot_a, F16)
+            for j in range(0, (n_steps - 1) // 2):
+                acc = _step_fragment(acc, 1 + 2 * j, 0, ready, w_smem, x_smem, sc_base, sc_mask, FMT, BN, BK, STAGES,
+                                     wl, dot_a, F16)
+                _refill(x_desc, w_desc, w3_desc, ready, x_smem, w_smem, 1 + 2 * j, n_steps, r0, wr0, nbytes, BK,
+                        STAGES, DUAL, HALF)
+                acc = _step_fragment(acc, 2 + 2 * j, 0, ready, w_smem, x_smem, sc_base, sc_mask, FMT, BN, BK, STAGES,
+                                     wl, dot_a, F16)
+                _refill(x_desc, w_desc, w3_desc, ready, x_smem, w_smem, 2 + 2 * j, n_steps, r0, wr0, nbytes, BK,
+                        STAGES, DUAL, HALF)
+            if (n_steps - 1) % 2 == 1:
+                acc = _step_fragment(acc, n_steps - 1, 0, ready, w_smem, x_smem, sc_base, sc_mask, FMT, BN, BK, STAGES,
+                                     wl, dot_a, F16)
+        else:
+            a_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], dt)
+            a_smem = gl.allocate_shared_memory(dt, [2, BN, BK], a_l)
+            acc = _step(acc, 0, 0, ready, w_smem, x_smem, a_smem, sc_base, sc_mask, FMT, BN, BK, STAGES, 0, wl, F16)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            for i in range(1, n_steps):
+                acc = _step(acc, i, 0, ready, w_smem, x_smem, a_smem, sc_base, sc_mask, FMT, BN, BK, STAGES, 0, wl,
+                            F16)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # step i - 1's wgmma is done:
+                _refill(x_desc, w_desc, w3_desc, ready, x_smem, w_smem, i, n_steps, r0, wr0, nbytes, BK, STAGES,
+                        DUAL, HALF, False)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         for j in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(j))
@@ -150,14 +182,18 @@ def _grouped_wgmma_kernel(x_desc, w_desc, w3_desc, s_ptr, s3_ptr, gs_ptr, gs3_pt
             if WEIGHT:
                 w_r = gl.load(rw_ptr + offs_r, mask=offs_r < r1, other=0.0).to(out_ty).to(gl.float32)
                 h = (h * gl.expand_dims(w_r, 0)).to(out_ty).to(gl.float32)
+            cols = offs_n
+            if FRAG:   # h is the down GEMM's x: its columns in fragment order
+                cols = fragment_column(offs_n)
         else:
             h = acc
             if FMT == FMT_NVFP4:
                 h = h * gl.load(gs_ptr + e)
             offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
             offs_r = r0 + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+            cols = offs_n
         mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_r < r1, 0)
-        gl.store(y_ptr + gl.expand_dims(offs_r.to(gl.int64), 0) * stride_ym + gl.expand_dims(offs_n, 1),
+        gl.store(y_ptr + gl.expand_dims(offs_r.to(gl.int64), 0) * stride_ym + gl.expand_dims(cols, 1),
                  h.to(out_ty), mask=mask)
 
 
@@ -188,10 +224,14 @@ def grouped_wgmma_supported(x: torch.Tensor, w1, w3, w2) -> bool:
 
 
 def grouped_wgmma(x: torch.Tensor, sched: dict, bm: int, w, w3=None, limit: float | None = None,
-                  rw: torch.Tensor | None = None) -> torch.Tensor:
+                  rw: torch.Tensor | None = None, frag: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """One grouped launch over ``sched``'s tiles of ``bm`` rows: y [R, N] in sorted row order =
     x [R, K] (rows already sorted) @ W_e^T per row's expert; with ``w3`` the clamped SwiGLU of the w1
-    and w3 products (times ``rw`` [R], the sorted rows' routing weights, when given)."""
+    and w3 products (times ``rw`` [R], the sorted rows' routing weights, when given). ``frag``: A
+    decoded into registers, x's columns in fragment order (``linear_gemm_wgmma.fragment_order``),
+    and the SwiGLU output (with ``w3``) written in fragment order too; else A through shared memory
+    and plain column order everywhere. ``out``: y, written at the tiles' rows only (the other
+    tile list of ``moe_prefill.mixed_tiles`` writes the rest)."""
     E, N, K = w.shape
     fmt, p, s, gs = _stack_parts(w)
     R = x.shape[0]
@@ -201,7 +241,10 @@ def grouped_wgmma(x: torch.Tensor, sched: dict, bm: int, w, w3=None, limit: floa
     if x.shape[1] != K or K % BK or bm not in (64, 128):
         raise ValueError(f"grouped_wgmma: x [R, {x.shape[1]}] against K = {K} (a multiple of {BK}) with bm "
                          f"{bm} (64 or 128)")
-    y = torch.empty((R, N), dtype=x.dtype, device=x.device)
+    if out is not None and (out.shape != (R, N) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"grouped_wgmma: out must be a contiguous [{R}, {N}] {x.dtype} tensor, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    y = out if out is not None else torch.empty((R, N), dtype=x.dtype, device=x.device)
     if R == 0:
         return y
     if w3 is not None:
@@ -225,7 +268,8 @@ def grouped_wgmma(x: torch.Tensor, sched: dict, bm: int, w, w3=None, limit: floa
         x_desc, w_desc, w3_desc, s, s3, gs_arg, gs3 if gs3 is not None else gs_arg, sched["tile_e"], sched["tile_r0"],
         sched["tile_r1"], rw if rw is not None else s, y, N, K, n_cols, s.stride(0), y.stride(0),
         float(limit) if clamp else 0.0, FMT=FORMAT_CODES[fmt], BM=bm, BN=BN, BK=BK, STAGES=STAGES, DUAL=dual,
-        CLAMP=clamp, WEIGHT=rw is not None, num_warps=WARPS)
+        CLAMP=clamp, WEIGHT=rw is not None, FRAG=frag, num_warps=WARPS,
+        maxnreg=128 if frag else None)  # FRAG: 109-115 registers under the cap (145-149 without; sm_90a offline)
     return y
 
 

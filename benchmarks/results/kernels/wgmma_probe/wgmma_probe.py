@@ -80,7 +80,7 @@ def main() -> None:
                 print(f"M={M} {name:6s} {fmt:6s} cuBLAS {res['cublas_bf16_us']:6.1f} old {res['old_path_us']:6.1f} "
                       f"triton {res['triton_us']:6.1f} "
                       f"wgmma {r.get('us', float('nan')):6.1f} err {r.get('err', r.get('error'))} split {base['SPLIT']} | "
-                      + "  ".join(f"{k} {res[k]['us']:.1f}" for k in ok if k != "rule") + f"  best {best}", flush=True)
+                      + "  ".join(f"{k} {res[k]['us']:.1f} (err {res[k]['err']:.1e})" for k in ok if k != "rule") + f"  best {best}", flush=True)
                 rows.append(res)
                 del w, dense
                 torch.cuda.empty_cache()
