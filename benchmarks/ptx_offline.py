@@ -62,7 +62,7 @@ for m in list(sys.modules.values()):
     for attr in ("_num_sms", "num_sms"):
         if getattr(m, "__name__", "").startswith(P.rstrip(".")) and hasattr(m, attr):
             setattr(m, attr, lambda device: 132)
-from dsv4lab.quant.weights import NVFP4Weight, MXFP4Weight, FP8BlockWeight  # noqa: E402
+from dsv4lab.quant.weights import MXFP4Weight, FP8BlockWeight  # noqa: E402
 
 lin, tma, off, moe, moetma, aq = (mods[k] for k in ("lin", "tma", "off", "moe", "moetma", "aq"))
 dev = torch.device("cpu")

@@ -310,7 +310,6 @@ except ValueError:
 # the shared expert folded into the same two launches (shared=): bitwise the routed call plus a
 # one-expert call added in bf16 (the model's routed + shared), near the reference; both formats
 from dsv4lab.quant.stacked import stack_one
-from dsv4lab.kernels.moe_decode_tma import moe_decode_tma
 for fmt, ws, sh in (("nvfp4", (mk(256, 256), mk(256, 256), mk(256, 256)),
                      tuple(stack_one(quantize_nvfp4(rnd(256, 256) * 2)) for _ in range(3))),
                     ("mxfp4", (m1, m3, m2), tuple(stack_one(quantize_mxfp4(rnd(512, 512))) for _ in range(3)))):

@@ -14,7 +14,7 @@ from dsv4lab.checkpoint.formats import detect_format
 from dsv4lab.checkpoint.reader import CheckpointReader
 from dsv4lab.checkpoint.writer import save_checkpoint
 from dsv4lab.quant.weights import (
-    FP8BlockWeight, MXFP4Weight, NVFP4Weight, PlainWeight, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4,
+    FP8BlockWeight, NVFP4Weight, PlainWeight, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4,
 )
 
 

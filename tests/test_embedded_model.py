@@ -5,7 +5,6 @@ window with a clear drop when the compressed branch is off, " Paris" top-1 in ev
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

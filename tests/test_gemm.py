@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from dsv4lab.kernels.moe_prefill_ref import moe_prefill_ref
-from dsv4lab.model.moe import Experts
 from dsv4lab.quant.weights import quantize_nvfp4
 from dsv4lab.workbench import random_model
 from oracle_util import tiny_config

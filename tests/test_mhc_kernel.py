@@ -36,7 +36,7 @@ from dsv4lab.decode.graphs import model_signature
 from dsv4lab.kernels import install
 from dsv4lab.kernels.device import triton_importable
 from dsv4lab.kernels.dispatch import mhc_head_pre, mhc_post, mhc_pre, rms_norm
-from dsv4lab.model.mhc import HyperConnection, HyperHead, PendingSinkhorn, collapse, head_weights, mix_logits, mix_weights
+from dsv4lab.model.mhc import HyperConnection, PendingSinkhorn, collapse, head_weights, mix_logits, mix_weights
 from dsv4lab.workbench import random_model
 from dsv4lab.model.norms import RMSNorm
 from oracle_util import Counting, decode_logits, interp_check_result, random_ids, tiny_config

@@ -4,7 +4,6 @@ scales), w4a8's power-of-two option and expert order, and the official edge case
 (swiglu_limit <= 0, softmax scoring). The whole-model check is tests/model/test_official.py."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch.nn.functional as F
 from dsv4lab.decode.graphs import model_signature
 from dsv4lab.model.linear import QLinear
 from dsv4lab.precision import (ROUND_TRIPS, Mode, PrecisionPolicy, RoundTrip, UnknownChoiceError, apply_precision,
-                               precision_state, quantize_linears, restore_precision, using_precision)
+                               precision_state, quantize_linears, using_precision)
 from dsv4lab.quant.activations import fake_quant_fp4_pow2, fake_quant_fp8_block
 from dsv4lab.quant.hadamard import hadamard
 from dsv4lab.quant.weights import quantize_fp8_block

@@ -115,7 +115,7 @@ def _decode_words(wq, sp, BN: gl.constexpr, BK: gl.constexpr, F16: gl.constexpr)
 
 
 @gluon.jit
-def _step(acc, i, k_lo, ready, w_smem, x_smem, a_smem, sc_base, sc_mask, FMT: gl.constexpr, BN: gl.constexpr,
+def k_step(acc, i, k_lo, ready, w_smem, x_smem, a_smem, sc_base, sc_mask, FMT: gl.constexpr, BN: gl.constexpr,
           BK: gl.constexpr, STAGES: gl.constexpr, PROBE: gl.constexpr, wl: gl.constexpr, F16: gl.constexpr):
     """K step i: wait for its slot, decode the weight tile into wgmma operand buffer i % 2, fence,
     CTA barrier, issue the async wgmma (not waited for here)."""
@@ -201,7 +201,7 @@ def fragment_order(x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.T
 
 
 @gluon.jit
-def _step_fragment(acc, i, k_lo, ready, w_smem, x_smem, sc_base, sc_mask, FMT: gl.constexpr, BN: gl.constexpr,
+def k_step_fragment(acc, i, k_lo, ready, w_smem, x_smem, sc_base, sc_mask, FMT: gl.constexpr, BN: gl.constexpr,
                    BK: gl.constexpr, STAGES: gl.constexpr, lw: gl.constexpr, dot_a: gl.constexpr,
                    F16: gl.constexpr):
     """K step i with A from registers: wait for its slot, decode into the fragment, issue the async
@@ -266,11 +266,11 @@ def _wgmma_gemm_kernel(x_desc, w_desc, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
 
     # step 0 peeled (every split has >= 1 step): the loop's zero-trip path then carries a wgmma's
     # accumulator too, which keeps ptxas from serialising the async wgmmas (its warning C7515)
-    acc = _step(gl.zeros([BN, BM], gl.float32, mma), 0, k_lo, ready, w_smem, x_smem, a_smem, sc_base, sc_mask,
+    acc = k_step(gl.zeros([BN, BM], gl.float32, mma), 0, k_lo, ready, w_smem, x_smem, a_smem, sc_base, sc_mask,
                 FMT, BN, BK, STAGES, PROBE, wl, F16)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # no wait: the carried value's type
     for i in range(1, n_steps):
-        acc = _step(acc, i, k_lo, ready, w_smem, x_smem, a_smem, sc_base, sc_mask, FMT, BN, BK, STAGES, PROBE, wl, F16)
+        acc = k_step(acc, i, k_lo, ready, w_smem, x_smem, a_smem, sc_base, sc_mask, FMT, BN, BK, STAGES, PROBE, wl, F16)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # step i - 1's wgmma is done:
         nxt = i - 1 + STAGES                                        # refill its slot
         ok = nxt < n_steps

@@ -4,7 +4,7 @@ Why: with V4-Pro's 384 experts a 4096-token chunk gives each expert ~64 rows, so
 (dequantise + cuBLAS) never applies and ``moe_prefill``'s Triton grouped kernel ran at ~115 TFLOP/s
 (28.8 ms a layer on the H200): it decodes a weight tile in the warps that then wait on its wgmma,
 the M = 128 problem ``linear_gemm_wgmma`` solved. This module runs that kernel's K loop
-(``linear_gemm_wgmma._step``: TMA ring, packed decode into a double-buffered wgmma operand, async
+(``linear_gemm_wgmma.k_step``: TMA ring, packed decode into a double-buffered wgmma operand, async
 wgmma overlapped with the next decode) over ``moe_prefill.expert_schedule``'s tiles:
 
 * one CTA: 128 weight rows x one tile of BM sorted rows of one expert (``tile_e`` / ``tile_r0`` /
@@ -30,7 +30,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
 from .common import FMT_NVFP4, FORMAT_CODES, cdiv, device_capability
-from .linear_gemm_wgmma import FRAG_WORDS, _step, _step_fragment, cta_barrier, fragment_column, tma_load
+from .linear_gemm_wgmma import FRAG_WORDS, k_step, k_step_fragment, cta_barrier, fragment_column, tma_load
 
 BN, BK, STAGES, WARPS = 128, 64, 4, 8  # the dense kernel's tile (H100 probe, linear_gemm_wgmma.wgmma_tiles)
 
@@ -127,26 +127,26 @@ def _grouped_wgmma_kernel(x_desc, w_desc, w3_desc, s_ptr, s3_ptr, gs_ptr, gs3_pt
         acc = gl.zeros([BN, BM], gl.float32, mma)
         if FRAG:   # unrolled by 2: A alternates between two register sets (linear_gemm_wgmma, fragment order)
             dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-            acc = _step_fragment(acc, 0, 0, ready, w_smem, x_smem, sc_base, sc_mask, FMT, BN, BK, STAGES, wl, dot_a, F16)
+            acc = k_step_fragment(acc, 0, 0, ready, w_smem, x_smem, sc_base, sc_mask, FMT, BN, BK, STAGES, wl, dot_a, F16)
             for j in range(0, (n_steps - 1) // 2):
-                acc = _step_fragment(acc, 1 + 2 * j, 0, ready, w_smem, x_smem, sc_base, sc_mask, FMT, BN, BK, STAGES,
+                acc = k_step_fragment(acc, 1 + 2 * j, 0, ready, w_smem, x_smem, sc_base, sc_mask, FMT, BN, BK, STAGES,
                                      wl, dot_a, F16)
                 _refill(x_desc, w_desc, w3_desc, ready, x_smem, w_smem, 1 + 2 * j, n_steps, r0, wr0, nbytes, BK,
                         STAGES, DUAL, HALF)
-                acc = _step_fragment(acc, 2 + 2 * j, 0, ready, w_smem, x_smem, sc_base, sc_mask, FMT, BN, BK, STAGES,
+                acc = k_step_fragment(acc, 2 + 2 * j, 0, ready, w_smem, x_smem, sc_base, sc_mask, FMT, BN, BK, STAGES,
                                      wl, dot_a, F16)
                 _refill(x_desc, w_desc, w3_desc, ready, x_smem, w_smem, 2 + 2 * j, n_steps, r0, wr0, nbytes, BK,
                         STAGES, DUAL, HALF)
             if (n_steps - 1) % 2 == 1:
-                acc = _step_fragment(acc, n_steps - 1, 0, ready, w_smem, x_smem, sc_base, sc_mask, FMT, BN, BK, STAGES,
+                acc = k_step_fragment(acc, n_steps - 1, 0, ready, w_smem, x_smem, sc_base, sc_mask, FMT, BN, BK, STAGES,
                                      wl, dot_a, F16)
         else:
             a_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], dt)
             a_smem = gl.allocate_shared_memory(dt, [2, BN, BK], a_l)
-            acc = _step(acc, 0, 0, ready, w_smem, x_smem, a_smem, sc_base, sc_mask, FMT, BN, BK, STAGES, 0, wl, F16)
+            acc = k_step(acc, 0, 0, ready, w_smem, x_smem, a_smem, sc_base, sc_mask, FMT, BN, BK, STAGES, 0, wl, F16)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             for i in range(1, n_steps):
-                acc = _step(acc, i, 0, ready, w_smem, x_smem, a_smem, sc_base, sc_mask, FMT, BN, BK, STAGES, 0, wl,
+                acc = k_step(acc, i, 0, ready, w_smem, x_smem, a_smem, sc_base, sc_mask, FMT, BN, BK, STAGES, 0, wl,
                             F16)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # step i - 1's wgmma is done:
                 _refill(x_desc, w_desc, w3_desc, ready, x_smem, w_smem, i, n_steps, r0, wr0, nbytes, BK, STAGES,

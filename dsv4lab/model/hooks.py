@@ -7,7 +7,6 @@ return a replacement tensor) and its name is stable: ``layers.3.attn.hook_q``. C
 from __future__ import annotations
 
 import torch
-from torch import nn
 from .component import Component
 
 

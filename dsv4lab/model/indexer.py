@@ -13,7 +13,6 @@ power-of-two scales; the scores use the rotated, rounded q and k.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..config import DSV4Config
 from ..quant.modes import RoundTrip

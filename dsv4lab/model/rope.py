@@ -7,7 +7,6 @@ transformers' own rope initialiser so the numbers are the oracle's.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..config import DSV4Config
 from .component import Component

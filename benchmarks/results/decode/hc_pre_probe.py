@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from benchmarks.kernels import graph_time_us  # noqa: E402

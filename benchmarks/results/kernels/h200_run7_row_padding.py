@@ -2,7 +2,7 @@
 weights whose rows are padded (packed and/or scales), for o_b and 4x o_b rows."""
 import sys, torch
 sys.path.insert(0, ".")
-from benchmarks.kernels import copy_ceiling, graph_time_us, rel_err
+from benchmarks.kernels import copy_ceiling, graph_time_us
 from triton.testing import do_bench
 from kernels.nvfp4_gemv_tma import launch_gemv_tma, tma_default_config, x_pairs
 ceil = copy_ceiling(do_bench); print(f"ceil {ceil:.0f}", flush=True)

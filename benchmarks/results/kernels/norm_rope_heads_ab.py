@@ -1,4 +1,4 @@
-import json, sys, torch
+import json, torch
 from triton.testing import do_bench
 from dsv4lab.kernels.norm_rope import launch_norm_rope, NORM_PLAIN, NORM_NONE
 T, H, D = 4096, 128, 512
