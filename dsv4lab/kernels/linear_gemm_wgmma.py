@@ -148,7 +148,10 @@ def k_step(acc, i, k_lo, ready, w_smem, x_smem, a_smem, sc_base, sc_mask, FMT: g
 # 32w1 + 16(b // 2) + 8(b % 2) + 2c + e. With these layouts the compiler moves no data between
 # threads (offline PTX: no st.shared). The registers of an in-flight wgmma's A must not be rewritten
 # until a wgmma wait covers it: a loop decoding into one SSA value every step would rewrite them
-# while the previous step's wgmma still reads them, so callers alternate two (the K loop unrolled by 2).
+# while the previous step's wgmma still reads them, so callers alternate two (the K loop unrolled by 2:
+# 109-115 registers offline; threading each step's A through the next wait's ``deps``, Gluon's
+# documented way, compiles to 125-127, at the 128 cap of two CTAs an SM). Both warpgroups read each
+# ring slot's x, so a slot is refilled only after a CTA barrier.
 SPLIT_PAIR = gl.constexpr("mov.b32 {$0, $1}, $2;")
 # words [128, 8] (128 weight rows, BK 64, 8 warps) as the A fragment wants them: lanes % 4 pick a
 # word pair, lanes / 4 a row, registers the pair's second word and row + 8, warps 16 rows each

@@ -127,7 +127,8 @@ def _grouped_wgmma_kernel(x_desc, w_desc, w3_desc, s_ptr, s3_ptr, gs_ptr, gs3_pt
         acc = gl.zeros([BN, BM], gl.float32, mma)
         if FRAG:   # unrolled by 2: A alternates between two register sets (linear_gemm_wgmma, fragment order)
             dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-            acc = k_step_fragment(acc, 0, 0, ready, w_smem, x_smem, sc_base, sc_mask, FMT, BN, BK, STAGES, wl, dot_a, F16)
+            acc = k_step_fragment(acc, 0, 0, ready, w_smem, x_smem, sc_base, sc_mask, FMT, BN, BK, STAGES, wl, dot_a,
+                                  F16)
             for j in range(0, (n_steps - 1) // 2):
                 acc = k_step_fragment(acc, 1 + 2 * j, 0, ready, w_smem, x_smem, sc_base, sc_mask, FMT, BN, BK, STAGES,
                                      wl, dot_a, F16)
