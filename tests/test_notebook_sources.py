@@ -5,6 +5,7 @@ and the parameters it declares are the ones docs/notebooks.md documents. Nothing
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -76,6 +77,15 @@ def test_valid_nbformat_v4(path):
         nbformat.validate(book)
     except nbformat.ValidationError as e:
         pytest.fail(f"{path.name}: not a valid nbformat v4 notebook: {e.message}")
+
+
+@each
+def test_every_cell_has_an_id(path):
+    """nbformat 4.5 cell ids, in the committed file itself: nbformat adds missing ones on every read
+    with a warning that is to become an error (a cell added by hand or by script has none)."""
+    missing = [i for i, c in enumerate(json.loads(path.read_text())["cells"]) if not c.get("id")]
+    assert not missing, (f"{path.name}: cells {missing} have no id; run nbformat.validator.normalize on the "
+                         "notebook (or save it from JupyterLab) before committing")
 
 
 @each
