@@ -99,17 +99,31 @@ def _scale_pairs(sc_ptrs, sc_mask, FMT: gl.constexpr, F16: gl.constexpr):
 
 
 @gluon.jit
+def _byte_pairs(wq, sp, F16: gl.constexpr):
+    """Each packed word's four 16-bit pairs, scaled (pair b: byte b's two codes), as four int32."""
+    if F16:
+        return gl.inline_asm_elementwise(PAIRS_F16, "=r,=r,=r,=r,r,r", [wq, sp],
+                                         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+    else:
+        return gl.inline_asm_elementwise(PAIRS_BF16, "=r,=r,=r,=r,r,r", [wq, sp],
+                                         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _step_scales(sc_base, sc_mask, k, FMT: gl.constexpr, F16: gl.constexpr):
+    """The scale pairs of the K step starting at column ``k`` (one scale per 16 NVFP4 / 32 MXFP4 codes)."""
+    if FMT == FMT_NVFP4:
+        sc_ptrs = sc_base + k // 16
+    else:
+        sc_ptrs = sc_base + k // 32
+    return _scale_pairs(sc_ptrs, sc_mask, FMT, F16)
+
+
+@gluon.jit
 def _decode_words(wq, sp, BN: gl.constexpr, BK: gl.constexpr, F16: gl.constexpr):
     """Packed words [BN, BK/8] (8 codes each) and their scale pairs -> [BN, BK/2] 16-bit pairs
     (element 2i low half) in K order."""
-    if F16:
-        p0, p1, p2, p3 = gl.inline_asm_elementwise(PAIRS_F16, "=r,=r,=r,=r,r,r", [wq, sp],
-                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                   is_pure=True, pack=1)
-    else:
-        p0, p1, p2, p3 = gl.inline_asm_elementwise(PAIRS_BF16, "=r,=r,=r,=r,r,r", [wq, sp],
-                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                   is_pure=True, pack=1)
+    p0, p1, p2, p3 = _byte_pairs(wq, sp, F16)
     # join(join(p0, p2), join(p1, p3))[..., i, j] is pair 2i + j of the word
     return gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [BN, BK // 2])
 
@@ -120,12 +134,7 @@ def k_step(acc, i, k_lo, ready, w_smem, x_smem, a_smem, sc_base, sc_mask, FMT: g
     """K step i: wait for its slot, decode the weight tile into wgmma operand buffer i % 2, fence,
     CTA barrier, issue the async wgmma (not waited for here)."""
     s = i % STAGES
-    k = k_lo + i * BK
-    if FMT == FMT_NVFP4:
-        sc_ptrs = sc_base + k // 16
-    else:
-        sc_ptrs = sc_base + k // 32
-    sp = _scale_pairs(sc_ptrs, sc_mask, FMT, F16)
+    sp = _step_scales(sc_base, sc_mask, k_lo + i * BK, FMT, F16)
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
     a = a_smem.index(i % 2)
     if PROBE != 1:  # PROBE 1: no decode (timing probe only)
@@ -164,14 +173,7 @@ FRAG_WORDS = gl.constexpr(gl.DistributedLinearLayout(
 def _decode_fragment(wq, sp, dot_a: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, F16: gl.constexpr):
     """Packed words [BN, BK/8] in ``FRAG_WORDS`` and their scale pairs -> the A operand [BN, BK]
     in fragment order, in ``dot_a`` (a register relabelling: nothing moves)."""
-    if F16:
-        p0, p1, p2, p3 = gl.inline_asm_elementwise(PAIRS_F16, "=r,=r,=r,=r,r,r", [wq, sp],
-                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                   is_pure=True, pack=1)
-    else:
-        p0, p1, p2, p3 = gl.inline_asm_elementwise(PAIRS_BF16, "=r,=r,=r,=r,r,r", [wq, sp],
-                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                   is_pure=True, pack=1)
+    p0, p1, p2, p3 = _byte_pairs(wq, sp, F16)
     G: gl.constexpr = BK // 16
     # [BN, c, w1] per byte b; joined -> [BN, c, w1, b % 2, b // 2]; column pair 16 w1 + 8 (b // 2) + 4 (b % 2) + c
     j = gl.join(gl.join(gl.reshape(p0, [BN, G, 2]), gl.reshape(p1, [BN, G, 2])),
@@ -210,12 +212,7 @@ def k_step_fragment(acc, i, k_lo, ready, w_smem, x_smem, sc_base, sc_mask, FMT: 
     """K step i with A from registers: wait for its slot, decode into the fragment, issue the async
     wgmma, wait until step i - 1's is done (its slot may be refilled once both warpgroups are here)."""
     s = i % STAGES
-    k = k_lo + i * BK
-    if FMT == FMT_NVFP4:
-        sc_ptrs = sc_base + k // 16
-    else:
-        sc_ptrs = sc_base + k // 32
-    sp = _scale_pairs(sc_ptrs, sc_mask, FMT, F16)
+    sp = _step_scales(sc_base, sc_mask, k_lo + i * BK, FMT, F16)
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
     a = _decode_fragment(_words(w_smem.index(s), BN, BK // 8, 0).load(lw), sp, dot_a, BN, BK, F16)
     acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, use_acc=i > 0, is_async=True)

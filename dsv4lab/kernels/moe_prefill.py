@@ -145,11 +145,12 @@ def _swiglu_kernel(g_ptr, u_ptr, rw_ptr, h_ptr, n, I, limit, CLAMP: tl.constexpr
 
 
 # ----------------------------------------------------------------------------- host side
-def expert_schedule(ids: torch.Tensor, n_experts: int, bm: int) -> dict:
+def expert_schedule(ids: torch.Tensor, n_experts: int, bm: int | None) -> dict:
     """Device-side schedule for ``ids`` [T, k]: ``src`` (token of each sorted row, int32 [T*k]),
     ``order`` (flat (t, j) index of each sorted row), ``pos`` ((t, j) -> its sorted row, int32 [T*k]) and per tile of at most ``bm`` rows of one
     expert: ``tile_e`` (expert, -1 for surplus tiles), ``tile_r0`` / ``tile_r1`` (its first row,
-    its expert's end row). The tile count is the host-side bound cdiv(T*k, bm) + min(E, T*k)."""
+    its expert's end row). The tile count is the host-side bound cdiv(T*k, bm) + min(E, T*k).
+    ``bm`` None: no tiles (callers that tile otherwise, or not at all)."""
     T, k = ids.shape
     R = T * k
     flat = ids.reshape(-1).long()
@@ -158,8 +159,10 @@ def expert_schedule(ids: torch.Tensor, n_experts: int, bm: int) -> dict:
     counts = torch.zeros(n_experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     pos = torch.empty(R, dtype=torch.int32, device=ids.device)
     pos[order] = torch.arange(R, dtype=torch.int32, device=ids.device)
-    tiles = expert_tiles(counts, bm, (counts + bm - 1) // bm, cdiv(R, bm) + min(n_experts, R))
-    return {"src": (order // k).to(torch.int32), "order": order, "pos": pos, "counts": counts, **tiles}
+    sched = {"src": (order // k).to(torch.int32), "order": order, "pos": pos, "counts": counts}
+    if bm is not None:
+        sched.update(expert_tiles(counts, bm, (counts + bm - 1) // bm, cdiv(R, bm) + min(n_experts, R)))
+    return sched
 
 
 def expert_tiles(counts: torch.Tensor, bm: int, ntiles: torch.Tensor, bound: int) -> dict:
@@ -315,7 +318,7 @@ def _moe_prefill_wgmma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1,
     before y [T*k, H]: the Triton path's peak (h + y)."""
     T, k = ids.shape
     E, I, H = w1.shape
-    sched = expert_schedule(ids, E, 128 if bm == "mixed" else bm)
+    sched = expert_schedule(ids, E, None if bm == "mixed" else bm)
     groups = mixed_tiles(sched) if bm == "mixed" else [(bm, sched)]
     xs = fragment_order(x, sched["src"]) if frag else x.index_select(0, sched["src"])
     rws = rw[sched["order"]] if weight_before_w2 else None
@@ -377,7 +380,7 @@ def moe_prefill_dense(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if T == 0:
         return out
     dt = x.dtype
-    sched = expert_schedule(ids, E, DENSE_MIN_M)  # its rows sorted by expert; its tiles go unused
+    sched = expert_schedule(ids, E, None)  # its rows sorted by expert, no tiles
     order, src = sched["order"], sched["src"]
     rw = weights.reshape(-1).float().contiguous()
     views = [_stack_views(w) for w in (w1, w3, w2)]
