@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..lanes import current_lane
 from .launch import LaunchSite
 
 
@@ -428,7 +429,7 @@ def group_dot(w64, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, G: tl.const
 
 
 # ----------------------------------------------------------------------------- host side
-_COUNTERS: dict = {}  # (device type, index) -> split-K tile counters
+_COUNTERS: dict = {}  # (device type, index, lane) -> split-K tile counters
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 T = TypeVar("T")
 
@@ -489,7 +490,7 @@ def rebased(template: TensorDescriptor, base: torch.Tensor) -> TensorDescriptor:
     return d
 
 
-_SCRATCH: dict = {}  # (tag, shape, dtype, device) -> a kept buffer (never dropped: graphs keep its address)
+_SCRATCH: dict = {}  # (tag, shape, dtype, device, lane) -> a kept buffer (never dropped: graphs keep its address)
 _SCRATCH_IDS: set = set()  # id() of each kept buffer (alive forever, so an id names one buffer)
 SCRATCH_MAX_ELEMS = 1 << 22  # larger requests (prefill sizes) get a fresh allocation instead
 
@@ -501,8 +502,9 @@ def scratch(tag: str, shape: tuple, dtype: torch.dtype, device: torch.device) ->
     H200's host, ~30 a V4-Pro eager decode layer). Safe because those launches run in order on the
     device's stream: a later call's first write waits for the earlier call's last read (a PDL
     launch waits for the previous grid before its first access). Kept forever: a CUDA graph
-    captured over it holds its address. Requests above ``SCRATCH_MAX_ELEMS`` are allocated fresh."""
-    key = (tag, shape, dtype, device)
+    captured over it holds its address. Requests above ``SCRATCH_MAX_ELEMS`` are allocated fresh.
+    One buffer per decode lane (``dsv4lab.lanes``): the side lane's launches run beside the main's."""
+    key = (tag, shape, dtype, device, current_lane())
     t = _SCRATCH.get(key)
     if t is None:
         t = torch.empty(shape, dtype=dtype, device=device)
@@ -534,7 +536,9 @@ def use_pdl(programs: int, device: torch.device) -> bool:
 
 
 def counters(device: torch.device, n: int) -> torch.Tensor:
-    key = (device.type, device.index)
+    """Split-K tile counters (zero at rest: each tile's last program resets its own), one array per
+    device and decode lane (``dsv4lab.lanes``: two lanes' launches run at once)."""
+    key = (device.type, device.index, current_lane())
     c = _COUNTERS.get(key)
     if c is None or c.numel() < n:
         c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
@@ -699,14 +703,14 @@ def pairs_buffers(KG: int, device: torch.device) -> tuple[torch.Tensor, torch.Te
             scratch("x_pairs_inv", (cdiv(KG, INV_PAD) * INV_PAD,), torch.float32, device))
 
 
-_EMITTED: dict = {}  # (KG, device) -> (activation, its version, the buffers' generation) whose pairs they hold
-_PAIRS_GEN: dict = {}  # (KG, device) -> how many times the kept pairs buffers of that size were written
+_EMITTED: dict = {}  # (KG, device, lane) -> (activation, its version, the buffers' generation) whose pairs they hold
+_PAIRS_GEN: dict = {}  # (KG, device, lane) -> how many times the kept pairs buffers of that size were written
 
 
 def pairs_written(KG: int, device: torch.device, x: torch.Tensor | None = None) -> None:
     """Record a write of the kept pairs buffers of size KG (``x_pairs`` or an emitting kernel):
     with ``x``, they now hold x's pairs (``emitted``); without, whatever they held is gone."""
-    key = (KG, device)
+    key = (KG, device, current_lane())
     gen = _PAIRS_GEN[key] = _PAIRS_GEN.get(key, 0) + 1
     if x is None:
         _EMITTED.pop(key, None)
@@ -731,7 +735,7 @@ def x_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Ten
     emitting kernel's output is a new tensor that no kernel writes afterwards."""
     KG = x.numel() // 16
     dev = x.device
-    key = (KG, dev)
+    key = (KG, dev, current_lane())
     xp, inv = pairs_buffers(KG, dev)
     got = _EMITTED.get(key)
     if (got is not None and got[3] == x.data_ptr() and got[1] == x._version and got[2] == _PAIRS_GEN.get(key)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..config import CSA, SLIDING, DSV4Config
+from ..lanes import Fork, decode_lanes_enabled
 from ..quant.modes import RoundTrip
 from .bounded_attention import DEFAULT_BLOCK_BYTES, block_rows, bounded_attention
 from .component import Component
@@ -117,12 +118,13 @@ class Attention(Component):
         return q_res, q, kv, cos, sin
 
     def _q_kv_fused(self, x: torch.Tensor, positions: torch.Tensor, ring: torch.Tensor | None = None,
-                    rope_q: bool = True):
+                    rope_q: bool = True, with_q_res: Callable[[torch.Tensor], None] | None = None):
         """``_q_kv`` in up to three launches besides the matmuls: q_norm (``norm_kernel``), per-head norm
         + RoPE of q, kv_norm + RoPE (+ ``kv_fp8``) of kv (``rope_kernel``). ``ring``: that last
         launch also writes kv into the decode ring (``rope_kernel.takes_ring``), and it and q_norm
         may run as one launch (``_norm_pair``): two launches. ``rope_q`` False: q is wq_b's raw
-        output (the decode kernel normalises and rotates it: ``_decode_unropes``)."""
+        output (the decode kernel normalises and rotates it: ``_decode_unropes``). ``with_q_res``:
+        called with q_res as soon as it is issued, before wq_b (decode lanes fork the indexer there)."""
         B, S, _ = x.shape
         paired = self._offer_quant_pair(x)
         inv, fp8 = self.rotary.inv_freq, RoundTrip.KV_FP8 in self.round_trips
@@ -136,6 +138,8 @@ class Attention(Component):
                                       fp8_nope=fp8, **({} if ring is None else {"ring": ring}))
             else:
                 q_res, kv = normed
+            if with_q_res is not None:
+                with_q_res(q_res)
             q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
             if rope_q:
                 q = self.hook_q(self.rope_kernel(q, positions, inv, eps=self.eps))
@@ -375,24 +379,24 @@ class Attention(Component):
         fused = self.fused_rows() and getattr(self.rope_kernel, "takes_ring", False)  # hook_kv silent: kv as written
         unropes = fused and self.decode_takes_kernel() and self._decode_unropes()
         ropes_q = unropes and getattr(self.decode_kernel, "ropes_q_with", None) is self.rope_kernel  # hook_q silent
-        if fused:
-            q_res, q, kv, cos, sin = self._q_kv_fused(x, positions, ring=st.kv_ring, rope_q=not ropes_q)
+        if fused and self.compressor is not None and decode_lanes_enabled():
+            q, kv, cos, sin, n_entries, selected = self._decode_on_lanes(x, pos, st, ropes_q)
+            entries = st.compressor.entries.to(kv.dtype)
         else:
-            q_res, q, kv, cos, sin = self._q_kv(x, positions)
-            st.kv_ring.index_copy_(1, (pos % self.window).view(1), kv.to(st.kv_ring.dtype))
-        entries = n_entries = selected = None
-        if self.compressor is not None:
-            offered = self._offer_plain_batch(x)
-            try:
-                n_entries = self.compressor.decode(x, pos, st.compressor)
-                entries = st.compressor.entries.to(kv.dtype)
-                if self.indexer is not None:
-                    n_idx = self.indexer.compressor.decode(x, pos, st.indexer)
-                    if self.indexer.enabled:
-                        selected = self.indexer.decode_select(x, q_res, positions, st.indexer.entries, n_idx)  # [B,1,k]
-            finally:
-                for lin in offered:  # an offer nobody took (a replaced method, a disabled indexer) goes
-                    lin.offer(None)
+            if fused:
+                q_res, q, kv, cos, sin = self._q_kv_fused(x, positions, ring=st.kv_ring, rope_q=not ropes_q)
+            else:
+                q_res, q, kv, cos, sin = self._q_kv(x, positions)
+                st.kv_ring.index_copy_(1, (pos % self.window).view(1), kv.to(st.kv_ring.dtype))
+            entries = n_entries = selected = None
+            if self.compressor is not None:
+                offered = self._compress(x, pos, st)
+                try:
+                    n_entries, n_idx = offered.pop()
+                    entries = st.compressor.entries.to(kv.dtype)
+                    selected = self._select(x, q_res, positions, st, n_idx)
+                finally:
+                    self._withdraw(offered)
         ring = st.kv_ring.to(kv.dtype)
         if self.decode_takes_kernel():
             use = entries is not None and self.use_compressed
@@ -403,6 +407,55 @@ class Attention(Component):
         else:
             out = self._attend(q, *decode_keys_bias(ring, pos, entries, n_entries, selected, self.use_compressed))
         return self._output(out, cos, sin, unroped=unropes)
+
+    def _compress(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> list:
+        """The compressors' decode step (the plain-batch launch of their projections first): the
+        offered linears, then (n_entries, n_idx: the indexer's entry count or None) last."""
+        offered = self._offer_plain_batch(x)
+        try:
+            n_entries = self.compressor.decode(x, pos, st.compressor)
+            n_idx = self.indexer.compressor.decode(x, pos, st.indexer) if self.indexer is not None else None
+        except BaseException:
+            self._withdraw(offered)
+            raise
+        return [*offered, (n_entries, n_idx)]
+
+    def _select(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, st: LayerState,
+                n_idx: torch.Tensor | None) -> torch.Tensor | None:
+        """The indexer's top-k [B,1,k] over its entries, None without a selecting indexer."""
+        if self.indexer is None or not self.indexer.enabled:
+            return None
+        return self.indexer.decode_select(x, q_res, positions, st.indexer.entries, n_idx)
+
+    @staticmethod
+    def _withdraw(offered: list) -> None:
+        for lin in offered:  # an offer nobody took (a replaced method, a disabled indexer) goes
+            lin.offer(None)
+
+    def _decode_on_lanes(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState, ropes_q: bool) -> tuple:
+        """The fused decode's q / kv path on the main lane, the compressors' step and the indexer's
+        selection on the side lane (``dsv4lab.lanes``): the compressors from the fork (they read x
+        only), the selection once q_res is issued, both beside wq_b; joined before attention.
+        Returns (q, kv, cos, sin, n_entries, selected)."""
+        fork = Fork(x.device)
+        try:
+            with fork.side():
+                offered = self._compress(x, pos, st)
+            n_entries, n_idx = offered.pop()
+            selected = []
+
+            def select(q_res: torch.Tensor) -> None:
+                with fork.side(after_main=True):
+                    selected.append(self._select(x, q_res, pos.view(1), st, n_idx))
+
+            try:
+                _, q, kv, cos, sin = self._q_kv_fused(x, pos.view(1), ring=st.kv_ring, rope_q=not ropes_q,
+                                                      with_q_res=select)
+            finally:
+                self._withdraw(offered)
+        finally:
+            fork.join()
+        return q, kv, cos, sin, n_entries, selected[0]
 
     def _decode_unropes(self) -> bool:
         """Does ``decode_kernel`` take the output's inverse RoPE over (``inv_freq=``: one launch

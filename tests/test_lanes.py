@@ -1,0 +1,137 @@
+"""Decode lanes (dsv4lab/lanes.py): the compressors' step and the indexer's selection forked onto a
+side stream beside the attention's q path.
+
+CPU (always): the kernels' internal buffers are kept per lane; the embedded model with every
+kernel slot installed (on CPU each slot runs its reference math) decodes the same bits with lanes
+on and off, forking once per compressed layer and step, and an exception inside the side lane
+leaves the main lane current. GPU (@pytest.mark.gpu): the same model with the Triton kernels,
+lanes on against off, eagerly and through the CUDA-graph decoder: bitwise equal logits.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import dsv4lab
+from dsv4lab import lanes
+from dsv4lab.kernels import common, install
+from dsv4lab.kernels.install import install_kernels
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@contextlib.contextmanager
+def lanes_set(on: bool):
+    prev = lanes.set_decode_lanes(on)
+    try:
+        yield
+    finally:
+        lanes.set_decode_lanes(prev)
+
+
+def test_buffers_are_kept_per_lane():
+    dev = torch.device("cpu")
+    main = common.scratch("lanes_test", (8,), torch.float32, dev)
+    cnt = common.counters(dev, 4)
+    fork = lanes.Fork(dev)
+    with fork.side():
+        assert lanes.current_lane() == lanes.SIDE
+        side = common.scratch("lanes_test", (8,), torch.float32, dev)
+        side_cnt = common.counters(dev, 4)
+        xp_side, _ = common.pairs_buffers(4, dev)
+    fork.join()
+    assert lanes.current_lane() == lanes.MAIN
+    assert side is not main and side.data_ptr() != main.data_ptr()
+    assert side_cnt.data_ptr() != cnt.data_ptr()
+    assert common.scratch("lanes_test", (8,), torch.float32, dev) is main   # kept, per lane
+    assert common.pairs_buffers(4, dev)[0] is not xp_side
+
+
+def test_side_lane_restored_after_an_error():
+    fork = lanes.Fork(torch.device("cpu"))
+    with pytest.raises(ZeroDivisionError):
+        with fork.side():
+            1 / 0
+    assert lanes.current_lane() == lanes.MAIN
+    fork.join()
+    with pytest.raises(RuntimeError, match="after join"):
+        with fork.side():
+            pass
+
+
+def _cpu_installed(monkeypatch):
+    """The embedded model with every kernel slot installed on CPU (each slot falls back to its
+    reference math there), so ``Attention.decode`` takes the fused path that lanes fork."""
+    m = dsv4lab.load("tiny-nvfp4", dtype=torch.bfloat16, kernels=False, progress=False)
+    monkeypatch.setattr(install, "_on_cuda", lambda t: t is not None)
+    monkeypatch.setattr(install, "have_triton_cuda", lambda: True)
+    assert install_kernels(m) > 0
+    return m
+
+
+def _decode(m, ids, steps):
+    st = m.new_state(1, ids.shape[1] + steps + 1)
+    with torch.no_grad():
+        tok = m.prefill(ids, st)[:, -1:].argmax(-1)
+        out = []
+        for _ in range(steps):
+            lg = m.decode_step(tok, st)
+            out.append(lg)
+            tok = lg[:, -1:].argmax(-1)
+    return torch.cat(out, 1), st
+
+
+def test_embedded_model_decodes_the_same_bits_on_lanes(monkeypatch):
+    m = _cpu_installed(monkeypatch)
+    compressed = [i for i, layer in enumerate(m.layers) if layer.attn.compressor is not None]
+    assert compressed and all(m.layers[i].attn.fused_rows() for i in compressed)
+    ids = torch.randint(2, m.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(0))
+    steps = 9  # past a CSA (ratio 4) and an HCA (ratio 8) window close
+    with lanes_set(False):
+        want, st_off = _decode(m, ids, steps)
+    forks = []
+    real = lanes.Fork.__init__
+
+    def counted(self, device):
+        forks.append(device)
+        real(self, device)
+
+    monkeypatch.setattr(lanes.Fork, "__init__", counted)
+    with lanes_set(True):
+        got, st_on = _decode(m, ids, steps)
+    assert len(forks) == len(compressed) * steps
+    assert torch.equal(got, want)
+    for a, b in zip(st_off.layers, st_on.layers):
+        assert torch.equal(a.kv_ring, b.kv_ring)
+        if a.compressor is not None:
+            assert torch.equal(a.compressor.entries, b.compressor.entries)
+        if a.indexer is not None:
+            assert torch.equal(a.indexer.entries, b.indexer.entries)
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_lanes_equal_one_lane_eager_and_graph():
+    from dsv4lab.decode.graphs import GraphDecoder
+
+    m = dsv4lab.load("tiny-nvfp4", device="cuda", dtype=torch.bfloat16, progress=False)
+    assert m.load_stats["kernels"] > 0
+    ids = torch.randint(2, m.config.vocab_size, (1, 61), generator=torch.Generator().manual_seed(1)).cuda()
+    steps = 24
+    with lanes_set(False):
+        want, _ = _decode(m, ids, steps)
+    with lanes_set(True):
+        got, _ = _decode(m, ids, steps)
+        assert torch.equal(got, want)
+        st = m.new_state(1, ids.shape[1] + steps + 1)
+        with torch.no_grad():
+            tok = m.prefill(ids, st)[:, -1:].argmax(-1)
+            g = GraphDecoder(m, st)
+            out = []
+            for _ in range(steps):
+                lg = g.step(tok).clone()
+                out.append(lg)
+                tok = lg[:, -1:].argmax(-1)
+        assert torch.equal(torch.cat(out, 1), want)
