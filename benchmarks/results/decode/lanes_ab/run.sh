@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Decode lanes (dsv4lab/lanes.py: the compressors' step and the indexer's selection on a side stream
-# beside the q path) off against on, same tree, same GPU: their GPU tests, then ROUNDS alternations
-# of one V4-Pro layer's graph step (benchmarks/decode.py, 384 experts), then full depth (61 layers,
-# 8 experts, 4k context) off and on.
+# beside the q path) off against on, same tree, same GPU: their GPU tests, full depth (61 layers,
+# 8 experts, 4k context) off and on, then ROUNDS alternations of one V4-Pro layer's graph step
+# (benchmarks/decode.py, 384 experts) while time is left.
 # Usage (device tool, carry .whl: pytest wheels): bash benchmarks/results/decode/lanes_ab/run.sh $OUT [ROUNDS]
 set -u
 OUT=${1:?out dir}
@@ -15,8 +15,15 @@ timeout -s INT 150 python3 -m pytest -m gpu tests/test_lanes.py tests/test_kerne
   -q -p no:cacheprovider > $OUT/gpu_tests.txt 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.txt | tail -8
 echo "tests: ${SECONDS}s"
+for on in 0 1; do
+  DSV4LAB_DECODE_LANES=$on timeout 110 python3 benchmarks/full_model.py --preset v4-pro --experts 8 --gpus 1 --context 4096 \
+    --steps 32 --prefill-iters 1 --json $OUT/full_model_lanes$on.json > $OUT/full_model_lanes$on.txt 2>&1
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], {k: d.get(k) for k in ('floor_ms', 'graph_ms', 'graph_over_floor', 'eager_ms', 'host_op_us', 'kernels_per_step')})" $OUT/full_model_lanes$on.json "lanes=$on"
+done
+echo "full depth: ${SECONDS}s"
 for i in $(seq 1 "$ROUNDS"); do
   for on in 0 1; do
+    [ $SECONDS -gt 430 ] && break 2
     DSV4LAB_DECODE_LANES=$on timeout 100 python3 benchmarks/decode.py --json "$OUT/layer_lanes${on}_$i.json" --steps 64 \
       --skip-tiny --layer-modes kernels > "$OUT/layer_lanes${on}_$i.txt" 2>&1
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], [(r['layer_type'][:5], round(r['graph_ms'] * 1e3, 1), round(r['eager_ms'] * 1e3), r['kernels_per_step']) for r in d['v4_pro_layer']])" \
@@ -24,10 +31,4 @@ for i in $(seq 1 "$ROUNDS"); do
   done
 done
 echo "layers: ${SECONDS}s"
-for on in 0 1; do
-  [ $SECONDS -gt 350 ] && break
-  DSV4LAB_DECODE_LANES=$on timeout 110 python3 benchmarks/full_model.py --preset v4-pro --experts 8 --gpus 1 --context 4096 \
-    --steps 32 --prefill-iters 1 --json $OUT/full_model_lanes$on.json > $OUT/full_model_lanes$on.txt 2>&1
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], {k: d.get(k) for k in ('floor_ms', 'graph_ms', 'graph_over_floor', 'eager_ms', 'host_op_us', 'kernels_per_step')})" $OUT/full_model_lanes$on.json "lanes=$on"
-done
 echo "done: ${SECONDS}s"
