@@ -26,7 +26,9 @@ import torch
 MAIN, SIDE = 0, 1
 _enabled = os.environ.get("DSV4LAB_DECODE_LANES", "0") == "1"
 _lane = MAIN
-_SIDE_STREAMS: dict = {}  # device index -> the side lane's stream (kept: graphs captured over it)
+_SIDE_STREAMS: dict = {}  # device index -> (the side lane's stream, to-side event, to-main event), kept
+_open: "Fork | None" = None  # the fork whose side lane may still run (made, not yet joined)
+_main_writes = 0  # kept-buffer writes issued on the main lane so far (``note_main_write``)
 
 
 def set_decode_lanes(enabled: bool) -> bool:
@@ -49,10 +51,17 @@ def current_lane() -> int:
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The side lane's stream on a CUDA ``device`` (one per device, made on first use)."""
+    return _side(device)[0]
+
+
+def _side(device: torch.device) -> tuple:
+    """(side stream, to-side event, to-main event) of a CUDA device. The events are reused: a wait
+    takes the event's latest record, so one per direction does (``Stream.wait_stream`` would
+    create an event per call, host time on every eager step)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     s = _SIDE_STREAMS.get(index)
     if s is None:
-        s = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+        s = _SIDE_STREAMS[index] = (torch.cuda.Stream(device=index), torch.cuda.Event(), torch.cuda.Event())
     return s
 
 
@@ -63,12 +72,16 @@ class Fork:
     Call ``join()`` before anything on the main stream reads what the side lane wrote."""
 
     def __init__(self, device: torch.device):
+        global _open
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.main = torch.cuda.current_stream(device)
-            self.stream = side_stream(device)
-            self.stream.wait_stream(self.main)
+            self.stream, self.to_side, self.to_main = _side(device)
+            self._side_waits()
         self.joined = False
+        self.borrowed: set = set()  # main-lane buffers the side lane reads (``borrow``)
+        self.synced = _main_writes  # the main-lane writes the side lane has waited for
+        _open = self
 
     @contextlib.contextmanager
     def side(self, after_main: bool = False) -> Iterator[None]:
@@ -77,20 +90,65 @@ class Fork:
         if self.joined:
             raise RuntimeError("Fork.side after join(): make a new Fork")
         prev = _lane
-        if self.cuda and after_main:
-            self.stream.wait_stream(self.main)
+        if after_main:
+            self._wait_main()
         _lane = SIDE
+        if self.cuda:
+            torch.cuda.set_stream(self.stream)
         try:
-            if self.cuda:
-                with torch.cuda.stream(self.stream):
-                    yield
-            else:
-                yield
+            yield
         finally:
             _lane = prev
+            if self.cuda:
+                torch.cuda.set_stream(self.main)
+
+    def _side_waits(self) -> None:
+        self.to_side.record(self.main)
+        self.stream.wait_event(self.to_side)
+
+    def _main_waits(self) -> None:
+        self.to_main.record(self.stream)
+        self.main.wait_event(self.to_main)
+
+    def _wait_main(self) -> None:
+        if self.cuda:
+            self._side_waits()
+        self.synced = _main_writes
 
     def join(self) -> None:
         """The main stream waits for everything issued on the side lane so far."""
+        global _open
         if self.cuda and not self.joined:
-            self.main.wait_stream(self.stream)
+            self._main_waits()
         self.joined = True
+        self.borrowed.clear()
+        if _open is self:
+            _open = None
+
+
+def note_main_write() -> int:
+    """Count a kept-buffer write issued on the main lane; returns its number (for ``borrow``)."""
+    global _main_writes
+    _main_writes += 1
+    return _main_writes
+
+
+def borrow(key: object, written: int) -> None:
+    """The side lane is about to read a main-lane buffer named ``key``, last written by the main
+    lane's write number ``written``: the side lane first waits for the main stream if it has not
+    since that write, and a later ``main_writes(key)`` waits for the side lane."""
+    f = _open
+    if f is not None and _lane == SIDE:
+        if written > f.synced:
+            f._wait_main()
+        f.borrowed.add(key)
+
+
+def main_writes(key: object) -> None:
+    """A main-lane launch is about to write the buffer named ``key``: if the open fork's side lane
+    borrowed it, the main stream first waits for what the side lane has issued (a partial join)."""
+    f = _open
+    if f is not None and _lane == MAIN and key in f.borrowed:
+        if f.cuda:
+            f._main_waits()
+        f.borrowed.clear()

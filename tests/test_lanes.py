@@ -49,6 +49,55 @@ def test_buffers_are_kept_per_lane():
     assert common.pairs_buffers(4, dev)[0] is not xp_side
 
 
+class _FakeStream:
+    """Records which stream waited for which (a CPU stand-in for ``torch.cuda.Stream`` and the
+    fork's reused events: ``record`` notes the recording stream, ``wait_event`` logs the pair)."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_event(self, event):
+        self.log.append((self.name, event.by))
+
+
+class _FakeEvent:
+    def record(self, stream):
+        self.by = stream.name
+
+
+def _fake_cuda_fork(log, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: None)
+    fork = lanes.Fork(torch.device("cpu"))
+    fork.cuda, fork.main, fork.stream = True, _FakeStream("main", log), _FakeStream("side", log)
+    fork.to_side, fork.to_main = _FakeEvent(), _FakeEvent()
+    return fork
+
+
+def test_side_lane_borrows_the_main_lanes_emitted_pairs(monkeypatch):
+    """The side lane reads pairs the main lane emitted in place (no launch), waiting for the main
+    stream only when they were written after its last wait; a main-lane write to them then waits
+    for the side lane first."""
+    dev, KG = torch.device("cpu"), 6
+    x = torch.randn(KG * 16)
+    log = []
+    common.pairs_written(KG, dev, x)                     # an emitting main-lane launch, before the fork
+    xp0, inv0 = common.pairs_buffers(KG, dev)
+    fork = _fake_cuda_fork(log, monkeypatch)
+    with fork.side():
+        xp, inv = common.x_pairs(x)                      # would launch the kernel if not borrowed
+    assert xp is xp0 and inv is inv0 and log == []       # in place; written before the fork: no wait
+    assert (KG, dev) in fork.borrowed
+    y = torch.randn((KG + 1) * 16)
+    common.pairs_written(KG + 1, dev, y)                  # another size, after the fork
+    with fork.side():
+        common.x_pairs(y)
+    assert log == [("side", "main")]                     # written after the side's last wait: wait now
+    common.pairs_buffers(KG, dev)                        # a main-lane launch about to write them
+    assert log[-1] == ("main", "side") and not fork.borrowed
+    fork.join()
+    assert lanes._open is None
+
+
 def test_side_lane_restored_after_an_error():
     fork = lanes.Fork(torch.device("cpu"))
     with pytest.raises(ZeroDivisionError):

@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..lanes import current_lane
+from ..lanes import MAIN, borrow, current_lane, main_writes, note_main_write
 from .launch import LaunchSite
 
 
@@ -495,7 +495,7 @@ _SCRATCH_IDS: set = set()  # id() of each kept buffer (alive forever, so an id n
 SCRATCH_MAX_ELEMS = 1 << 22  # larger requests (prefill sizes) get a fresh allocation instead
 
 
-def scratch(tag: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def scratch(tag: str, shape: tuple, dtype: torch.dtype, device: torch.device, lane: int | None = None) -> torch.Tensor:
     """A buffer for a kernel's internal operands (x pairs, split-K partials, the MoE's SwiGLU rows):
     written and read back by the launches of one call, never handed to the caller. One kept tensor
     per (tag, shape, dtype, device) instead of an allocation per call (~3-5 us of host each on the
@@ -503,8 +503,9 @@ def scratch(tag: str, shape: tuple, dtype: torch.dtype, device: torch.device) ->
     device's stream: a later call's first write waits for the earlier call's last read (a PDL
     launch waits for the previous grid before its first access). Kept forever: a CUDA graph
     captured over it holds its address. Requests above ``SCRATCH_MAX_ELEMS`` are allocated fresh.
-    One buffer per decode lane (``dsv4lab.lanes``): the side lane's launches run beside the main's."""
-    key = (tag, shape, dtype, device, current_lane())
+    One buffer per decode lane (``dsv4lab.lanes``; ``lane``: that lane's, default the current one):
+    the side lane's launches run beside the main's."""
+    key = (tag, shape, dtype, device, current_lane() if lane is None else lane)
     t = _SCRATCH.get(key)
     if t is None:
         t = torch.empty(shape, dtype=dtype, device=device)
@@ -697,10 +698,11 @@ def expert_ids(ids: torch.Tensor) -> torch.Tensor:
 
 
 def pairs_buffers(KG: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kept ``x_pairs`` buffers of a K/16 = KG row on ``device``: rows int32 [KG, 16] and 1/xs
-    fp32 [KGP] (KG padded to whole ``INV_PAD`` boxes)."""
-    return (scratch("x_pairs", (KG, 16), torch.int32, device),
-            scratch("x_pairs_inv", (cdiv(KG, INV_PAD) * INV_PAD,), torch.float32, device))
+    """The kept ``x_pairs`` buffers of a K/16 = KG row on ``device`` for a launch about to write
+    them: rows int32 [KG, 16] and 1/xs fp32 [KGP] (KG padded to whole ``INV_PAD`` boxes). On the
+    main lane, first waits for a side lane that borrowed them (``lanes.main_writes``)."""
+    main_writes((KG, device))
+    return _kept_pairs(KG, device)
 
 
 _EMITTED: dict = {}  # (KG, device, lane) -> (activation, its version, the buffers' generation) whose pairs they hold
@@ -710,12 +712,30 @@ _PAIRS_GEN: dict = {}  # (KG, device, lane) -> how many times the kept pairs buf
 def pairs_written(KG: int, device: torch.device, x: torch.Tensor | None = None) -> None:
     """Record a write of the kept pairs buffers of size KG (``x_pairs`` or an emitting kernel):
     with ``x``, they now hold x's pairs (``emitted``); without, whatever they held is gone."""
-    key = (KG, device, current_lane())
+    lane = current_lane()
+    key = (KG, device, lane)
     gen = _PAIRS_GEN[key] = _PAIRS_GEN.get(key, 0) + 1
     if x is None:
         _EMITTED.pop(key, None)
     else:  # x kept alive here, so no other tensor can be given its address
-        _EMITTED[key] = (x, x._version, gen, x.data_ptr())
+        _EMITTED[key] = (x, x._version, gen, x.data_ptr(), note_main_write() if lane == MAIN else 0)
+
+
+def _pairs_record(x: torch.Tensor, key: tuple) -> tuple | None:
+    """The record of the kept pairs buffers ``key`` = (KG, device, lane) if they hold x's pairs
+    (``pairs_written(KG, dev, x)`` and no write since: x that tensor or a view of all of it at the
+    same version), else None."""
+    got = _EMITTED.get(key)
+    if (got is not None and got[3] == x.data_ptr() and got[1] == x._version and got[2] == _PAIRS_GEN.get(key)
+            and got[0].dtype == x.dtype and got[0].numel() == x.numel()):
+        return got
+    return None
+
+
+def _kept_pairs(KG: int, device: torch.device, lane: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A lane's kept pairs buffers (default the current lane's), for reading or writing."""
+    return (scratch("x_pairs", (KG, 16), torch.int32, device, lane),
+            scratch("x_pairs_inv", (cdiv(KG, INV_PAD) * INV_PAD,), torch.float32, device, lane))
 
 
 def x_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -728,19 +748,24 @@ def x_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Ten
     No launch when the buffers hold x's pairs already because the kernel that produced x wrote
     them (``pairs_written(KG, dev, x)``: the decode's RMSNorm launches for the rows that feed
     GEMVs) and nothing wrote them since: x that tensor or a view of all of it (same address,
-    dtype and size) at the same version counter, the buffers at the same generation. Otherwise always launched, also for an activation whose
+    dtype and size) at the same version counter, the buffers at the same generation; on a decode
+    side lane also when the main lane's buffers hold them (read in place: ``lanes.borrow``, so a
+    main-lane write to them first waits for the side lane). Otherwise always launched, also for an activation whose
     pairs the buffer may still hold: a memo of x_pairs' own results keyed on address and version
     was tried and dropped, because the MoE's SwiGLU rows live in a kept buffer that a kernel
     rewrites without bumping its version, so the memo served the previous token's pairs; an
     emitting kernel's output is a new tensor that no kernel writes afterwards."""
     KG = x.numel() // 16
     dev = x.device
-    key = (KG, dev, current_lane())
+    lane = current_lane()
+    if _pairs_record(x, (KG, dev, lane)) is not None:
+        return _kept_pairs(KG, dev)
+    if lane != MAIN:
+        got = _pairs_record(x, (KG, dev, MAIN))
+        if got is not None:  # the side lane reads what the main lane emitted, in place
+            borrow((KG, dev), got[4])
+            return _kept_pairs(KG, dev, MAIN)
     xp, inv = pairs_buffers(KG, dev)
-    got = _EMITTED.get(key)
-    if (got is not None and got[3] == x.data_ptr() and got[1] == x._version and got[2] == _PAIRS_GEN.get(key)
-            and got[0].dtype == x.dtype and got[0].numel() == x.numel()):  # x: it or a view of all of it
-        return xp, inv
     kernel = _x_pairs_kernel  # looked up per call: a test's stand-in replaces the module attribute
     site = _X_PAIRS_SITES.get((id(kernel), pdl))
     if site is None:

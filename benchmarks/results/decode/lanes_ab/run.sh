@@ -3,7 +3,8 @@
 # beside the q path) off against on, same tree, same GPU: their GPU tests, full depth (61 layers,
 # 8 experts, 4k context) off and on, then ROUNDS alternations of one V4-Pro layer's graph step
 # (benchmarks/decode.py, 384 experts) while time is left.
-# Usage (device tool, carry .whl: pytest wheels): bash benchmarks/results/decode/lanes_ab/run.sh $OUT [ROUNDS]
+# Usage (device tool, carry .whl: pytest wheels): bash benchmarks/results/decode/lanes_ab/run.sh $OUT [ROUNDS] [profile]
+# (profile: then cProfile full-depth eager steps, lanes on and off, while time is left)
 set -u
 OUT=${1:?out dir}
 ROUNDS=${2:-2}
@@ -31,4 +32,11 @@ for i in $(seq 1 "$ROUNDS"); do
   done
 done
 echo "layers: ${SECONDS}s"
+if [ "${3:-}" = "profile" ]; then  # cProfile of full-depth eager steps, lanes on then off
+  for on in 1 0; do
+    [ $SECONDS -gt 480 ] && break
+    DSV4LAB_DECODE_LANES=$on timeout 60 python3 benchmarks/results/decode/full_eager_profile.py > "$OUT/eager_profile_lanes$on.txt" 2>&1
+    echo "lanes=$on $(head -1 $OUT/eager_profile_lanes$on.txt)"
+  done
+fi
 echo "done: ${SECONDS}s"
