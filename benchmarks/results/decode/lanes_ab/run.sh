@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1
 SECONDS=0
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m pytest --version > /dev/null 2>&1 || pip install -q --no-index .whl/*.whl > /dev/null 2>&1
-timeout -s INT 150 python3 -m pytest -m gpu tests/test_lanes.py tests/test_kernels_model.py -k "lanes or graph" \
+timeout -s INT 150 python3 -m pytest -m gpu tests/test_lanes.py \
   -q -p no:cacheprovider > $OUT/gpu_tests.txt 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.txt | tail -8
 echo "tests: ${SECONDS}s"
