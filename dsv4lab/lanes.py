@@ -13,7 +13,9 @@ kept x-pairs buffers key on ``current_lane()``), because two lanes' launches run
 time. Off the GPU a ``Fork`` only switches the lane (no streams): the CPU tests run the same
 order of calls and the same per-lane buffers.
 
-``DSV4LAB_DECODE_LANES=1`` (read at import) or ``set_decode_lanes(True)`` turns them on.
+On by default (H100, full depth V4-Pro-shaped, graph: 17.48 -> 16.78 ms a token, the same 1376
+kernels; docs/benchmarks.md "Stop 52"); ``DSV4LAB_DECODE_LANES=0`` (read at import) or
+``set_decode_lanes(False)`` turns them off for A/B runs or to bisect a suspected ordering bug.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Iterator
 import torch
 
 MAIN, SIDE = 0, 1
-_enabled = os.environ.get("DSV4LAB_DECODE_LANES", "0") == "1"
+_enabled = os.environ.get("DSV4LAB_DECODE_LANES", "1") != "0"
 _lane = MAIN
 _SIDE_STREAMS: dict = {}  # device index -> (the side lane's stream, to-side event, to-main event), kept
 _open: "Fork | None" = None  # the fork whose side lane may still run (made, not yet joined)

@@ -160,6 +160,27 @@ def test_embedded_model_decodes_the_same_bits_on_lanes(monkeypatch):
             assert torch.equal(a.indexer.entries, b.indexer.entries)
 
 
+def test_a_listening_hook_keeps_its_layer_on_one_lane(monkeypatch):
+    m = _cpu_installed(monkeypatch)
+    ids = torch.randint(2, m.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(3))
+    hooked = next(i for i, layer in enumerate(m.layers) if layer.attn.indexer is not None)
+    seen = []
+    m.layers[hooked].attn.indexer.hook_indices.register_forward_hook(lambda mod, a, out: seen.append(lanes.current_lane()))
+    forks = []
+    real = lanes.Fork.__init__
+
+    def counted(self, device):
+        forks.append(device)
+        real(self, device)
+
+    monkeypatch.setattr(lanes.Fork, "__init__", counted)
+    compressed = sum(layer.attn.compressor is not None for layer in m.layers)
+    with lanes_set(True):
+        _decode(m, ids, 3)
+    assert len(forks) == (compressed - 1) * 3          # every compressed layer but the hooked one
+    assert seen and set(seen) == {lanes.MAIN}
+
+
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_gpu_lanes_equal_one_lane_eager_and_graph():

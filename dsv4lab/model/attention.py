@@ -379,7 +379,7 @@ class Attention(Component):
         fused = self.fused_rows() and getattr(self.rope_kernel, "takes_ring", False)  # hook_kv silent: kv as written
         unropes = fused and self.decode_takes_kernel() and self._decode_unropes()
         ropes_q = unropes and getattr(self.decode_kernel, "ropes_q_with", None) is self.rope_kernel  # hook_q silent
-        if fused and self.compressor is not None and decode_lanes_enabled():
+        if fused and self._forks_decode():
             q, kv, cos, sin, n_entries, selected = self._decode_on_lanes(x, pos, st, ropes_q)
             entries = st.compressor.entries.to(kv.dtype)
         else:
@@ -431,6 +431,16 @@ class Attention(Component):
     def _withdraw(offered: list) -> None:
         for lin in offered:  # an offer nobody took (a replaced method, a disabled indexer) goes
             lin.offer(None)
+
+    def _forks_decode(self) -> bool:
+        """Fork the compressors' step and the indexer's selection onto a decode lane? With lanes
+        on, when that work runs its kernels only: no hook point of it listens (``decode_kernel_applies``,
+        ``decode_takes_kernel``), so no user code runs on the side lane and a hooked branch keeps
+        the one-lane order of its hooks."""
+        c, ix = self.compressor, self.indexer
+        return (decode_lanes_enabled() and c is not None and c.decode_kernel is not None and c.decode_kernel_applies()
+                and (ix is None or (ix.compressor.decode_kernel is not None and ix.compressor.decode_kernel_applies()
+                                    and (not ix.enabled or ix.decode_takes_kernel()))))
 
     def _decode_on_lanes(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState, ropes_q: bool) -> tuple:
         """The fused decode's q / kv path on the main lane, the compressors' step and the indexer's
