@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # lowest first; see docs/architecture.md
 LAYERS: list[tuple[str, ...]] = [
-    ("dsv4lab.config", "dsv4lab.patterns", "dsv4lab.handles"),
+    ("dsv4lab.config", "dsv4lab.patterns", "dsv4lab.handles", "dsv4lab.lanes"),
     ("dsv4lab.quant",),
     ("dsv4lab.checkpoint",),
     ("dsv4lab.model",),
