@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.layer_graph_decode import layer_graph_timing  # noqa: E402
 from benchmarks.measure import copy_ceiling, host_op_us, kernels_per_call, timed  # noqa: E402
+from dsv4lab import lanes  # noqa: E402
 from dsv4lab.config import config_from_dict  # noqa: E402
 from dsv4lab.model.decoder import DecoderLayer  # noqa: E402
 from dsv4lab.model.linear import QLinear  # noqa: E402
@@ -137,13 +138,14 @@ def bench_layer(layer_type: str, dev, ceiling: float, mode: str, fmt: str = "nvf
     eager_launches = kernels_per_call(lambda: step(h, ids, pos, st.layers[0]), reps=2)
     s = torch.cuda.Stream(device=dev)
     s.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step(h, ids, pos, st.layers[0])
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        out = step(h, ids, pos, st.layers[0])
+    with lanes.capturing():  # as the graph decoders: warm-up and capture fork onto decode lanes
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                step(h, ids, pos, st.layers[0])
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            out = step(h, ids, pos, st.layers[0])
     graph = timed(g.replay, 50, warmup=5)
     launches = kernels_per_call(g.replay, reps=3)
     return {"layer_type": layer_type, "mode": mode, "active_weight_bytes": active, "eager_ms": eager * 1e3,

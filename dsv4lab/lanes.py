@@ -5,17 +5,19 @@ before it. Part of the attention's chain does not depend on the rest: the compre
 (their BF16 projections, the window pooling) reads only the attention input x, and the
 indexer's selection reads x and the latent query q_res, never the queries that the largest
 GEMV (wq_b) makes. On a side lane they run beside wq_a / wkv -> norm -> wq_b; the decode
-attention joins both lanes. In a captured CUDA graph the fork and the join are graph edges; eager
-decode gets the same overlap.
+attention joins both lanes. In a captured CUDA graph the fork and the join are graph edges.
 
 Kernels keep their internal buffers per lane (``kernels.common.scratch``, ``counters`` and the
 kept x-pairs buffers key on ``current_lane()``), because two lanes' launches run at the same
 time. Off the GPU a ``Fork`` only switches the lane (no streams): the CPU tests run the same
 order of calls and the same per-lane buffers.
 
-On by default (H100, full depth V4-Pro-shaped, graph: 17.48 -> 16.78 ms a token, the same 1376
-kernels; docs/benchmarks.md "Stop 52"); ``DSV4LAB_DECODE_LANES=0`` (read at import) or
-``set_decode_lanes(False)`` turns them off for A/B runs or to bisect a suspected ordering bug.
+Modes (``DSV4LAB_DECODE_LANES``, read at import, or ``set_decode_lanes``): "graph" (default) forks
+only inside ``capturing()``, which the graph decoders hold around their warm-up and capture:
+captured decode gains (H100, full depth V4-Pro-shaped: 17.48 -> 16.78 ms a token, the same 1376
+kernels; docs/benchmarks.md "Stop 52"), while eager decode, host-bound and where hooks fire, keeps
+one stream and its exact order of launches. "all" forks in eager decode too (tests, A/B runs);
+"off" never forks.
 """
 from __future__ import annotations
 
@@ -26,24 +28,52 @@ from typing import Iterator
 import torch
 
 MAIN, SIDE = 0, 1
-_enabled = os.environ.get("DSV4LAB_DECODE_LANES", "1") != "0"
+MODES = ("off", "graph", "all")
+
+
+def _checked(mode: str, argument: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"{argument} must be one of {MODES} (decode lanes: never, in captured graphs only, "
+                         f"also in eager decode); got {mode!r}")
+    return mode
+
+
+_mode = _checked(os.environ.get("DSV4LAB_DECODE_LANES", "graph"), "DSV4LAB_DECODE_LANES")
+_capturing = 0  # depth of ``capturing()`` blocks
 _lane = MAIN
 _SIDE_STREAMS: dict = {}  # device index -> (the side lane's stream, to-side event, to-main event), kept
 _open: "Fork | None" = None  # the fork whose side lane may still run (made, not yet joined)
 _main_writes = 0  # kept-buffer writes issued on the main lane so far (``note_main_write``)
 
 
-def set_decode_lanes(enabled: bool) -> bool:
-    """Switch decode lanes on or off for this process; returns the previous setting. A captured
-    decode graph keeps what it captured (``GraphDecoder`` recaptures on a model change only)."""
-    global _enabled
-    prev = _enabled
-    _enabled = bool(enabled)
+def set_decode_lanes(mode: str) -> str:
+    """Set the decode lanes' mode for this process ("off", "graph", "all": see the module
+    docstring); returns the previous one. A captured decode graph keeps what it captured."""
+    global _mode
+    prev, _mode = _mode, _checked(mode, "set_decode_lanes(mode)")
     return prev
 
 
-def decode_lanes_enabled() -> bool:
-    return _enabled
+def decode_lanes_mode() -> str:
+    return _mode
+
+
+def forks_now() -> bool:
+    """Does a decode layer fork onto lanes now? ("all"; "graph" inside ``capturing()``.)"""
+    return _mode == "all" or (_mode == "graph" and _capturing > 0)
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """Held by a graph decoder around the eager warm-up and the capture of its decode step, so
+    that in "graph" mode both take the lanes (the warm-up makes the side lane's kept buffers
+    outside the capture, where a first allocation would be captured with its zero fill)."""
+    global _capturing
+    _capturing += 1
+    try:
+        yield
+    finally:
+        _capturing -= 1
 
 
 def current_lane() -> int:

@@ -3,9 +3,11 @@ side stream beside the attention's q path.
 
 CPU (always): the kernels' internal buffers are kept per lane; the embedded model with every
 kernel slot installed (on CPU each slot runs its reference math) decodes the same bits with lanes
-on and off, forking once per compressed layer and step, and an exception inside the side lane
-leaves the main lane current. GPU (@pytest.mark.gpu): the same model with the Triton kernels,
-lanes on against off, eagerly and through the CUDA-graph decoder: bitwise equal logits.
+on and off, forking once per compressed layer and step ("graph" mode: only inside
+``lanes.capturing()``), a listening hook keeps its layer on one lane, and an exception inside the
+side lane leaves the main lane current. GPU (@pytest.mark.gpu): the same model with the Triton
+kernels, lanes on against off eagerly, and the CUDA-graph decoder (lanes in its capture) against
+one-lane eager: bitwise equal logits.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @contextlib.contextmanager
-def lanes_set(on: bool):
-    prev = lanes.set_decode_lanes(on)
+def lanes_set(mode: str):
+    prev = lanes.set_decode_lanes(mode)
     try:
         yield
     finally:
@@ -138,17 +140,10 @@ def test_embedded_model_decodes_the_same_bits_on_lanes(monkeypatch):
     assert compressed and all(m.layers[i].attn.fused_rows() for i in compressed)
     ids = torch.randint(2, m.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(0))
     steps = 9  # past a CSA (ratio 4) and an HCA (ratio 8) window close
-    with lanes_set(False):
+    with lanes_set("off"):
         want, st_off = _decode(m, ids, steps)
-    forks = []
-    real = lanes.Fork.__init__
-
-    def counted(self, device):
-        forks.append(device)
-        real(self, device)
-
-    monkeypatch.setattr(lanes.Fork, "__init__", counted)
-    with lanes_set(True):
+    forks = _count_forks(monkeypatch)
+    with lanes_set("all"):
         got, st_on = _decode(m, ids, steps)
     assert len(forks) == len(compressed) * steps
     assert torch.equal(got, want)
@@ -160,12 +155,7 @@ def test_embedded_model_decodes_the_same_bits_on_lanes(monkeypatch):
             assert torch.equal(a.indexer.entries, b.indexer.entries)
 
 
-def test_a_listening_hook_keeps_its_layer_on_one_lane(monkeypatch):
-    m = _cpu_installed(monkeypatch)
-    ids = torch.randint(2, m.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(3))
-    hooked = next(i for i, layer in enumerate(m.layers) if layer.attn.indexer is not None)
-    seen = []
-    m.layers[hooked].attn.indexer.hook_indices.register_forward_hook(lambda mod, a, out: seen.append(lanes.current_lane()))
+def _count_forks(monkeypatch) -> list:
     forks = []
     real = lanes.Fork.__init__
 
@@ -174,8 +164,34 @@ def test_a_listening_hook_keeps_its_layer_on_one_lane(monkeypatch):
         real(self, device)
 
     monkeypatch.setattr(lanes.Fork, "__init__", counted)
+    return forks
+
+
+def test_graph_mode_forks_only_while_capturing(monkeypatch):
+    m = _cpu_installed(monkeypatch)
+    ids = torch.randint(2, m.config.vocab_size, (1, 13), generator=torch.Generator().manual_seed(5))
+    forks = _count_forks(monkeypatch)
     compressed = sum(layer.attn.compressor is not None for layer in m.layers)
-    with lanes_set(True):
+    with lanes_set("graph"):
+        _decode(m, ids, 2)
+        assert forks == []                               # eager decode: one stream
+        with lanes.capturing():
+            _decode(m, ids, 2)
+        assert len(forks) == compressed * 2
+    with pytest.raises(ValueError, match="must be one of.*'graph'.*got 'on'"):
+        lanes.set_decode_lanes("on")
+    assert lanes.decode_lanes_mode() == lanes.MODES[1]   # unchanged by the refused call
+
+
+def test_a_listening_hook_keeps_its_layer_on_one_lane(monkeypatch):
+    m = _cpu_installed(monkeypatch)
+    ids = torch.randint(2, m.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(3))
+    hooked = next(i for i, layer in enumerate(m.layers) if layer.attn.indexer is not None)
+    seen = []
+    m.layers[hooked].attn.indexer.hook_indices.register_forward_hook(lambda mod, a, out: seen.append(lanes.current_lane()))
+    forks = _count_forks(monkeypatch)
+    compressed = sum(layer.attn.compressor is not None for layer in m.layers)
+    with lanes_set("all"):
         _decode(m, ids, 3)
     assert len(forks) == (compressed - 1) * 3          # every compressed layer but the hooked one
     assert seen and set(seen) == {lanes.MAIN}
@@ -190,11 +206,12 @@ def test_gpu_lanes_equal_one_lane_eager_and_graph():
     assert m.load_stats["kernels"] > 0
     ids = torch.randint(2, m.config.vocab_size, (1, 61), generator=torch.Generator().manual_seed(1)).cuda()
     steps = 24
-    with lanes_set(False):
+    with lanes_set("off"):
         want, _ = _decode(m, ids, steps)
-    with lanes_set(True):
+    with lanes_set("all"):
         got, _ = _decode(m, ids, steps)
-        assert torch.equal(got, want)
+    assert torch.equal(got, want)
+    with lanes_set("graph"):                            # the graph decoder forks in its capture
         st = m.new_state(1, ids.shape[1] + steps + 1)
         with torch.no_grad():
             tok = m.prefill(ids, st)[:, -1:].argmax(-1)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import lanes
 from ..model.component import PER_RUN_ATTRIBUTES, Component, changes
 from ..model.state import DecodeState
 PLAIN = (bool, int, float, str, type(None))
@@ -104,7 +105,7 @@ class GraphDecoder:
         ids0 = torch.zeros(B, 1, dtype=torch.long, device=segs[0][0])
         h_prev = None
         for k, (dev, _) in enumerate(segs):
-            with torch.cuda.device(dev):
+            with torch.cuda.device(dev), lanes.capturing():  # warm-up and capture fork onto decode lanes
                 stream = torch.cuda.Stream(device=dev)
                 static_ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
                 static_in = ids0 if k == 0 else torch.zeros_like(h_prev, device=dev)

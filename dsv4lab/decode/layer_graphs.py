@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from .. import lanes
 from ..model.component import changes
 from ..model.state import DecodeState
 from .graphs import module_entry, untracked_modules, untracked_signature
@@ -191,7 +192,7 @@ class LayerGraphDecoder:
         t0 = time.perf_counter()
         snap = [t.clone() for t in [bufs.h, *u.state_tensors]]  # warm-up and capture write these
         u.graph = None  # let the old graph's memory go back to the pool first
-        with torch.cuda.device(u.device):
+        with torch.cuda.device(u.device), lanes.capturing():  # warm-up and capture fork onto decode lanes
             cur = torch.cuda.current_stream(u.device)
             bufs.stream.wait_stream(cur)
             with torch.cuda.stream(bufs.stream):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..config import CSA, SLIDING, DSV4Config
-from ..lanes import Fork, decode_lanes_enabled
+from ..lanes import Fork, forks_now
 from ..quant.modes import RoundTrip
 from .bounded_attention import DEFAULT_BLOCK_BYTES, block_rows, bounded_attention
 from .component import Component
@@ -433,12 +433,12 @@ class Attention(Component):
             lin.offer(None)
 
     def _forks_decode(self) -> bool:
-        """Fork the compressors' step and the indexer's selection onto a decode lane? With lanes
-        on, when that work runs its kernels only: no hook point of it listens (``decode_kernel_applies``,
-        ``decode_takes_kernel``), so no user code runs on the side lane and a hooked branch keeps
-        the one-lane order of its hooks."""
+        """Fork the compressors' step and the indexer's selection onto a decode lane? When lanes
+        fork now (``lanes.forks_now``) and that work runs its kernels only: no hook point of it
+        listens (``decode_kernel_applies``, ``decode_takes_kernel``), so no user code runs on the
+        side lane and a hooked branch keeps the one-lane order of its hooks."""
         c, ix = self.compressor, self.indexer
-        return (decode_lanes_enabled() and c is not None and c.decode_kernel is not None and c.decode_kernel_applies()
+        return (forks_now() and c is not None and c.decode_kernel is not None and c.decode_kernel_applies()
                 and (ix is None or (ix.compressor.decode_kernel is not None and ix.compressor.decode_kernel_applies()
                                     and (not ix.enabled or ix.decode_takes_kernel()))))
 
