@@ -40,6 +40,7 @@ def _checked(mode: str, argument: str) -> str:
 
 _mode = _checked(os.environ.get("DSV4LAB_DECODE_LANES", "graph"), "DSV4LAB_DECODE_LANES")
 _capturing = 0  # depth of ``capturing()`` blocks
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)  # the fast getter where built
 _lane = MAIN
 _SIDE_STREAMS: dict = {}  # device index -> (the side lane's stream, to-side event, to-main event), kept
 _open: "Fork | None" = None  # the fork whose side lane may still run (made, not yet joined)
@@ -124,15 +125,18 @@ class Fork:
         prev = _lane
         if after_main:
             self._wait_main()
-        _lane = SIDE
         if self.cuda:
-            torch.cuda.set_stream(self.stream)
+            device = _current_device()
+            torch.cuda.set_stream(self.stream)  # also makes the stream's device current
+        _lane = SIDE
         try:
             yield
         finally:
             _lane = prev
             if self.cuda:
                 torch.cuda.set_stream(self.main)
+                if device != self.main.device_index:  # a layer on another GPU than the current one
+                    torch.cuda.set_device(device)
 
     def _side_waits(self) -> None:
         self.to_side.record(self.main)

@@ -55,6 +55,8 @@ class _FakeStream:
     """Records which stream waited for which (a CPU stand-in for ``torch.cuda.Stream`` and the
     fork's reused events: ``record`` notes the recording stream, ``wait_event`` logs the pair)."""
 
+    device_index = 0
+
     def __init__(self, name, log):
         self.name, self.log = name, log
 
@@ -69,6 +71,7 @@ class _FakeEvent:
 
 def _fake_cuda_fork(log, monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_stream", lambda s: None)
+    monkeypatch.setattr(lanes, "_current_device", lambda: 0)
     fork = lanes.Fork(torch.device("cpu"))
     fork.cuda, fork.main, fork.stream = True, _FakeStream("main", log), _FakeStream("side", log)
     fork.to_side, fork.to_main = _FakeEvent(), _FakeEvent()
@@ -98,6 +101,19 @@ def test_side_lane_borrows_the_main_lanes_emitted_pairs(monkeypatch):
     assert log[-1] == ("main", "side") and not fork.borrowed
     fork.join()
     assert lanes._open is None
+
+
+def test_side_lane_gives_back_the_current_device(monkeypatch):
+    """``torch.cuda.set_stream`` makes the stream's device current: a fork of a layer on GPU 0
+    issued while GPU 1 is current leaves GPU 1 current after each side block."""
+    log, devices = [], []
+    fork = _fake_cuda_fork(log, monkeypatch)
+    monkeypatch.setattr(lanes, "_current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    with fork.side():
+        pass
+    fork.join()
+    assert devices == [1]
 
 
 def test_side_lane_restored_after_an_error():
