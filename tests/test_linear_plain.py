@@ -260,6 +260,50 @@ def test_gpu_bf16_qlinear_gets_plain_slot():
         assert torch.equal(lin(xp), F.linear(xp, lin.weight))   # prefill rows stay on cuBLAS
 
 
+def test_attention_pairs_each_compressors_wkv_and_wgate_in_decode():
+    """Quantised compressor projections (V4-Pro's NVFP4 export) are not in the plain batch: decode
+    runs each compressor's wkv and wgate of x as one ``quant_pair_kernel`` launch (a counting
+    F.linear pair here) and offers each its output: the same logits, two pairs a CSA decode step
+    (compressor, indexer compressor), one an HCA step, and no offer left behind."""
+    from dsv4lab.precision.quantize import quantize_linears
+    from dsv4lab.workbench import random_model
+    from oracle_util import decode_logits, random_ids, tiny_config
+
+    cfg = tiny_config()
+    m = random_model(cfg, seed=8)
+    quantize_linears(m, fmt="nvfp4", pattern="layers.*.attn.**.w[kg]*")
+    pairs = []
+
+    def pair(x, wa, wb):
+        pairs.append((x.shape[1], wa.shape[0]))
+        return F.linear(x, wa.dequantize(x.dtype)), F.linear(x, wb.dequantize(x.dtype))
+
+    class Own:  # the slot whose outputs the pair reproduces (dispatch.quant_linear's role)
+        pairs_with = staticmethod(pair)
+
+        def __call__(self, x, w):
+            return F.linear(x, w.dequantize(x.dtype))
+
+    comps = {}
+    for i, layer in enumerate(m.layers):
+        attn = layer.attn
+        cs = [c for c in (attn.compressor, attn.indexer.compressor if attn.indexer is not None else None) if c]
+        for c in cs:
+            assert c.wkv.qweight is not None and c.wgate.qweight is not None
+            c.wkv.kernel = c.wgate.kernel = Own()
+        comps[i] = cs
+    ids = random_ids(cfg, n=12, b=1)
+    ref = decode_logits(m, ids, steps=3)
+    for layer in m.layers:
+        layer.attn.quant_pair_kernel = pair
+    got = decode_logits(m, ids, steps=3)
+    assert torch.equal(got, ref)
+    per_step = sum(len(cs) for cs in comps.values())
+    assert per_step == 5 and len(pairs) == 3 * per_step          # 2 CSA layers x 2 pairs + 1 HCA, each decode step
+    assert all(n == 1 for n, _ in pairs)                          # decode only (prefill pools its own way)
+    assert all(c.wkv._offered is None and c.wgate._offered is None for cs in comps.values() for c in cs)
+
+
 def test_attention_pairs_wq_a_and_wkv_of_one_decode_token():
     """Decode runs wq_a and wkv of x as one ``quant_pair_kernel`` launch (a counting F.linear pair
     here) and offers each its output: the same logits, one pair a decode step, neither linear's own

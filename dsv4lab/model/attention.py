@@ -408,11 +408,21 @@ class Attention(Component):
             out = self._attend(q, *decode_keys_bias(ring, pos, entries, n_entries, selected, self.use_compressed))
         return self._output(out, cos, sin, unroped=unropes)
 
+    def _offer_compressor_pairs(self, x: torch.Tensor, offered: list[QLinear]) -> None:
+        """Run each compressor's wkv and wgate of x (quantised: not in the plain batch) as one
+        ``quant_pair_kernel`` launch, ``offer`` each its output and append both to ``offered``. At
+        V4-Pro's NVFP4 export a CSA layer's four compressor GEMVs become two launches, an HCA's one."""
+        for c in (self.compressor, self.indexer.compressor if self.indexer is not None else None):
+            if c is not None and c.wkv._offered is None and offer_pair(self.quant_pair_kernel, x, c.wkv, c.wgate):
+                offered += [c.wkv, c.wgate]
+
     def _compress(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> list:
-        """The compressors' decode step (the plain-batch launch of their projections first): the
-        offered linears, then (n_entries, n_idx: the indexer's entry count or None) last."""
+        """The compressors' decode step (the plain-batch launch of their projections, or a pair
+        launch per compressor, first): the offered linears, then (n_entries, n_idx: the indexer's
+        entry count or None) last."""
         offered = self._offer_plain_batch(x)
         try:
+            self._offer_compressor_pairs(x, offered)
             n_entries = self.compressor.decode(x, pos, st.compressor)
             n_idx = self.indexer.compressor.decode(x, pos, st.indexer) if self.indexer is not None else None
         except BaseException:
