@@ -9,6 +9,7 @@
     routed experts, FP8-block (block 128) for the other quantised linears.
 
     python3 benchmarks/decode.py --json [--steps 512] [--layer-modes reference,kernels] [--format official]
+        [--helpers quantised]   (the compressor / indexer helper projections as the NVFP4 export stores them)
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ V4_PRO = dict(model_type="deepseek_v4", vocab_size=1024, hidden_size=7168, num_h
               mlp_layer_types=["moe"])
 LAYER_MODES = ("reference", "kernels", "compiled")
 BF16_KINDS = ("router", "compressor.", "indexer.weights_proj", "indexer.compressor.")
+HELPERS = ("bf16", "quantised")  # the compressor / indexer helper projections: as our users' engine, as the NVFP4 export
 
 
 def random_nvfp4(out, inn, dev, g) -> NVFP4Weight:
@@ -60,7 +62,14 @@ def random_official(out, inn, dev, g, expert: bool):
     return FP8BlockWeight(data, torch.full((-(-out // 128), -(-inn // 128)), 0.02 / 3, device=dev))
 
 
-def build_layer(layer_type: str, dev, small: bool = False, fmt: str = "nvfp4") -> tuple[DecoderLayer, object, int]:
+def build_layer(layer_type: str, dev, small: bool = False, fmt: str = "nvfp4",
+                helpers: str = "bf16") -> tuple[DecoderLayer, object, int]:
+    """The layer with random weights on ``dev``; ``helpers``: the compressor / indexer helper
+    projections BF16 (our users' engine) or quantised like the rest (the NVFP4 export, where only
+    the router stays BF16: ``dsv4lab.checkpoint.synth.NVFP4_EXCLUDE``)."""
+    if helpers not in HELPERS:
+        raise ValueError(f"helpers must be one of {HELPERS}, got {helpers!r}")
+    plain_kinds = BF16_KINDS if helpers == "bf16" else ("router",)
     spec = dict(V4_PRO, layer_types=[layer_type])
     if small:  # CPU smoke test of this script
         spec.update(hidden_size=256, num_attention_heads=8, head_dim=64, qk_rope_head_dim=32, q_lora_rank=64,
@@ -78,7 +87,7 @@ def build_layer(layer_type: str, dev, small: bool = False, fmt: str = "nvfp4") -
     for name, mod in layer.named_modules():
         if isinstance(mod, QLinear):
             is_expert = ".experts." in f".{name}."
-            if any(k in name for k in BF16_KINDS) or name == "mlp.router":
+            if any(k in name for k in plain_kinds) or name == "mlp.router":
                 w = torch.randn(mod.out_features, mod.in_features, device=dev, generator=g, dtype=torch.bfloat16) * mod.in_features ** -0.5
                 plain.append((mod, w))
                 nb = w.numel() * 2
@@ -114,11 +123,11 @@ def build_layer(layer_type: str, dev, small: bool = False, fmt: str = "nvfp4") -
 
 
 @torch.no_grad()
-def bench_layer(layer_type: str, dev, ceiling: float, mode: str, fmt: str = "nvfp4") -> dict:
+def bench_layer(layer_type: str, dev, ceiling: float, mode: str, fmt: str = "nvfp4", helpers: str = "bf16") -> dict:
     """One layer's decode step, eager and replayed from a CUDA graph, with its launches per step.
     ``mode``: "reference" (PyTorch only), "kernels" (installed kernels), "compiled" (kernels, and
     the step through ``torch.compile``: Inductor fuses the glue)."""
-    layer, cfg, active = build_layer(layer_type, dev, fmt=fmt)
+    layer, cfg, active = build_layer(layer_type, dev, fmt=fmt, helpers=helpers)
     if mode in ("kernels", "compiled"):
         from dsv4lab.kernels.install import install_kernels
         install_kernels(layer)
@@ -195,13 +204,15 @@ def main() -> None:
     ap.add_argument("--cpu-smoke", action="store_true", help="build a shrunken layer on CPU and run one eager step")
     ap.add_argument("--format", choices=("nvfp4", "official"), default="nvfp4",
                     help="layer weights: NVFP4 (our users' engine) or the official MXFP4 experts + FP8-block")
+    ap.add_argument("--helpers", choices=HELPERS, default="bf16",
+                    help="compressor / indexer helper projections: BF16 (our users' engine) or quantised (the NVFP4 export)")
     args = ap.parse_args()
     bad = [m for m in args.layer_modes.split(",") if m and m not in LAYER_MODES]
     if bad:
         ap.error(f"--layer-modes: unknown mode {bad[0]!r}; choose from {', '.join(LAYER_MODES)}")
     if args.cpu_smoke:
         for lt in ("compressed_sparse_attention", "heavily_compressed_attention"):
-            layer, cfg, active = build_layer(lt, torch.device("cpu"), small=True, fmt=args.format)
+            layer, cfg, active = build_layer(lt, torch.device("cpu"), small=True, fmt=args.format, helpers=args.helpers)
             st = DecodeState.allocate(cfg, 1, 512, torch.bfloat16, "cpu")
             st.pos_on("cpu").fill_(300)
             with torch.no_grad():
@@ -221,7 +232,8 @@ def main() -> None:
     for lt in ("compressed_sparse_attention", "heavily_compressed_attention"):
         for mode in modes:
             try:
-                r = bench_layer(lt, dev, ceiling, mode, args.format)
+                r = bench_layer(lt, dev, ceiling, mode, args.format, args.helpers)
+                r["helpers"] = args.helpers
             except Exception as e:  # one failing variant (e.g. a compile error) must not lose the others
                 r = {"layer_type": lt, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:500]}"}
             res.setdefault("v4_pro_layer", []).append(r)

@@ -150,34 +150,35 @@ def _cpu_install_allowed():
         install._on_cuda, install.have_triton_cuda = saved
 
 
-def build(layer_type: str, dev, experts: int):
-    """The V4-Pro layer of ``decode.py`` (NVFP4, BF16 helper projections) with ``experts`` routed experts."""
+def build(layer_type: str, dev, experts: int, helpers: str = "bf16"):
+    """The V4-Pro layer of ``decode.py`` (NVFP4; helper projections BF16 or, ``helpers="quantised"``,
+    NVFP4 as the export stores them) with ``experts`` routed experts."""
     from benchmarks import decode as bench
 
     saved = dict(bench.V4_PRO)
     bench.V4_PRO["n_routed_experts"] = experts
     try:
-        return bench.build_layer(layer_type, dev)
+        return bench.build_layer(layer_type, dev, helpers=helpers)
     finally:
         bench.V4_PRO.clear()
         bench.V4_PRO.update(saved)
 
 
-def inventory(layer_type: str, stub: bool, experts: int = 8, prefill: int = 0) -> dict:
+def inventory(layer_type: str, stub: bool, experts: int = 8, prefill: int = 0, helpers: str = "bf16") -> dict:
     """Launches of one decode step: per component the Triton kernels and the kernel-launching aten
     ops (with counts), the totals and the estimated CUDA kernels; on CUDA also the profiler's.
     The stubs write nothing, so the first-use parity check is off meanwhile (and only meanwhile:
     a caller's environment, e.g. a test process, is restored)."""
     with mock.patch.dict(os.environ, {"DSV4LAB_KERNEL_VERIFY": "0"}):
-        return _inventory(layer_type, stub, experts, prefill)
+        return _inventory(layer_type, stub, experts, prefill, helpers)
 
 
-def _inventory(layer_type: str, stub: bool, experts: int, prefill: int) -> dict:
+def _inventory(layer_type: str, stub: bool, experts: int, prefill: int, helpers: str) -> dict:
     from dsv4lab.kernels.install import install_kernels
     from dsv4lab.model.state import DecodeState
 
     dev = torch.device("cpu" if stub else "cuda")
-    layer, cfg, _ = build(layer_type, dev, experts)
+    layer, cfg, _ = build(layer_type, dev, experts, helpers)
     st = DecodeState.allocate(cfg, 1, 4096, torch.bfloat16, dev)
     S = max(prefill, 1)
     h = torch.randn(1, S, cfg.hc_mult, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
@@ -245,6 +246,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8, help="routed experts of the layer (V4-Pro: 384)")
     ap.add_argument("--prefill", type=int, default=0, metavar="S",
                     help="inventory one prefill of an S-token prompt instead of a decode step")
+    ap.add_argument("--helpers", choices=("bf16", "quantised"), default="bf16",
+                    help="compressor / indexer helper projections: BF16 (our users' engine) or quantised (the NVFP4 export)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.prefill < 0:
@@ -253,7 +256,7 @@ def main() -> None:
     torch.set_num_threads(1 if stub else torch.get_num_threads())
     out = []
     for key in (("csa", "hca") if args.layer == "both" else (args.layer,)):
-        r = inventory(LAYERS[key], stub, args.experts, args.prefill)
+        r = inventory(LAYERS[key], stub, args.experts, args.prefill, args.helpers)
         r["mode"] = "cpu-stub" if stub else "cuda"
         print_inventory(r)
         out.append(r)

@@ -28,17 +28,32 @@ def test_benchmark_help(script: Path):
     assert r.stdout.startswith("usage:"), r.stdout[:200]
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "official"])
-def test_decode_benchmark_cpu_smoke(fmt: str):
+@pytest.mark.parametrize("fmt,helpers", [("nvfp4", "bf16"), ("official", "bf16"), ("nvfp4", "quantised")])
+def test_decode_benchmark_cpu_smoke(fmt: str, helpers: str):
     """The V4-Pro layer builder of benchmarks/decode.py (shrunk) decodes one finite step on CPU in
     both weight layouts: NVFP4 everywhere, or the official MXFP4 experts + FP8-block linears (the
-    experts stack and gather, no masked loop)."""
-    r = subprocess.run([sys.executable, "benchmarks/decode.py", "--cpu-smoke", "--format", fmt], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    experts stack and gather, no masked loop); the helper projections BF16 or quantised."""
+    r = subprocess.run([sys.executable, "benchmarks/decode.py", "--cpu-smoke", "--format", fmt, "--helpers", helpers],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [ln.split() for ln in r.stdout.splitlines() if ln.endswith(tuple("0123456789"))]
     assert [ln[0] for ln in lines] == ["compressed_sparse_attention", "heavily_compressed_attention"], r.stdout
     assert all(ln[-2] == "True" and int(ln[-1]) > 0 for ln in lines), r.stdout  # finite output, active bytes
+
+
+def test_decode_layer_helpers_follow_the_export():
+    """``helpers="quantised"`` stores the compressor / indexer helper projections as the NVFP4
+    export does (quantised; the router alone BF16), "bf16" as our users' engine runs them; another
+    value names the choices."""
+    decode = benchmark_module("decode")
+    for helpers, quantised in (("bf16", False), ("quantised", True)):
+        layer, _, _ = decode.build_layer("compressed_sparse_attention", torch.device("cpu"), small=True, helpers=helpers)
+        attn = layer.attn
+        for lin in (attn.compressor.wkv, attn.indexer.compressor.wgate, attn.indexer.weights_proj):
+            assert (lin.qweight is not None) == quantised
+        assert layer.mlp.router.qweight is None
+    with pytest.raises(ValueError, match="helpers must be one of"):
+        decode.build_layer("compressed_sparse_attention", torch.device("cpu"), small=True, helpers="fp8")
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "official"])
