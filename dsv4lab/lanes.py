@@ -82,16 +82,11 @@ def current_lane() -> int:
     return _lane
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side lane's stream on a CUDA ``device`` (one per device, made on first use)."""
-    return _side(device)[0]
-
-
 def _side(device: torch.device) -> tuple:
     """(side stream, to-side event, to-main event) of a CUDA device. The events are reused: a wait
     takes the event's latest record, so one per direction does (``Stream.wait_stream`` would
     create an event per call, host time on every eager step)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device.index if device.index is not None else _current_device()
     s = _SIDE_STREAMS.get(index)
     if s is None:
         s = _SIDE_STREAMS[index] = (torch.cuda.Stream(device=index), torch.cuda.Event(), torch.cuda.Event())

@@ -390,9 +390,9 @@ class Attention(Component):
                 st.kv_ring.index_copy_(1, (pos % self.window).view(1), kv.to(st.kv_ring.dtype))
             entries = n_entries = selected = None
             if self.compressor is not None:
-                offered = self._compress(x, pos, st)
+                offered: list[QLinear] = []
                 try:
-                    n_entries, n_idx = offered.pop()
+                    n_entries, n_idx = self._compress(x, pos, st, offered)
                     entries = st.compressor.entries.to(kv.dtype)
                     selected = self._select(x, q_res, positions, st, n_idx)
                 finally:
@@ -416,19 +416,16 @@ class Attention(Component):
             if c is not None and c.wkv._offered is None and offer_pair(self.quant_pair_kernel, x, c.wkv, c.wgate):
                 offered += [c.wkv, c.wgate]
 
-    def _compress(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> list:
-        """The compressors' decode step (the plain-batch launch of their projections, or a pair
-        launch per compressor, first): the offered linears, then (n_entries, n_idx: the indexer's
-        entry count or None) last."""
-        offered = self._offer_plain_batch(x)
-        try:
-            self._offer_compressor_pairs(x, offered)
-            n_entries = self.compressor.decode(x, pos, st.compressor)
-            n_idx = self.indexer.compressor.decode(x, pos, st.indexer) if self.indexer is not None else None
-        except BaseException:
-            self._withdraw(offered)
-            raise
-        return [*offered, (n_entries, n_idx)]
+    def _compress(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState,
+                  offered: list[QLinear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The compressors' decode step, their projections first as the plain-batch launch or a
+        pair launch per compressor (the linears offered so are appended to ``offered``, for the
+        caller to ``_withdraw``): (n_entries, the indexer's entry count or None)."""
+        offered += self._offer_plain_batch(x)
+        self._offer_compressor_pairs(x, offered)
+        n_entries = self.compressor.decode(x, pos, st.compressor)
+        n_idx = self.indexer.compressor.decode(x, pos, st.indexer) if self.indexer is not None else None
+        return n_entries, n_idx
 
     def _select(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, st: LayerState,
                 n_idx: torch.Tensor | None) -> torch.Tensor | None:
@@ -458,22 +455,20 @@ class Attention(Component):
         only), the selection once q_res is issued, both beside wq_b; joined before attention.
         Returns (q, kv, cos, sin, n_entries, selected)."""
         fork = Fork(x.device)
+        offered: list[QLinear] = []
+        selected = []
         try:
             with fork.side():
-                offered = self._compress(x, pos, st)
-            n_entries, n_idx = offered.pop()
-            selected = []
+                n_entries, n_idx = self._compress(x, pos, st, offered)
 
             def select(q_res: torch.Tensor) -> None:
                 with fork.side(after_main=True):
                     selected.append(self._select(x, q_res, pos.view(1), st, n_idx))
 
-            try:
-                _, q, kv, cos, sin = self._q_kv_fused(x, pos.view(1), ring=st.kv_ring, rope_q=not ropes_q,
-                                                      with_q_res=select)
-            finally:
-                self._withdraw(offered)
+            _, q, kv, cos, sin = self._q_kv_fused(x, pos.view(1), ring=st.kv_ring, rope_q=not ropes_q,
+                                                  with_q_res=select)
         finally:
+            self._withdraw(offered)
             fork.join()
         return q, kv, cos, sin, n_entries, selected[0]
 
