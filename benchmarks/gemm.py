@@ -259,11 +259,11 @@ def moe_row(fmt, T, E, k, H, I, dev, limit=10.0, sweep: bool = False) -> dict:
     t_r = timed(lambda: moe_prefill_ref(x, ids, wt, w1, w3, w2, limit), dev)
     tier_cfgs = [("grouped", {"DENSE": False, "WGMMA": False}), ("dense", {"DENSE": True})]
     if dev.type == "cuda" and grouped_wgmma_ok(x, w1, w3, w2):   # the Gluon grouped GEMMs, both tile heights
-        tier_cfgs += [("wgmma", {"DENSE": False, "WGMMA": True}), ("wgmma_bm64", {"DENSE": False, "WGMMA": True, "BM": 64}),
+        tier_cfgs += [("wgmma", {"DENSE": False, "WGMMA": True}),   # WGMMA_DEFAULT: mixed tiles, A in registers
+                      ("wgmma_bm64", {"DENSE": False, "WGMMA": True, "BM": 64}),
                       ("wgmma_bm128", {"DENSE": False, "WGMMA": True, "BM": 128}),
-                      ("wgmma_mixed", {"DENSE": False, "WGMMA": True, "BM": "mixed"}),
-                      ("wgmma_frag", {"DENSE": False, "WGMMA": True, "FRAG": True}),
-                      ("wgmma_frag_mixed", {"DENSE": False, "WGMMA": True, "FRAG": True, "BM": "mixed"})]
+                      ("wgmma_smem", {"DENSE": False, "WGMMA": True, "FRAG": False}),   # A through shared memory
+                      ("wgmma_smem_bm128", {"DENSE": False, "WGMMA": True, "FRAG": False, "BM": 128})]  # the old default
     tiers = {}
     for tier, c in tier_cfgs:
         yt = moe_prefill_triton(x, ids, wt, w1, w3, w2, limit, cfg=c)

@@ -44,9 +44,9 @@ from .linear_gemm import block_k
 
 try:  # Gluon (triton >= 3.5): the async-wgmma grouped GEMMs, sm_90
     from .linear_gemm_wgmma import fragment_order
-    from .moe_prefill_wgmma import grouped_wgmma, grouped_wgmma_supported, wgmma_rows
+    from .moe_prefill_wgmma import grouped_wgmma, grouped_wgmma_supported
 except ImportError:  # a triton without Gluon: the Triton grouped kernel takes every call
-    grouped_wgmma = grouped_wgmma_supported = wgmma_rows = fragment_order = None
+    grouped_wgmma = grouped_wgmma_supported = fragment_order = None
 
 
 @triton.jit
@@ -267,7 +267,7 @@ def moe_prefill_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ``DENSE`` forces or refuses ``moe_prefill_dense`` (by default it runs where ``dense_moe_fits``);
     ``WGMMA`` forces or refuses the Gluon grouped GEMMs (``moe_prefill_wgmma``: by default on sm_90
     where ``grouped_wgmma_supported``; ``BM`` may come with it: 64, 128 or "mixed", ``mixed_tiles``;
-    ``FRAG`` True: A decoded into registers, fragment order)."""
+    ``FRAG`` True: A decoded into registers, fragment order; ``WGMMA_DEFAULT`` when not given)."""
     if x.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(f"x must be [T, H] and ids / weights [T, k] with the same T; got x {tuple(x.shape)}, "
                          f"ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
@@ -287,8 +287,8 @@ def moe_prefill_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     if wgmma or (wgmma is None and not cfg and _wgmma_ok[0] and grouped_wgmma_supported is not None
                  and grouped_wgmma_supported(x, w1, w3, w2)):
         try:
-            return _moe_prefill_wgmma(x, ids, rw, w1, w3, w2, limit, weight_before_w2, cfg.get("BM", wgmma_rows(rows)),
-                                      out, cfg.get("FRAG", False))
+            return _moe_prefill_wgmma(x, ids, rw, w1, w3, w2, limit, weight_before_w2,
+                                      cfg.get("BM", WGMMA_DEFAULT["BM"]), out, cfg.get("FRAG", WGMMA_DEFAULT["FRAG"]))
         except Exception as e:  # noqa: BLE001 - a triton whose Gluon this kernel does not compile on
             if wgmma:  # forced: errors surface
                 raise
@@ -307,6 +307,10 @@ def moe_prefill_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     return unpermute(y, sched["pos"], rw, out, k, weight=not weight_before_w2)
 
 
+# The Gluon grouped GEMMs' default: mixed 64 / 128-row tiles, A decoded into registers. H100, 4096
+# tokens top-6 of 384 V4-Pro experts (benchmarks/results/kernels/moe_wgmma/h100_variants_*):
+# NVFP4 15.8 -> 14.4 ms, MXFP4 15.6 -> 13.9 ms against 128-row tiles through shared memory.
+WGMMA_DEFAULT = {"BM": "mixed", "FRAG": True}
 _wgmma_ok = [True]  # False once the Gluon grouped GEMMs failed to compile or launch in this process
 
 

@@ -274,10 +274,4 @@ def grouped_wgmma(x: torch.Tensor, sched: dict, bm: int, w, w3=None, limit: floa
     return y
 
 
-def wgmma_rows(rows_per_expert: float) -> int:
-    """Token rows a tile: the decode of a weight tile is paid once a tile, so 128 where the
-    experts average > 32 rows (V4-Pro at 4096 tokens: ~64, most experts one tile), else 64."""
-    return 128 if rows_per_expert > 32 else 64
-
-
-__all__ = ["grouped_wgmma", "grouped_wgmma_supported", "wgmma_rows", "BN", "BK"]
+__all__ = ["grouped_wgmma", "grouped_wgmma_supported", "BN", "BK"]
