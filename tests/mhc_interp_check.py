@@ -93,4 +93,22 @@ for name, (hc, D, B, S, dtype, iters, hc_eps, kw, kind, lscale) in CASES.items()
     k_pre, k_col = hc_head_pre(streams, fn, base, scale, hc_eps, 1e-6, **kw)
     res[name]["head_pre"] = diff(k_pre, h_pre)
     res[name]["head_collapsed"] = diff(k_col, collapse(h_pre, streams))
+# fn's tile loaded before the PDL wait (one K step a program: EARLY_FN) against the K loop: the same bits
+import dsv4lab.kernels.mhc_fused as mhc_fused_mod
+early = {}
+EARLY_CASES = {"b1_f32": CASES["b1_f32"], "b3_bf16": CASES["b3_bf16"],
+               "d1024_bf16_splits": (4, 1024, 1, 1, torch.bfloat16, 20, 1e-6, {}, "randn", 1.0)}  # 16 one-step splits
+for name, (hc, D, B, S, dtype, iters, hc_eps, kw, kind, lscale) in EARLY_CASES.items():
+    streams = torch.randn(B, S, hc, D, generator=g).to(dtype)
+    fn, base, scale = params(hc, D, False, lscale)
+    w = (1.0 + 0.1 * torch.randn(D, generator=g)).to(dtype)
+    outs = {}
+    for on in (True, False):
+        mhc_fused_mod.EARLY_FN_ON = on
+        outs[on] = hc_pre(streams, fn, base, scale, iters, hc_eps, 1e-6, **kw) + \
+            hc_pre(streams, fn, base, scale, iters, hc_eps, 1e-6, block_norm_weight=w, block_norm_eps=1e-6, **kw)
+    mhc_fused_mod.EARLY_FN_ON = True
+    bt, bk, ch, n_split = mhc_fused_mod.pre_split(B * S, hc * D, kw.get("split"), kw.get("block_k"))
+    early[name] = {"one_step": ch <= bk, "splits": n_split, "bitwise": all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))}
+res["_early_fn"] = early
 print("RESULT" + json.dumps(res))

@@ -107,6 +107,18 @@ def test_interp_grouped_tma_gemv(interp_results):
     assert interp_results["grouped_dense_bitwise"] is True  # 512 tokens: one dequantisation + one bmm
 
 
+def test_interp_grouped_gemv_emits_pairs(interp_results):
+    """wo_a's GEMV writes the x_pairs of its output for wo_b (no prelude launch): the same y bits as
+    the plain launch, the same pair rows and 1/xs (padding zeroed) as an x_pairs launch over y,
+    recorded as y's; refused where y's pairs are the size of x's (the launch reads those)."""
+    for split in (1, 2):
+        v = interp_results[f"emit_split{split}"]
+        assert v["emits"], v
+        assert v["y_bitwise"] and v["rows"] and v["inv"] and v["recorded"], v
+        assert v["inv_len"] == 64, v
+    assert interp_results["emit_split1"]["refuses_same_size"] is True
+
+
 def test_interp_nvfp4_matmul(interp_results):
     mm = {k: v for k, v in interp_results.items() if k.startswith("mm_")}
     assert len(mm) == 2 * (4 + 3 + 2 + 4 + 1)
@@ -305,6 +317,15 @@ def test_gpu_grouped_wo_a_v4_pro(T):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(yg, y)
+    if T == 1:  # the grouped GEMV wrote y's pairs (wo_b's input): the bits an x_pairs launch writes
+        from dsv4lab.kernels import common
+
+        y = nvfp4_grouped_matmul(x, w.packed, w.block_scale, w.global_scale)
+        kg = G * R // 16
+        assert common._pairs_record(y, (kg, y.device, 0)) is not None
+        emitted = [t.clone() for t in common.x_pairs(y.flatten())]   # the kept buffers, no launch
+        fresh = common.x_pairs(y.flatten().clone())                   # a new tensor: launched
+        assert torch.equal(emitted[0], fresh[0]) and torch.equal(emitted[1], fresh[1])
 
 
 @pytest.mark.gpu

@@ -48,6 +48,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_interp_mhc_kernels_match_reference():
     assert triton_importable(), "triton is part of the test set-up (pip install -e '.[kernels]')"
     res = interp_check_result("mhc_interp_check.py")
+    early = res.pop("_early_fn")   # hc_pre's fn loaded before the PDL wait: the K loop's bits
+    assert all(v["one_step"] for v in early.values()), early
+    assert all(v["bitwise"] for v in early.values()), early
+    assert early["d1024_bf16_splits"]["splits"] == 16, early
     assert len(res) == 13
     for case, outs in res.items():
         assert set(outs) - {"normed_pairs_equal"} == {"pre", "post", "comb", "collapsed", "expand", "head_pre",

@@ -66,7 +66,7 @@ from .dequant_gemm import DENSE_MIN_M, SCRATCH_BYTES, dense_supported, dequantiz
 from .device import env_value, on_input_device
 from .launch import launch
 from .linear_gemm import gemm_supported, prefill_gemm
-from .linear_nvfp4_tma import GemvTmaPlan, launch_gemv_tma, pair_fits, run_gemv_tma, run_gemv_tma_pair, \
+from .linear_nvfp4_tma import GemvTmaPlan, emits_pairs, launch_gemv_tma, pair_fits, run_gemv_tma, run_gemv_tma_pair, \
     tma_default_config, tma_supported
 
 
@@ -571,7 +571,7 @@ def nvfp4_grouped_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: tor
         if plan is not None:
             y = x.new_empty((*lead, G, rows))
             gs = plan.gs if plan.gs is not None else global_scale.reshape(1).to(device=x.device, dtype=torch.float32)
-            run_gemv_tma(plan.tma, x, gs, y)
+            run_gemv_tma(plan.tma, x, gs, y, emit=emits_pairs(plan.tma, y))  # wo_b reads y's pairs: no prelude
             return y
     x1 = x.reshape(-1, G, K)
     packed_in, packed = packed, packed.view(torch.uint8)
@@ -581,7 +581,7 @@ def nvfp4_grouped_matmul(x: torch.Tensor, packed: torch.Tensor, block_scale: tor
         if plan is not None:
             y = torch.empty(N, dtype=x.dtype, device=x.device)
             gs = plan.gs if plan.gs is not None else global_scale.reshape(1).to(device=x.device, dtype=torch.float32)
-            run_gemv_tma(plan.tma, x1[0].contiguous().reshape(1, G * K), gs, y)
+            run_gemv_tma(plan.tma, x1[0].contiguous().reshape(1, G * K), gs, y, emit=emits_pairs(plan.tma, y))
             return y.view(*lead, G, rows)
     M = x1.shape[0]
     if (M >= DENSE_MIN_M and dense_supported(K) and gemm_supported(x1[:, 0], K)

@@ -50,7 +50,9 @@ from .common import (
     cdiv,
     BOX_GROUPS,
     INTERPRET,
+    INV_PAD,
     PDL_ON,
+    arrive,
     block_scales,
     counters,
     dot_dtype,
@@ -58,14 +60,21 @@ from .common import (
     nibble_plane_dots,
     num_sms,
     pairs_and_inv,
+    pairs_buffers,
     pairs_descriptor,
+    pairs_written,
     pdl_kw,
+    round_to,
     scratch,
     store_or_fix_up,
+    store_pair_rows,
+    sum_partials,
     weight_global_scale,
     x_pairs,
 )
 from .launch import LaunchSite
+
+_INV_PAD = tl.constexpr(INV_PAD)  # a global a jitted function reads must be a constexpr
 
 
 @triton.jit
@@ -81,10 +90,11 @@ def _tile_and_split(N, KG, gps, BN: tl.constexpr):
 def _gemv_tma_tile(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, N, KG, gps, SPLIT, pid_n, pid_k,
                    USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr,
                    USE_ASM: tl.constexpr, PDL: tl.constexpr, MX: tl.constexpr, XINV: tl.constexpr,
-                   ROWS_PER_X: tl.constexpr):
+                   ROWS_PER_X: tl.constexpr, EMIT: tl.constexpr, oxp_ptr, oinv_ptr, OKG, OKGP):
     """One CTA of the M = 1 GEMV: row tile ``pid_n`` x K split ``pid_k`` (the body of the single
     and the paired kernel, so a weight's outputs are the same bits in either). The kernel has
-    waited on the previous grid already where ``PDL``."""
+    waited on the previous grid already where ``PDL``. ``EMIT``: the tile's finishing program also
+    writes y's ``x_pairs`` rows (OKG = N / 16 groups at oxp_ptr / oinv_ptr) for the GEMV after it."""
     n0 = pid_n * BN
     rows = n0 + tl.arange(0, BN)
     row_ok = rows < N
@@ -104,8 +114,36 @@ def _gemv_tma_tile(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_p
     if PDL:  # the next launch (e.g. the next call's prelude) may start while this grid finishes
         gdc_launch_dependents()
     res = tl.sum(acc, axis=1) * 16384.0  # undo the 2^-14 of the nibble trick
-    store_or_fix_up(res, y_ptr + rows, ws_ptr + rows, row_ok, cnt_ptr, pid_n, pid_k, N, SPLIT,
-                     weight_global_scale(gs_ptr, 0, MX), USE_SPLIT)
+    if EMIT:
+        _store_emitting(res, y_ptr + rows, ws_ptr + rows, row_ok, cnt_ptr, pid_n, pid_k, N, SPLIT,
+                        weight_global_scale(gs_ptr, 0, MX), USE_SPLIT, n0, oxp_ptr, oinv_ptr, OKG, OKGP, BN)
+    else:
+        store_or_fix_up(res, y_ptr + rows, ws_ptr + rows, row_ok, cnt_ptr, pid_n, pid_k, N, SPLIT,
+                        weight_global_scale(gs_ptr, 0, MX), USE_SPLIT)
+
+
+@triton.jit
+def _store_emitting(acc, y_ptrs, ws_ptrs, mask, cnt_ptr, tile, pid_k, split_stride, SPLIT, scale,
+                    USE_SPLIT: tl.constexpr, n0, oxp_ptr, oinv_ptr, OKG, OKGP, BN: tl.constexpr):
+    """``store_or_fix_up`` that also stores the finished tile's ``x_pairs`` rows (``store_pair_rows``
+    of the values as stored: the bits ``x_pairs(y)`` would write); the tile holding row N - 1 also
+    zeroes 1/xs from OKG to OKGP."""
+    out_ty = y_ptrs.dtype.element_ty
+    done = True
+    if USE_SPLIT:
+        done = arrive(acc, ws_ptrs + pid_k * split_stride, mask, cnt_ptr, tile) == SPLIT - 1
+    if done:
+        if USE_SPLIT:
+            acc = sum_partials(ws_ptrs, split_stride, SPLIT, mask, tl.zeros_like(acc))
+        y = round_to(acc * scale, out_ty)
+        tl.store(y_ptrs, y.to(out_ty), mask=mask)
+        g = n0 // 16 + tl.arange(0, BN // 16)
+        store_pair_rows(tl.reshape(tl.where(mask, y, 0.0), (BN // 16, 16)), oxp_ptr, oinv_ptr, g, OKG, OKGP, BN // 16)
+        if n0 + BN >= OKG * 16:
+            pad = OKG + tl.arange(0, _INV_PAD)
+            tl.store(oinv_ptr + pad, tl.zeros((_INV_PAD,), dtype=tl.float32), mask=pad < OKGP)
+        if USE_SPLIT:
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # next use is a later launch: no fence
 
 
 @triton.jit
@@ -118,7 +156,23 @@ def _gemv_tma_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt
     if PDL:  # launched while the x-pair prelude runs; its pairs are visible after the wait
         gdc_wait()
     _gemv_tma_tile(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, N, KG, gps, SPLIT,
-                   tl.program_id(0), tl.program_id(1), USE_SPLIT, BN, G, STAGES, USE_ASM, PDL, MX, XINV, ROWS_PER_X)
+                   tl.program_id(0), tl.program_id(1), USE_SPLIT, BN, G, STAGES, USE_ASM, PDL, MX, XINV, ROWS_PER_X,
+                   False, y_ptr, y_ptr, 0, 0)
+
+
+@triton.jit
+def _gemv_tma_emit_kernel(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, N, KG, gps, SPLIT,
+                          oxp_ptr, oinv_ptr, OKG, OKGP,
+                          USE_SPLIT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr,
+                          USE_ASM: tl.constexpr, PDL: tl.constexpr, MX: tl.constexpr, XINV: tl.constexpr,
+                          ROWS_PER_X: tl.constexpr = 0):
+    """``_gemv_tma_kernel`` that also writes y's ``x_pairs`` (OKG groups at oxp_ptr / oinv_ptr,
+    1/xs zeroed up to OKGP): the same CTAs and the same y bits (``run_gemv_tma(emit=True)``)."""
+    if PDL:
+        gdc_wait()
+    _gemv_tma_tile(w_desc, s_desc, x_desc, inv_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, N, KG, gps, SPLIT,
+                   tl.program_id(0), tl.program_id(1), USE_SPLIT, BN, G, STAGES, USE_ASM, PDL, MX, XINV, ROWS_PER_X,
+                   True, oxp_ptr, oinv_ptr, OKG, OKGP)
 
 
 @triton.jit
@@ -136,12 +190,14 @@ def _gemv_tma_pair_kernel(wa_desc, sa_desc, wb_desc, sb_desc, x_desc, inv_ptr, g
     n_a = TILES_A * SPLIT_A
     if pid < n_a:
         _gemv_tma_tile(wa_desc, sa_desc, x_desc, inv_ptr, gsa_ptr, ya_ptr, wsa_ptr, cnt_ptr, NA, KG, gpsa, SPLIT_A,
-                       pid % TILES_A, pid // TILES_A, USE_SPLIT_A, BN, G, STAGES, USE_ASM, PDL, MX, XINV, 0)
+                       pid % TILES_A, pid // TILES_A, USE_SPLIT_A, BN, G, STAGES, USE_ASM, PDL, MX, XINV, 0,
+                       False, ya_ptr, ya_ptr, 0, 0)
     else:
         q = pid - n_a
         tiles_b = tl.cdiv(NB, BN)
         _gemv_tma_tile(wb_desc, sb_desc, x_desc, inv_ptr, gsb_ptr, yb_ptr, wsb_ptr, cnt_ptr + TILES_A, NB, KG, gpsb,
-                       SPLIT_B, q % tiles_b, q // tiles_b, USE_SPLIT_B, BN, G, STAGES, USE_ASM, PDL, MX, XINV, 0)
+                       SPLIT_B, q % tiles_b, q // tiles_b, USE_SPLIT_B, BN, G, STAGES, USE_ASM, PDL, MX, XINV, 0,
+                       False, yb_ptr, yb_ptr, 0, 0)
 
 
 @triton.jit
@@ -220,7 +276,8 @@ class GemvTmaPlan:
     constexpr arguments. ``nvfp4_matmul`` keeps one per weight (``common.weight_cached``), so a decode
     call only allocates and launches."""
 
-    __slots__ = ("N", "KG", "gps", "split", "n_tiles", "grid", "wd", "sd", "g", "m1", "pdl", "xinv", "kw", "site")
+    __slots__ = ("N", "KG", "gps", "split", "n_tiles", "grid", "wd", "sd", "g", "m1", "pdl", "xinv", "kw", "site",
+                 "emit_site")
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, cfg: dict, m1: bool, x_dtype: torch.dtype,
                  groups: int = 1):
@@ -244,6 +301,7 @@ class GemvTmaPlan:
             # the descriptors and ints the plan passes on every call (``run_gemv_tma``): keyed by identity;
             # the x-pairs descriptor too (2): over the kept ``x_pairs`` buffer it is one object per size
             self.site = LaunchSite(_gemv_tma_kernel, fixed=(0, 1, 2, 8, 9, 10, 11), **self.kw)
+            self.emit_site = None  # the EMIT variant, made on its first use (``run_gemv_tma(emit=True)``)
         else:
             self.kw = dict(USE_SPLIT=split > 1, BN=bn, G=g, BMP=16, STAGES=cfg["STAGES"],
                            DOT_DTYPE=dot_dtype(x_dtype),
@@ -251,18 +309,35 @@ class GemvTmaPlan:
             self.site = LaunchSite(_gemv_tma_dot_kernel, fixed=(0, 1, 8, 9, 12, 13), **self.kw)
 
 
+def emits_pairs(plan: GemvTmaPlan, y: torch.Tensor) -> bool:
+    """Can this M = 1 launch also write y's ``x_pairs`` (``run_gemv_tma(emit=True)``)? y one row of
+    16-groups, and of another size than x's pairs (the launch reads those while it writes)."""
+    return plan.m1 and plan.N % 16 == 0 and plan.N // 16 != plan.KG and y.is_contiguous() and y.numel() == plan.N
+
+
 def run_gemv_tma(plan: GemvTmaPlan, x2: torch.Tensor, gs: torch.Tensor, y: torch.Tensor,
-                 pairs: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 pairs: tuple[torch.Tensor, torch.Tensor] | None = None, emit: bool = False) -> None:
     """The launches of ``launch_gemv_tma`` for a ``plan`` made for this weight and x2's dtype (x2
     [M, K] contiguous rows, M == 1 iff ``plan.m1``, where any contiguous shape of one row will do;
-    grouped: x2 already [1, groups * K] or any contiguous shape of those elements)."""
+    grouped: x2 already [1, groups * K] or any contiguous shape of those elements). ``emit``
+    (``emits_pairs``): the launch also writes y's pairs into the kept buffers and records them
+    (``pairs_written``), so a quantised GEMV reading y next launches no ``x_pairs`` (wo_a -> wo_b)."""
     M = 1 if plan.m1 else x2.shape[0]
     if plan.split > 1:
         ws = scratch("gemv_split", (plan.split, M, plan.N), torch.float32, x2.device)
         cnt = counters(x2.device, plan.n_tiles)
     else:
         ws, cnt = y, y
-    if plan.m1:
+    if plan.m1 and emit:
+        xp, inv = x_pairs(x2, plan.pdl) if pairs is None else pairs
+        okg = plan.N // 16
+        oxp, oinv = pairs_buffers(okg, y.device)
+        if plan.emit_site is None:
+            plan.emit_site = LaunchSite(_gemv_tma_emit_kernel, fixed=(0, 1, 2, 8, 9, 10, 11), **plan.kw)
+        plan.emit_site(plan.grid, plan.wd, plan.sd, pairs_descriptor(xp, plan.g, plan.xinv), inv, gs, y, ws, cnt,
+                       plan.N, plan.KG, plan.gps, plan.split, oxp, oinv, okg, oinv.numel())
+        pairs_written(okg, y.device, y)
+    elif plan.m1:
         xp, inv = x_pairs(x2, plan.pdl) if pairs is None else pairs
         plan.site(plan.grid, plan.wd, plan.sd, pairs_descriptor(xp, plan.g, plan.xinv), inv, gs, y, ws, cnt,
                   plan.N, plan.KG, plan.gps, plan.split)

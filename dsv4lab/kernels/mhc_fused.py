@@ -41,6 +41,7 @@ Imports triton (import only from ``dispatch``).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -65,6 +66,7 @@ DENSE_MIN_T = 1024  # hc_pre tokens (bf16 streams) from which the mix products r
                     # site, tiles / dense us: 512 231 / 315, 1024 273 / 139, 2048 505 / 165, 4096 966 / 288)
 DENSE_BT = 4        # tokens per program of the dense tier's finish (x is read twice: keep it in L2)
 _SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite (4 launches an eager layer)
+EARLY_FN_ON = os.environ.get("DSV4LAB_HC_PRE_EARLY_FN", "1") != "0"  # A/B switch of hc_pre's EARLY_FN
 DENSE_CHUNK_K = 1024  # K per batch of the dense tier's products (fp32 partials summed in the finish)
 
 
@@ -192,8 +194,11 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
                    BK: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr,
                    HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr, PDL: tl.constexpr = False,
                    SINKHORN: tl.constexpr = True, BLOCK_NORM: tl.constexpr = False, PAIRS: tl.constexpr = False,
-                   ONE_ROW: tl.constexpr = False):
-    pdl_enter(PDL)
+                   ONE_ROW: tl.constexpr = False, EARLY_FN: tl.constexpr = False):
+    """``EARLY_FN`` (one K step a program, PDL): fn's tile, a weight no grid writes, is loaded before
+    the PDL wait, under the previous grid's run; the same products and sums."""
+    if not EARLY_FN:
+        pdl_enter(PDL)
     tb = tl.program_id(0)
     sp = tl.program_id(1)
     t = tb.to(tl.int64) * BT + tl.arange(0, BT)
@@ -208,21 +213,40 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
     acc_comb = tl.zeros((BT, HCP * HCP, BK), dtype=tl.float32)
     acc_ss = tl.zeros((BT, BK), dtype=tl.float32)
     k_lo = sp * CH
-    for k0 in range(0, CH, BK):
-        kk = k0 + tl.arange(0, BK)
+    if EARLY_FN:  # CH <= BK: the one step, fn's rows first
+        kk = tl.arange(0, BK)
         k = k_lo + kk
         k_ok = (kk < CH) & (k < K)
+        w_pre = tl.load(fn_ptr + jj[:, None] * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0)
+        if not HEAD:
+            w_post = tl.load(fn_ptr + (HC + jj[:, None]) * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :],
+                             other=0.0)
+            w_comb = tl.load(fn_ptr + c_row[:, None] * K + k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
+        pdl_enter(PDL)
         x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc_ss += x * x
-        w = tl.load(fn_ptr + jj[:, None] * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc_pre += x[:, None, :] * w[None, :, :]
+        acc_pre += x[:, None, :] * w_pre.to(tl.float32)[None, :, :]
         if not HEAD:
-            w = tl.load(fn_ptr + (HC + jj[:, None]) * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :],
+            acc_post += x[:, None, :] * w_post.to(tl.float32)[None, :, :]
+            acc_comb += x[:, None, :] * w_comb.to(tl.float32)[None, :, :]
+    else:
+        for k0 in range(0, CH, BK):
+            kk = k0 + tl.arange(0, BK)
+            k = k_lo + kk
+            k_ok = (kk < CH) & (k < K)
+            x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
                         other=0.0).to(tl.float32)
-            acc_post += x[:, None, :] * w[None, :, :]
-            w = tl.load(fn_ptr + c_row[:, None] * K + k[None, :], mask=c_ok[:, None] & k_ok[None, :],
+            acc_ss += x * x
+            w = tl.load(fn_ptr + jj[:, None] * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :],
                         other=0.0).to(tl.float32)
-            acc_comb += x[:, None, :] * w[None, :, :]
+            acc_pre += x[:, None, :] * w[None, :, :]
+            if not HEAD:
+                w = tl.load(fn_ptr + (HC + jj[:, None]) * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :],
+                            other=0.0).to(tl.float32)
+                acc_post += x[:, None, :] * w[None, :, :]
+                w = tl.load(fn_ptr + c_row[:, None] * K + k[None, :], mask=c_ok[:, None] & k_ok[None, :],
+                            other=0.0).to(tl.float32)
+                acc_comb += x[:, None, :] * w[None, :, :]
     ss = tl.sum(acc_ss, axis=1)
     p_pre = tl.sum(acc_pre, axis=2)
     p_post = tl.sum(acc_post, axis=2)
@@ -474,12 +498,13 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     xp, xinv = pairs_buffers(kg, dev) if emit else (out, out)
     kernel, by_hand = _hc_pre_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
     pdl = use_pdl(n_tb * n_split, dev)
-    skey = (id(kernel), hc, bt, bk, n_split, head, by_hand, pdl, sinkhorn, block_norm, emit, one_row)
+    early_fn = ch <= bk and EARLY_FN_ON  # one K step a program: fn loaded first (before the PDL wait)
+    skey = (id(kernel), hc, bt, bk, n_split, head, by_hand, pdl, sinkhorn, block_norm, emit, one_row, early_fn)
     site = _SITES.get(skey) or new_site(
         _SITES, skey, kernel, HC=hc, HCP=hcp, BT=bt, BK=bk, BD=bd, SPLIT=n_split,
         SPLITP=next_pow2(n_split), HEAD=head, BF16_BY_HAND=by_hand, SINKHORN=sinkhorn,
         num_warps=ONE_ROW_WARPS if one_row and not INTERPRET else PRE_WARPS,
-        BLOCK_NORM=block_norm, PAIRS=emit, ONE_ROW=one_row, **pdl_kw(pdl))
+        BLOCK_NORM=block_norm, PAIRS=emit, ONE_ROW=one_row, EARLY_FN=early_fn, **pdl_kw(pdl))
     site((n_tb, n_split),
         x, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,
         T, K, D, ch, int(iters), float(hc_eps), float(norm_eps), bn_w, normed, xp, xinv, float(block_norm_eps),
