@@ -136,8 +136,14 @@ def test_one_token_gemvs_read_x_by_address():
         explicit = _launches(log, ptrs)
     assert tuple(y.shape) == (1, 1, 512) and tuple(yg.shape) == (1, 1, 2, 256)
     assert len(fast) == 2 and fast != uncached and _flat(fast) == _flat(uncached)  # only x's shape differs
-    assert len(grouped) == 2 and _flat(grouped) == _flat(explicit)
-    assert grouped[-1][0] == "linear_nvfp4_tma._gemv_tma_kernel"
+    # the grouped one also writes y's pairs for wo_b (the emitting GEMV): the explicit launch's
+    # prelude and GEMV arguments, then the kept pairs buffers of y's 512 / 16 groups
+    g_flat, e_flat = _flat(grouped), _flat(explicit)
+    assert len(grouped) == 2 and g_flat[0] == e_flat[0]
+    assert grouped[-1][0] == "linear_nvfp4_tma._gemv_tma_emit_kernel"
+    assert explicit[-1][0] == "linear_nvfp4_tma._gemv_tma_kernel"
+    assert g_flat[1][1] == e_flat[1][1] and g_flat[1][2][:12] == e_flat[1][2][:12] and g_flat[1][3] == e_flat[1][3]
+    assert g_flat[1][2][14:] == [512 // 16, 64]   # y's groups, 1/xs padded to a whole box
 
 
 def test_replaced_weight_gets_a_new_plan():
