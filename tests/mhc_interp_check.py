@@ -111,4 +111,40 @@ for name, (hc, D, B, S, dtype, iters, hc_eps, kw, kind, lscale) in EARLY_CASES.i
     bt, bk, ch, n_split = mhc_fused_mod.pre_split(B * S, hc * D, kw.get("split"), kw.get("block_k"))
     early[name] = {"one_step": ch <= bk, "splits": n_split, "bitwise": all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))}
 res["_early_fn"] = early
+# one launch for an expansion and the next site's pre (hc_post_pre) against the two launches, bit for
+# bit: comb given or its logits projected (the pending Sinkhorn), with and without the next block's
+# norm (one row: its pairs too), one and several splits, two tokens; and the shapes it declines
+from dsv4lab.kernels.common import _kept_pairs  # noqa: E402
+from dsv4lab.kernels.mhc_fused import hc_post_pre, post_pre_fits  # noqa: E402
+fused = {}
+for name, (hc, D, B, dtype, project, norm) in {
+        "d256_f32": (4, 256, 1, torch.float32, False, False),
+        "d256_bf16_pending_norm": (4, 256, 1, torch.bfloat16, True, True),
+        "d1024_bf16_norm_splits": (4, 1024, 1, torch.bfloat16, False, True),
+        "d1024_bf16_pending": (4, 1024, 1, torch.bfloat16, True, False),
+        "b2_d256_bf16_pending_norm": (4, 256, 2, torch.bfloat16, True, True)}.items():
+    streams = torch.randn(B, 1, hc, D, generator=g).to(dtype)
+    out = torch.randn(B, 1, D, generator=g).to(dtype)
+    fn0, base0, scale0 = params(hc, D, False, 1.0)
+    _, post0, comb0 = mix_weights(streams, fn0, base0, scale0, 20, 1e-6, 1e-6)
+    logits0 = mix_logits(streams, fn0, base0, scale0, 1e-6, 1e-6)[2]
+    fn, base, scale = params(hc, D, False, 1.0)
+    w = (1.0 + 0.1 * torch.randn(D, generator=g)).to(dtype) if norm else None
+    norm_kw = {"block_norm_weight": w, "block_norm_eps": 1e-6} if norm else {}
+    c_in, post_kw = (logits0, {"sinkhorn_iters": 20, "hc_eps": 1e-6}) if project else (comb0, {})
+    y2 = hc_post(streams, out, post0, c_in, **post_kw)
+    two = (y2,) + hc_pre(y2, fn, base, scale, 20, 1e-6, 1e-6, sinkhorn=not project, **norm_kw)
+    pairs_two = [t.clone() for t in _kept_pairs(D // 16, streams.device)] if norm and B == 1 else []
+    one = hc_post_pre(streams, out, post0, c_in, fn, base, scale, 20, 1e-6, 1e-6, sinkhorn=not project,
+                      sinkhorn_iters=post_kw.get("sinkhorn_iters", 0), post_eps=post_kw.get("hc_eps", 0.0), **norm_kw)
+    pairs_one = [t.clone() for t in _kept_pairs(D // 16, streams.device)] if norm and B == 1 else []
+    fused[name] = {"splits": mhc_fused.pre_split(B, hc * D)[3],
+                   "bitwise": one is not None and all(torch.equal(a, b) for a, b in zip(one, two)),
+                   "pairs_bitwise": all(torch.equal(a, b) for a, b in zip(pairs_one, pairs_two)),
+                   "pairs_checked": len(pairs_one),
+                   "streams_vs_reference": diff(one[0], HyperConnection.expand(streams, out, post0, comb0))}
+fused["declines"] = [post_pre_fits(torch.zeros(1, 1, 4, 64)),      # chunk of 256 > D: across streams
+                     post_pre_fits(torch.zeros(1, 16, 4, 256)),    # 16 tokens: blocks of several rows
+                     post_pre_fits(torch.zeros(1, 1, 4, 256))]     # fits
+res["_post_pre"] = fused
 print("RESULT" + json.dumps(res))

@@ -52,6 +52,15 @@ def test_interp_mhc_kernels_match_reference():
     assert all(v["one_step"] for v in early.values()), early
     assert all(v["bitwise"] for v in early.values()), early
     assert early["d1024_bf16_splits"]["splits"] == 16, early
+    fused = res.pop("_post_pre")   # hc_post_pre: the bits of hc_post then hc_pre, pairs included
+    assert fused.pop("declines") == [False, False, True], fused
+    for case, v in fused.items():
+        assert v["bitwise"] and v["pairs_bitwise"], (case, v)
+        r = v["streams_vs_reference"]   # the expansion against the reference, as for hc_post above
+        assert (r["rel"] <= BF16_STEP * (1 + 1e-6)) if "bf16" in case else (r["max_abs"] <= 1e-6 * r["ref_max"]), \
+            (case, v)
+    assert fused["d1024_bf16_norm_splits"]["splits"] == 16 and fused["d256_f32"]["splits"] == 4, fused
+    assert fused["d256_bf16_pending_norm"]["pairs_checked"] == 2, fused
     assert len(res) == 13
     for case, outs in res.items():
         assert set(outs) - {"normed_pairs_equal"} == {"pre", "post", "comb", "collapsed", "expand", "head_pre",
@@ -218,6 +227,65 @@ def test_block_norm_fold_is_the_reference_and_steps_aside():
         loud.load_state_dict(layer.attn_norm.state_dict())
         loud.kernel, old = norm_k, layer.attn_norm
         assert norm_calls_when(lambda: setattr(layer, "attn_norm", loud), lambda: setattr(layer, "attn_norm", old)) == 7
+    finally:
+        for s in sites:
+            s.kernel = s.post_kernel = None
+        for nm in norms:
+            nm.kernel = None
+
+
+def test_post_pre_fusion_is_the_two_calls_and_steps_aside():
+    """``HyperConnection.combine_then``: where the attention site's expansion slot declares the FFN
+    site's pre slot (``then_pre`` / ``pre_fuses_with``), each layer runs its attn expansion and its
+    FFN pre (norm folded, Sinkhorn pending) as one call: logits bitwise the reference (CPU entry
+    points: the reference math), one fused call a layer and step; a hook on the residual between
+    them, a hook point of the attention site, a torch hook on the FFN norm or an undeclared pre
+    slot each give that layer its two calls back (and the hooks see their tensors)."""
+    cfg = tiny_config()
+    m = random_model(cfg, seed=5)
+    ids = random_ids(cfg, n=14, b=2)
+    sites, _ = _sites(m)
+    norms = [mod for n, mod in m.named_modules() if n.endswith(("attn_norm", "ffn_norm"))]
+    ref = decode_logits(m, ids)
+    iters_seen = []
+
+    def post_pre_ref(streams, block_out, post, comb, fn, base, scale, iters, hc_eps, norm_eps, *, sinkhorn_iters=0,
+                     post_eps=0.0, logits_settled=False, sinkhorn=True, block_norm_weight=None, block_norm_eps=0.0):
+        iters_seen.append((sinkhorn_iters, logits_settled, sinkhorn))
+        y = mhc_post(streams, block_out, post, comb, sinkhorn_iters=sinkhorn_iters, hc_eps=post_eps)
+        return (y,) + mhc_pre(y, fn, base, scale, iters, hc_eps, norm_eps, sinkhorn=sinkhorn,
+                              block_norm_weight=block_norm_weight, block_norm_eps=block_norm_eps)
+
+    pre_k, post_k, norm_k, fused = Counting(mhc_pre), Counting(mhc_post), Counting(rms_norm), Counting(post_pre_ref)
+    pre_k.norms_with = norm_k
+    post_k.then_pre, post_k.pre_fuses_with = fused, pre_k
+    n_layers, calls = len(m.layers), 7   # prefill + 6 decode steps
+    try:
+        for s in sites:
+            s.kernel, s.post_kernel = pre_k, post_k
+        for nm in norms:
+            nm.kernel = norm_k
+        assert torch.equal(decode_logits(m, ids), ref)
+        assert fused.calls == n_layers * calls and norm_k.calls == 0
+        assert all(it == (cfg.hc_sinkhorn_iters, True, False) for it in iters_seen)   # pending in, pending out
+
+        def fused_calls_when(hook_on):
+            fused.calls = 0
+            seen = []
+            h = hook_on.register_forward_hook(lambda mod, i, o: seen.append(1))
+            try:
+                assert torch.equal(decode_logits(m, ids), ref)
+            finally:
+                h.remove()
+            return fused.calls, len(seen)
+        layer = m.layers[1]
+        assert fused_calls_when(layer.hook_resid_mid) == ((n_layers - 1) * calls, calls)
+        assert fused_calls_when(layer.attn_hc.hook_streams) == ((n_layers - 1) * calls, calls)
+        assert fused_calls_when(layer.ffn_norm) == ((n_layers - 1) * calls, calls)
+        layer.ffn_hc.kernel = Counting(mhc_pre)   # a pre slot the expansion does not declare
+        layer.ffn_hc.kernel.norms_with = norm_k
+        fused.calls = 0
+        assert torch.equal(decode_logits(m, ids), ref) and fused.calls == (n_layers - 1) * calls
     finally:
         for s in sites:
             s.kernel = s.post_kernel = None
@@ -435,3 +503,65 @@ def test_gpu_tiny_model_with_mhc_kernels():
         assert s["token_agreement"] == 1.0 and s["max_abs_logit_diff"] == 0.0
     finally:
         use_kernels(m, "**", False)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("B", [1, 2])
+def test_gpu_hc_post_pre_v4_pro_is_the_two_launches(B):
+    """``hc_post_pre`` at a V4-Pro site (hc 4, D 7168, bf16; 112 programs a token): the new streams,
+    mixes, logits and normed rows bitwise those of ``hc_post`` then ``hc_pre`` (comb given and
+    pending, the next block's norm folded), one row's x_pairs too; a CUDA-graph replay bitwise
+    eager. The collapse reads streams other programs of the launch wrote (``.cg``)."""
+    from dsv4lab.kernels.common import _kept_pairs
+    from dsv4lab.kernels.mhc_fused import hc_post, hc_post_pre, hc_pre
+
+    cfg, streams, fn0, base0, scale0 = _v4_pro_site(B, 1, seed=2)
+    fn, base, scale = _v4_pro_site(B, 1, seed=3)[2:]
+    it, eps, neps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+    out = torch.randn(B, 1, cfg.hidden_size, device="cuda").bfloat16()
+    w = (1 + 0.1 * torch.randn(cfg.hidden_size, device="cuda")).bfloat16()
+    _, post, logits = mix_logits(streams, fn0, base0, scale0, eps, neps)
+    comb = mix_weights(streams, fn0, base0, scale0, it, eps, neps)[2]
+    for c_in, kw in ((comb, {}), (logits, {"sinkhorn_iters": it, "post_eps": eps, "logits_settled": True})):
+        y = hc_post(streams, out, post, c_in, sinkhorn_iters=kw.get("sinkhorn_iters", 0), hc_eps=eps,
+                    logits_settled=kw.get("logits_settled", False))
+        two = (y,) + hc_pre(y, fn, base, scale, it, eps, neps, sinkhorn=False, block_norm_weight=w, block_norm_eps=neps)
+        pairs_two = [t.clone() for t in _kept_pairs(cfg.hidden_size // 16, streams.device)]
+        one = hc_post_pre(streams, out, post, c_in, fn, base, scale, it, eps, neps, sinkhorn=False,
+                          block_norm_weight=w, block_norm_eps=neps, **kw)
+        assert one is not None and all(torch.equal(a, b) for a, b in zip(one, two))
+        if B == 1:
+            assert all(torch.equal(a, b) for a, b in zip(_kept_pairs(cfg.hidden_size // 16, streams.device), pairs_two))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = hc_post_pre(streams, out, post, logits, fn, base, scale, it, eps, neps, sinkhorn=False,
+                          block_norm_weight=w, block_norm_eps=neps, sinkhorn_iters=it, post_eps=eps, logits_settled=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, one))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_embedded_model_post_pre_fusion_is_bitwise(monkeypatch):
+    """The embedded model (NVFP4, bf16, every slot installed; D = 256: 4 programs a token): decode
+    logits with the attn expansion and the FFN pre in one launch (``DSV4LAB_HC_POST_PRE``) bitwise
+    those with two launches over 16 steps; graph replay bitwise eager."""
+    import dsv4lab
+    from dsv4lab.decode.check import decode_check
+    from dsv4lab.kernels import dispatch
+
+    m = dsv4lab.load("tiny-nvfp4", device="cuda", dtype=torch.bfloat16, progress=False)
+    ids = torch.randint(2, m.config.vocab_size, (1, 33), generator=torch.Generator().manual_seed(2))
+    calls = []
+    real = dispatch.mhc_post_pre
+    monkeypatch.setattr(dispatch.mhc_post, "then_pre", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(dispatch, "POST_PRE_ON", False)
+    two = decode_logits(m, ids.cuda(), steps=16)
+    monkeypatch.setattr(dispatch, "POST_PRE_ON", True)
+    calls.clear()
+    assert torch.equal(decode_logits(m, ids.cuda(), steps=16), two)
+    assert len(calls) == len(m.layers) * 17   # the prefill (declined: 17 tokens) and 16 steps asked
+    s = decode_check(m, ids, steps=16).summary()
+    assert s["token_agreement"] == 1.0 and s["max_abs_logit_diff"] == 0.0

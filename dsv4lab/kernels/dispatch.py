@@ -40,6 +40,7 @@ Which component gets which: ``dsv4lab.kernels.install``.
 from __future__ import annotations
 
 import importlib
+import os
 
 import torch
 import torch.nn.functional as F
@@ -97,7 +98,7 @@ PLAIN_GEMV_MAX_N = 1024  # output rows up to which it does (H200: 64-384 rows fa
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "plain_linear",
            "plain_linear_batch", "grouped_quant_linear",
            "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention",
-           "index_scores_decode", "index_scores_prefill", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_head_pre", "rms_norm", "norm_rope", "norm_pair", "route", "quant_linear_pair", "swiglu"]
+           "index_scores_decode", "index_scores_prefill", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_post_pre", "mhc_head_pre", "rms_norm", "norm_rope", "norm_pair", "route", "quant_linear_pair", "swiglu"]
 
 
 def weight_on_cuda(w) -> bool:
@@ -345,6 +346,37 @@ def mhc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
 
 mhc_pre.takes_pending_sinkhorn = True   # HyperConnection.defers_sinkhorn: this pair projects comb in mhc_post
 mhc_post.takes_pending_sinkhorn = True
+
+# DSV4LAB_HC_POST_PRE=1: an expansion and the next site's pre in one launch (opt-in until timed on a GPU)
+POST_PRE_ON = os.environ.get("DSV4LAB_HC_POST_PRE", "0") == "1"
+
+
+def mhc_post_pre(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
+                 norm_eps: float, *, sinkhorn_iters: int = 0, post_eps: float = 0.0, logits_settled: bool = False,
+                 sinkhorn: bool = True, block_norm_weight: torch.Tensor | None = None, block_norm_eps: float = 0.0
+                 ) -> tuple | None:
+    """``mhc_post`` and then ``mhc_pre`` of the next site over the new streams as one launch
+    (``mhc_fused.hc_post_pre``, the same bits): (new streams, pre, post, comb, collapsed or normed),
+    or None where it does not apply (off, off CUDA, a shape ``post_pre_fits`` declines): the caller
+    then runs the two. ``HyperConnection.combine_then`` calls it."""
+    if not POST_PRE_ON or not (_mhc_kernel_can_take(streams, block_out, post, comb, fn, base, scale)
+                               and block_out.dtype == streams.dtype):
+        return None
+    B, S, hc, D = streams.shape
+    if not (block_out.shape == (B, S, D) and post.shape == (B, S, hc) and comb.shape == (B, S, hc, hc)
+            and _mhc_params_fit(streams, fn, base, scale, (2 + hc) * hc, 3)
+            and (block_norm_weight is None or (block_norm_weight.dtype in KERNEL_DTYPES
+                                               and block_norm_weight.device == streams.device))):
+        return None
+    return _tk.mhc_fused.hc_post_pre(streams, block_out, post, comb, fn, base, scale, iters, hc_eps, norm_eps,
+                                     sinkhorn_iters=sinkhorn_iters, post_eps=post_eps, logits_settled=logits_settled,
+                                     sinkhorn=sinkhorn, block_norm_weight=block_norm_weight,
+                                     block_norm_eps=block_norm_eps)
+
+
+mhc_post.then_pre = mhc_post_pre   # HyperConnection.combine_then: this expansion fuses with ...
+mhc_post.pre_fuses_with = mhc_pre  # ... a next site whose pre is this slot
 
 
 def mhc_head_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,

@@ -99,7 +99,7 @@ def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t,
             K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP,
             HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
             HEAD: tl.constexpr, BF16_BY_HAND: tl.constexpr, SINKHORN: tl.constexpr, BLOCK_NORM: tl.constexpr,
-            PAIRS: tl.constexpr, ONE_ROW: tl.constexpr):
+            PAIRS: tl.constexpr, ONE_ROW: tl.constexpr, CACHE: tl.constexpr):
     """Totals of one token block -> pre (post, comb) stored in fp32, collapsed stored in x's dtype;
     ``BLOCK_NORM``: the block's RMSNorm of it instead: ``ONE_ROW`` (one token, D <= BD) from the
     registers, the weight loaded first (its latency under the mixes' finish), else stored and
@@ -135,7 +135,7 @@ def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t,
     if BLOCK_NORM and ONE_ROW:
         d = tl.arange(0, BD)
         m = t_ok[:, None] & (d < D)[None, :]
-        col = _collapsed(x_ptr, pre, jj, t, d, m, K, D, HC, BT, BD, BF16_BY_HAND)
+        col = _collapsed(x_ptr, pre, jj, t, d, m, K, D, HC, BT, BD, BF16_BY_HAND, CACHE)
         r_row = tl.rsqrt(tl.sum(col * col, axis=1) / D + bn_eps)
         ydt = bn_y_ptr.dtype.element_ty
         y = _rounded(w_row[None, :] * _rounded(col * r_row[:, None], dt, BF16_BY_HAND), ydt, BF16_BY_HAND)
@@ -147,7 +147,7 @@ def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t,
     for d0 in range(0, D, BD):                                # collapsed = sum_j pre_j * stream_j
         d = d0 + tl.arange(0, BD)
         m = t_ok[:, None] & (d < D)[None, :]
-        col = _collapsed(x_ptr, pre, jj, t, d, m, K, D, HC, BT, BD, BF16_BY_HAND)
+        col = _collapsed(x_ptr, pre, jj, t, d, m, K, D, HC, BT, BD, BF16_BY_HAND, CACHE)
         tl.store(out_ptr + t[:, None] * D + d[None, :], col.to(dt), mask=m)
         if BLOCK_NORM:
             ss_out += tl.sum(col * col, axis=1)
@@ -158,14 +158,15 @@ def _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t,
 
 @triton.jit
 def _collapsed(x_ptr, pre, jj, t, d, m, K, D, HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-               BF16_BY_HAND: tl.constexpr):
+               BF16_BY_HAND: tl.constexpr, CACHE: tl.constexpr):
     """Columns ``d`` of the collapsed rows sum_j pre_j * stream_j [BT, BD]: fp32 products and sum in
-    stream order, rounded once to the streams' dtype (kept in fp32)."""
+    stream order, rounded once to the streams' dtype (kept in fp32). ``CACHE`` ".cg": the streams
+    were written by other programs of this grid (``_hc_post_pre_kernel``), read past L1."""
     acc = tl.zeros((BT, BD), dtype=tl.float32)
     for j in tl.static_range(HC):
         pj = tl.sum(tl.where(jj[None, :] == j, pre, 0.0), axis=1)
-        sj = tl.load(x_ptr + t[:, None] * K + j * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-        acc += pj[:, None] * sj
+        sj = tl.load(x_ptr + t[:, None] * K + j * D + d[None, :], mask=m, other=0.0, cache_modifier=CACHE)
+        acc += pj[:, None] * sj.to(tl.float32)
     return _rounded(acc, x_ptr.dtype.element_ty, BF16_BY_HAND)
 
 
@@ -185,6 +186,56 @@ def _block_norm(c_ptr, w_ptr, y_ptr, t, t_ok, r, D, BT: tl.constexpr, BF16_BY_HA
         w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
         y = _rounded(w[None, :] * _rounded(c * r[:, None], dt, BF16_BY_HAND), ydt, BF16_BY_HAND)
         tl.store(y_ptr + t[:, None] * D + d[None, :], y.to(ydt), mask=m)
+
+
+@triton.jit
+def _reduce_and_finish(acc_ss, acc_pre, acc_post, acc_comb, tb, sp, t, t_ok, x_ptr, base_ptr, scale_ptr, pre_ptr,
+                       post_ptr, comb_ptr, out_ptr, ws_ptr, cnt_ptr, K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr,
+                       xp_ptr, xinv_ptr, bn_eps, KG, KGP, HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr,
+                       BD: tl.constexpr, SPLIT: tl.constexpr, SPLITP: tl.constexpr, HEAD: tl.constexpr,
+                       BF16_BY_HAND: tl.constexpr, SINKHORN: tl.constexpr, BLOCK_NORM: tl.constexpr,
+                       PAIRS: tl.constexpr, ONE_ROW: tl.constexpr, CACHE: tl.constexpr):
+    """A split program's sums of its K chunk -> ``_finish`` (one split), else its partial row, the
+    token block's counter, and in the last program the partials summed in split order, ``_finish``
+    and the counter reset (the body of ``_hc_pre_kernel`` and ``_hc_post_pre_kernel`` after their
+    products, so both give these bits)."""
+    jj = tl.arange(0, HCP)
+    cc = tl.arange(0, HCP * HCP)
+    ss = tl.sum(acc_ss, axis=1)
+    p_pre = tl.sum(acc_pre, axis=2)
+    p_post = tl.sum(acc_post, axis=2)
+    p_comb = tl.sum(acc_comb, axis=2)
+    if SPLIT == 1:
+        _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
+                K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP,
+                HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN, BLOCK_NORM, PAIRS, ONE_ROW, CACHE)
+    else:
+        # partial row per (block, split, token): [pre HCP | post HCP | comb HCP^2 | sum x^2]
+        W = 2 * HCP + HCP * HCP + 1
+        tt = tl.arange(0, BT)
+        row = ws_ptr + ((tb * SPLIT + sp) * BT + tt) * W
+        tl.store(row[:, None] + jj[None, :], p_pre)
+        tl.store(row[:, None] + HCP + jj[None, :], p_post)
+        tl.store(row[:, None] + 2 * HCP + cc[None, :], p_comb)
+        tl.store(row + 2 * HCP + HCP * HCP, ss)
+        tl.debug_barrier()
+        old = tl.atomic_add(cnt_ptr + tb, 1, sem="acq_rel")
+        if old == SPLIT - 1:
+            s = tl.arange(0, SPLITP)
+            rows = ws_ptr + ((tb * SPLIT + s[:, None]) * BT + tt[None, :]) * W   # [SPLITP, BT]
+            s_ok = (s < SPLIT)[:, None, None]
+            ss = tl.sum(tl.load(rows + 2 * HCP + HCP * HCP, mask=(s < SPLIT)[:, None], other=0.0,
+                                cache_modifier=".cg"), axis=0)
+            p_pre = tl.sum(tl.load(rows[:, :, None] + jj[None, None, :], mask=s_ok, other=0.0, cache_modifier=".cg"),
+                           axis=0)
+            p_post = tl.sum(tl.load(rows[:, :, None] + HCP + jj[None, None, :], mask=s_ok, other=0.0,
+                                    cache_modifier=".cg"), axis=0)
+            p_comb = tl.sum(tl.load(rows[:, :, None] + 2 * HCP + cc[None, None, :], mask=s_ok, other=0.0,
+                                    cache_modifier=".cg"), axis=0)
+            _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post,
+                    p_comb, K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP,
+                    HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN, BLOCK_NORM, PAIRS, ONE_ROW, CACHE)
+            tl.atomic_xchg(cnt_ptr + tb, 0, sem="relaxed")  # next use is a later launch: no fence
 
 
 @triton.jit
@@ -247,41 +298,71 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
                 w = tl.load(fn_ptr + c_row[:, None] * K + k[None, :], mask=c_ok[:, None] & k_ok[None, :],
                             other=0.0).to(tl.float32)
                 acc_comb += x[:, None, :] * w[None, :, :]
-    ss = tl.sum(acc_ss, axis=1)
-    p_pre = tl.sum(acc_pre, axis=2)
-    p_post = tl.sum(acc_post, axis=2)
-    p_comb = tl.sum(acc_comb, axis=2)
-    if SPLIT == 1:
-        _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
-                K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP,
-                HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN, BLOCK_NORM, PAIRS, ONE_ROW)
-    else:
-        # partial row per (block, split, token): [pre HCP | post HCP | comb HCP^2 | sum x^2]
-        W = 2 * HCP + HCP * HCP + 1
-        tt = tl.arange(0, BT)
-        row = ws_ptr + ((tb * SPLIT + sp) * BT + tt) * W
-        tl.store(row[:, None] + jj[None, :], p_pre)
-        tl.store(row[:, None] + HCP + jj[None, :], p_post)
-        tl.store(row[:, None] + 2 * HCP + cc[None, :], p_comb)
-        tl.store(row + 2 * HCP + HCP * HCP, ss)
-        tl.debug_barrier()
-        old = tl.atomic_add(cnt_ptr + tb, 1, sem="acq_rel")
-        if old == SPLIT - 1:
-            s = tl.arange(0, SPLITP)
-            rows = ws_ptr + ((tb * SPLIT + s[:, None]) * BT + tt[None, :]) * W   # [SPLITP, BT]
-            s_ok = (s < SPLIT)[:, None, None]
-            ss = tl.sum(tl.load(rows + 2 * HCP + HCP * HCP, mask=(s < SPLIT)[:, None], other=0.0,
-                                cache_modifier=".cg"), axis=0)
-            p_pre = tl.sum(tl.load(rows[:, :, None] + jj[None, None, :], mask=s_ok, other=0.0, cache_modifier=".cg"),
-                           axis=0)
-            p_post = tl.sum(tl.load(rows[:, :, None] + HCP + jj[None, None, :], mask=s_ok, other=0.0,
-                                    cache_modifier=".cg"), axis=0)
-            p_comb = tl.sum(tl.load(rows[:, :, None] + 2 * HCP + cc[None, None, :], mask=s_ok, other=0.0,
-                                    cache_modifier=".cg"), axis=0)
-            _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post,
-                    p_comb, K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP,
-                    HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN, BLOCK_NORM, PAIRS, ONE_ROW)
-            tl.atomic_xchg(cnt_ptr + tb, 0, sem="relaxed")  # next use is a later launch: no fence
+    _reduce_and_finish(acc_ss, acc_pre, acc_post, acc_comb, tb, sp, t, t_ok, x_ptr, base_ptr, scale_ptr, pre_ptr,
+                       post_ptr, comb_ptr, out_ptr, ws_ptr, cnt_ptr, K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr,
+                       xp_ptr, xinv_ptr, bn_eps, KG, KGP, HC, HCP, BT, BD, SPLIT, SPLITP, HEAD, BF16_BY_HAND, SINKHORN,
+                       BLOCK_NORM, PAIRS, ONE_ROW, "")
+
+
+@triton.jit
+def _hc_post_pre_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, post_iters, post_eps,
+                        fn_ptr, base_ptr, scale_ptr, pre_ptr, post2_ptr, comb2_ptr, out_ptr, ws_ptr, cnt_ptr,
+                        T, K, D, CH, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP,
+                        HC: tl.constexpr, HCP: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                        SPLIT: tl.constexpr, SPLITP: tl.constexpr, BF16_BY_HAND: tl.constexpr, PDL: tl.constexpr,
+                        PROJECT: tl.constexpr, EARLY: tl.constexpr, SINKHORN: tl.constexpr,
+                        BLOCK_NORM: tl.constexpr, PAIRS: tl.constexpr, ONE_ROW: tl.constexpr):
+    """One site's expansion and the next site's pre in one launch (``hc_post_pre``), one token a row
+    of programs: program (t, sp) owns K chunk sp of the new streams (CH <= BK elements of one stream
+    jo), computes it as ``_hc_post_kernel`` does (``PROJECT``: comb from logits; ``EARLY``: before
+    the PDL wait), stores it, and multiplies it by fn's rows (loaded before the PDL wait) as
+    ``_hc_pre_kernel``'s program sp does; the last program finishes from the new streams as stored."""
+    t = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    k_lo = sp * CH
+    jo = k_lo // D                                           # the chunk's stream (D % CH == 0)
+    kk = tl.arange(0, BK)
+    k = k_lo + kk
+    k_ok = kk < CH
+    d = k_lo - jo * D + kk
+    jj = tl.arange(0, HCP)
+    j_ok = jj < HC
+    cc = tl.arange(0, HCP * HCP)
+    c_row = 2 * HC + (cc // HCP) * HC + cc % HCP
+    c_ok = ((cc // HCP) < HC) & ((cc % HCP) < HC)
+    w_pre = tl.load(fn_ptr + jj[:, None] * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0)
+    w_post = tl.load(fn_ptr + (HC + jj[:, None]) * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0)
+    w_comb = tl.load(fn_ptr + c_row[:, None] * K + k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
+    if PROJECT and EARLY:
+        comb = _comb_of_logits(comb_ptr, t, jj, j_ok, post_iters, post_eps, HC, HCP)
+    pdl_enter(PDL)
+    if PROJECT and not EARLY:
+        comb = _comb_of_logits(comb_ptr, t, jj, j_ok, post_iters, post_eps, HC, HCP)
+    dt = y_ptr.dtype.element_ty
+    post_j = _rounded(tl.load(post_ptr + t * HC + jo).to(tl.float32), dt, BF16_BY_HAND)
+    out = tl.load(o_ptr + t * D + d, mask=k_ok, other=0.0).to(tl.float32)
+    placed = _rounded(post_j * out, dt, BF16_BY_HAND)
+    mixed = tl.zeros((BK,), dtype=tl.float32)
+    for i in tl.static_range(HC):                             # comb^T @ streams, stream order (as hc_post)
+        if PROJECT:
+            c = tl.sum(tl.sum(tl.where((jj[:, None] == i) & (jj[None, :] == jo), comb, 0.0), axis=1), axis=0)
+        else:
+            c = tl.load(comb_ptr + t * (HC * HC) + i * HC + jo).to(tl.float32)
+        si = tl.load(s_ptr + (t * HC + i) * D + d, mask=k_ok, other=0.0).to(tl.float32)
+        mixed += _rounded(c, dt, BF16_BY_HAND) * si
+    y = _rounded(placed + _rounded(mixed, dt, BF16_BY_HAND), dt, BF16_BY_HAND)
+    tl.store(y_ptr + t * K + k, y.to(dt), mask=k_ok)
+    x = tl.reshape(tl.where(k_ok, y, 0.0), (1, BK))                 # the new streams' chunk, as hc_pre loads it
+    t_ok = tl.full((1,), 1, tl.int1) & (t < T)
+    tv = tl.full((1,), 0, tl.int64) + t
+    acc_ss = x * x
+    acc_pre = x[:, None, :] * w_pre.to(tl.float32)[None, :, :]
+    acc_post = x[:, None, :] * w_post.to(tl.float32)[None, :, :]
+    acc_comb = x[:, None, :] * w_comb.to(tl.float32)[None, :, :]
+    _reduce_and_finish(acc_ss, acc_pre, acc_post, acc_comb, t, sp, tv, t_ok, y_ptr, base_ptr, scale_ptr, pre_ptr,
+                       post2_ptr, comb2_ptr, out_ptr, ws_ptr, cnt_ptr, K, D, iters, hc_eps, norm_eps, bn_w_ptr,
+                       bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP, HC, HCP, 1, BD, SPLIT, SPLITP, False, BF16_BY_HAND,
+                       SINKHORN, BLOCK_NORM, PAIRS, ONE_ROW, ".cg")
 
 
 @triton.jit
@@ -330,7 +411,7 @@ def _hc_pre_dense_finish_kernel(x_ptr, prod_ptr, base_ptr, scale_ptr, pre_ptr, p
                             ((cc // HCP) < HC) & ((cc % HCP) < HC), T, MIX, CHUNKS)
     _finish(x_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, t, t_ok, ss, p_pre, p_post, p_comb,
             K, D, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, bn_w_ptr, bn_w_ptr, bn_eps, 0, 0,
-            HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN, BLOCK_NORM, False, False)
+            HC, HCP, BT, BD, HEAD, BF16_BY_HAND, SINKHORN, BLOCK_NORM, False, False, "")
 
 
 @triton.jit
@@ -459,7 +540,11 @@ def _pre_dense(x, fn, base, scale, iters, hc_eps, norm_eps, head, pre, post, com
 
 
 def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, block_k, dense, sinkhorn=True,
-                block_norm_weight=None, block_norm_eps=0.0):
+                block_norm_weight=None, block_norm_eps=0.0, expand=None):
+    """The pre launch over ``streams``; ``expand`` = (old streams, block_out, post, comb, Sinkhorn
+    iterations (0: comb given), eps, logits settled): ``streams`` is an empty buffer that
+    ``_hc_post_pre_kernel`` fills with the expansion in the same launch (``hc_post_pre`` checked
+    the shape: one token a program row, one K step a program)."""
     B, S, hc, D = streams.shape
     T, K = B * S, hc * D
     x = streams.contiguous()
@@ -496,15 +581,33 @@ def _pre_launch(streams, fn, base, scale, iters, hc_eps, norm_eps, head, split, 
     emit = one_row and T == 1 and D % 16 == 0 and kgp * 16 <= bd  # the tile also covers the pairs' 1/xs padding
     out = x.new_empty(B, S, D) if block_norm and not one_row else normed  # one row stores no collapsed rows
     xp, xinv = pairs_buffers(kg, dev) if emit else (out, out)
-    kernel, by_hand = _hc_pre_kernel, _bf16_by_hand(x)  # kernel looked up per call: tests replace it
+    by_hand = _bf16_by_hand(x)
     pdl = use_pdl(n_tb * n_split, dev)
+    warps = ONE_ROW_WARPS if one_row and not INTERPRET else PRE_WARPS
+    if expand is not None:
+        s_in, o_in, p_in, c_in, p_iters, p_eps, settled = expand
+        project = p_iters > 0
+        early = project and settled and pdl
+        kernel = _hc_post_pre_kernel  # looked up per call: tests replace it
+        skey = (id(kernel), hc, bk, n_split, by_hand, pdl, sinkhorn, block_norm, emit, one_row, project, early)
+        site = _SITES.get(skey) or new_site(
+            _SITES, skey, kernel, HC=hc, HCP=hcp, BK=bk, BD=bd, SPLIT=n_split, SPLITP=next_pow2(n_split),
+            BF16_BY_HAND=by_hand, PROJECT=project, EARLY=early, SINKHORN=sinkhorn, BLOCK_NORM=block_norm,
+            PAIRS=emit, ONE_ROW=one_row, num_warps=warps, **pdl_kw(pdl))
+        site((n_tb, n_split),
+            s_in, o_in, p_in, c_in, x, int(p_iters), float(p_eps), fn.contiguous(), base.contiguous(),
+            scale.contiguous(), pre, post, comb, out, ws, cnt, T, K, D, ch, int(iters), float(hc_eps),
+            float(norm_eps), bn_w, normed, xp, xinv, float(block_norm_eps), kg, kgp)
+        if emit:
+            pairs_written(kg, dev, normed)
+        return pre, post, comb, normed
+    kernel = _hc_pre_kernel  # looked up per call: tests replace it
     early_fn = ch <= bk and EARLY_FN_ON  # one K step a program: fn loaded first (before the PDL wait)
     skey = (id(kernel), hc, bt, bk, n_split, head, by_hand, pdl, sinkhorn, block_norm, emit, one_row, early_fn)
     site = _SITES.get(skey) or new_site(
         _SITES, skey, kernel, HC=hc, HCP=hcp, BT=bt, BK=bk, BD=bd, SPLIT=n_split,
         SPLITP=next_pow2(n_split), HEAD=head, BF16_BY_HAND=by_hand, SINKHORN=sinkhorn,
-        num_warps=ONE_ROW_WARPS if one_row and not INTERPRET else PRE_WARPS,
-        BLOCK_NORM=block_norm, PAIRS=emit, ONE_ROW=one_row, EARLY_FN=early_fn, **pdl_kw(pdl))
+        num_warps=warps, BLOCK_NORM=block_norm, PAIRS=emit, ONE_ROW=one_row, EARLY_FN=early_fn, **pdl_kw(pdl))
     site((n_tb, n_split),
         x, fn.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb, out, ws, cnt,
         T, K, D, ch, int(iters), float(hc_eps), float(norm_eps), bn_w, normed, xp, xinv, float(block_norm_eps),
@@ -541,6 +644,39 @@ def hc_head_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     """streams [B,S,hc,D] -> (pre [B,S,hc] fp32, collapsed [B,S,D]), as ``head_weights`` + ``collapse``."""
     pre, _, _, out = _pre_launch(streams, fn, base, scale, 1, eps, norm_eps, True, split, block_k, dense)
     return pre, out
+
+
+def post_pre_fits(streams: torch.Tensor) -> bool:
+    """Can ``hc_post_pre`` take these streams [B,S,hc,D] in one launch? One token a row of programs
+    (batch-1 decode: ``pre_split``'s one-row blocks), one K step a program and no chunk across two
+    streams (then each program's chunk of the new streams is its own to compute)."""
+    B, S, hc, D = streams.shape
+    T, K = B * S, hc * D
+    if T == 0 or use_dense(T, streams.dtype):
+        return False
+    bt, bk, ch, _ = pre_split(T, K)
+    return bt == 1 and ch <= bk and D % ch == 0
+
+
+@on_input_device
+def hc_post_pre(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float, norm_eps: float,
+                *, sinkhorn_iters: int = 0, post_eps: float = 0.0, logits_settled: bool = False,
+                sinkhorn: bool = True, block_norm_weight: torch.Tensor | None = None, block_norm_eps: float = 0.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``hc_post(streams, block_out, post, comb, ...)`` and then ``hc_pre`` of the next site (fn, base,
+    scale, ...) over the new streams in one launch: (new streams, pre, post, comb, collapsed or normed),
+    the same bits as the two launches. None where ``post_pre_fits`` says no (the caller runs both).
+    Why: the decode layer's attn expansion and ffn pre are two dependent launches, and the pre's
+    programs only re-read what the expansion's just wrote (a launch and its wait less a layer)."""
+    if not post_pre_fits(streams):
+        return None
+    y = torch.empty_like(streams.contiguous())
+    pre, post2, comb2, rows = _pre_launch(
+        y, fn, base, scale, iters, hc_eps, norm_eps, False, None, None, False, sinkhorn, block_norm_weight,
+        block_norm_eps, expand=(streams.contiguous(), block_out.contiguous(), post.contiguous(), comb.contiguous(),
+                                sinkhorn_iters, post_eps, logits_settled))
+    return y, pre, post2, comb2, rows
 
 
 @on_input_device

@@ -7,7 +7,7 @@ from ..config import DSV4Config
 from .attention import Attention
 from .component import Component
 from .hooks import HookPoint
-from .mhc import HyperConnection
+from .mhc import HyperConnection, PendingSinkhorn
 from .moe import MoE
 from .norms import RMSNorm
 from .state import LayerState
@@ -27,20 +27,33 @@ class DecoderLayer(Component):
         self.hook_resid_mid = HookPoint("residual streams after attention [B,S,hc,D]")
         self.hook_resid_post = HookPoint("residual streams leaving the layer [B,S,hc,D]")
 
-    def _ffn(self, h: torch.Tensor, input_ids: torch.Tensor | None, graph_safe: bool) -> torch.Tensor:
+    def _ffn(self, h: torch.Tensor, input_ids: torch.Tensor | None, graph_safe: bool,
+             entered: tuple | None = None) -> torch.Tensor:
+        """The FFN half; ``entered``: its site's (post, comb, normed x), already computed with the
+        attention's expansion (``_attn_out``)."""
         h = self.hook_resid_mid(h)
-        post, comb, x = self.ffn_hc.forward_normed(h, self.ffn_norm)
+        post, comb, x = entered if entered is not None else self.ffn_hc.forward_normed(h, self.ffn_norm)
         out = self.mlp(x, input_ids, graph_safe)
         return self.hook_resid_post(self.ffn_hc.combine(h, out, post, comb))
+
+    def _attn_out(self, h: torch.Tensor, a: torch.Tensor, post: torch.Tensor, comb: torch.Tensor | PendingSinkhorn,
+                  input_ids: torch.Tensor | None, graph_safe: bool) -> torch.Tensor:
+        """The attention's expansion, then the FFN half: in one launch with the FFN site's pre where
+        nothing hooks between them (``HyperConnection.combine_then``)."""
+        if not self.hook_resid_mid.active:
+            fused = self.attn_hc.combine_then(h, a, post, comb, self.ffn_hc, self.ffn_norm)
+            if fused is not None:
+                return self._ffn(fused[0], input_ids, graph_safe, entered=fused[1])
+        return self._ffn(self.attn_hc.combine(h, a, post, comb), input_ids, graph_safe)
 
     def prefill(self, h: torch.Tensor, input_ids: torch.Tensor | None, start: int, st: LayerState) -> torch.Tensor:
         h = self.hook_resid_pre(h)
         post, comb, x = self.attn_hc.forward_normed(h, self.attn_norm)
         a = self.attn.prefill(x, start, st)
-        return self._ffn(self.attn_hc.combine(h, a, post, comb), input_ids, graph_safe=False)
+        return self._attn_out(h, a, post, comb, input_ids, graph_safe=False)
 
     def decode(self, h: torch.Tensor, input_ids: torch.Tensor | None, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
         h = self.hook_resid_pre(h)
         post, comb, x = self.attn_hc.forward_normed(h, self.attn_norm)
         a = self.attn.decode(x, pos, st)
-        return self._ffn(self.attn_hc.combine(h, a, post, comb), input_ids, graph_safe=True)
+        return self._attn_out(h, a, post, comb, input_ids, graph_safe=True)

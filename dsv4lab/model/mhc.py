@@ -183,6 +183,33 @@ class HyperConnection(Component):
             comb = comb.resolve()
         return self.hook_streams(self.expand(streams, block_out, post, comb))
 
+    def combine_then(self, streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
+                     comb: torch.Tensor | PendingSinkhorn, nxt: "HyperConnection", norm: RMSNorm
+                     ) -> tuple[torch.Tensor, tuple] | None:
+        """``combine`` and then ``nxt.forward_normed(new streams, norm)`` as one launch: (new streams,
+        (post, comb, normed) of nxt), the same bits as the two. Only where this site's expansion runs
+        its kernel (no hook point of it listens, ``expand`` / ``combine`` stock), nxt folds ``norm``
+        (``folds_norm``: its kernel path, no hook of it or the norm) and the expansion kernel declares
+        nxt's pre slot (``pre_fuses_with``); None otherwise, or where the kernel declines the shape
+        (the caller then runs the two calls). Why: the decode layer's attn expansion and ffn pre are
+        two dependent launches over the same streams (docs/kernels.md)."""
+        pk = self.post_kernel
+        then_pre = getattr(pk, "then_pre", None)
+        if (then_pre is None or getattr(pk, "pre_fuses_with", None) is not nxt.kernel
+                or type(self).expand is not HyperConnection.expand or type(self).combine is not HyperConnection.combine
+                or self.hooked() or not nxt.folds_norm(norm)):
+            return None
+        pending = type(comb) is PendingSinkhorn
+        defer = nxt.defers_sinkhorn()
+        got = then_pre(streams, block_out, post, comb.logits if pending else comb, nxt.fn, nxt.base, nxt.scale,
+                       nxt.iters, nxt.hc_eps, nxt.norm_eps, sinkhorn_iters=comb.iters if pending else 0,
+                       post_eps=comb.eps if pending else 0.0, logits_settled=pending, sinkhorn=not defer,
+                       block_norm_weight=norm.weight, block_norm_eps=norm.eps)
+        if got is None:
+            return None
+        new_streams, _, post2, comb2, rows = got
+        return new_streams, (post2, PendingSinkhorn(comb2, nxt.iters, nxt.hc_eps) if defer else comb2, rows)
+
     @staticmethod
     def expand(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """New streams: post_k * out + sum_j comb[j,k] stream_j (comb transposed)."""
