@@ -293,6 +293,21 @@ def test_post_pre_fusion_is_the_two_calls_and_steps_aside():
             nm.kernel = None
 
 
+def test_post_pre_switch():
+    """``set_post_pre``: on, the expansion slot offers the one launch (``then_pre``); off (the
+    default) it offers nothing, so the layer reads one attribute; a non-bool is refused."""
+    from dsv4lab.kernels import dispatch
+
+    prev = dispatch.set_post_pre(True)
+    try:
+        assert dispatch.mhc_post.then_pre is dispatch.mhc_post_pre and dispatch.mhc_post.pre_fuses_with is mhc_pre
+        assert dispatch.set_post_pre(False) is True and dispatch.mhc_post.then_pre is None
+        with pytest.raises(TypeError, match="True or False"):
+            dispatch.set_post_pre("yes")
+    finally:
+        dispatch.set_post_pre(prev)
+
+
 def test_use_kernels_switches_mhc_slots(monkeypatch):
     """use_kernels installs mhc_pre / mhc_post / mhc_head_pre where the parameters are on CUDA
     (faked here), components() shows them, the graph signature changes, and enable=False removes them."""
@@ -544,7 +559,7 @@ def test_gpu_hc_post_pre_v4_pro_is_the_two_launches(B):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_embedded_model_post_pre_fusion_is_bitwise(monkeypatch):
+def test_gpu_embedded_model_post_pre_fusion_is_bitwise():
     """The embedded model (NVFP4, bf16, every slot installed; D = 256: 4 programs a token): decode
     logits with the attn expansion and the FFN pre in one launch (``DSV4LAB_HC_POST_PRE``) bitwise
     those with two launches over 16 steps; graph replay bitwise eager."""
@@ -556,12 +571,14 @@ def test_gpu_embedded_model_post_pre_fusion_is_bitwise(monkeypatch):
     ids = torch.randint(2, m.config.vocab_size, (1, 33), generator=torch.Generator().manual_seed(2))
     calls = []
     real = dispatch.mhc_post_pre
-    monkeypatch.setattr(dispatch.mhc_post, "then_pre", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(dispatch, "POST_PRE_ON", False)
-    two = decode_logits(m, ids.cuda(), steps=16)
-    monkeypatch.setattr(dispatch, "POST_PRE_ON", True)
-    calls.clear()
-    assert torch.equal(decode_logits(m, ids.cuda(), steps=16), two)
-    assert len(calls) == len(m.layers) * 17   # the prefill (declined: 17 tokens) and 16 steps asked
-    s = decode_check(m, ids, steps=16).summary()
-    assert s["token_agreement"] == 1.0 and s["max_abs_logit_diff"] == 0.0
+    prev = dispatch.set_post_pre(False)
+    try:
+        two = decode_logits(m, ids.cuda(), steps=16)
+        dispatch.set_post_pre(True)
+        dispatch.mhc_post.then_pre = lambda *a, **k: calls.append(1) or real(*a, **k)   # counted; reset below
+        assert torch.equal(decode_logits(m, ids.cuda(), steps=16), two)
+        assert len(calls) == len(m.layers) * 17   # the prefill (declined: 17 tokens) and 16 steps asked
+        s = decode_check(m, ids, steps=16).summary()
+        assert s["token_agreement"] == 1.0 and s["max_abs_logit_diff"] == 0.0
+    finally:
+        dispatch.set_post_pre(prev)

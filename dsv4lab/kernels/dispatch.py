@@ -98,7 +98,7 @@ PLAIN_GEMV_MAX_N = 1024  # output rows up to which it does (H200: 64-384 rows fa
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "plain_linear",
            "plain_linear_batch", "grouped_quant_linear",
            "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention",
-           "index_scores_decode", "index_scores_prefill", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_post_pre", "mhc_head_pre", "rms_norm", "norm_rope", "norm_pair", "route", "quant_linear_pair", "swiglu"]
+           "index_scores_decode", "index_scores_prefill", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_post_pre", "set_post_pre", "mhc_head_pre", "rms_norm", "norm_rope", "norm_pair", "route", "quant_linear_pair", "swiglu"]
 
 
 def weight_on_cuda(w) -> bool:
@@ -347,7 +347,8 @@ def mhc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
 mhc_pre.takes_pending_sinkhorn = True   # HyperConnection.defers_sinkhorn: this pair projects comb in mhc_post
 mhc_post.takes_pending_sinkhorn = True
 
-# DSV4LAB_HC_POST_PRE=1: an expansion and the next site's pre in one launch (opt-in until timed on a GPU)
+# DSV4LAB_HC_POST_PRE=1 (or ``set_post_pre(True)``): an expansion and the next site's pre in one launch
+# (opt-in until timed on a GPU)
 POST_PRE_ON = os.environ.get("DSV4LAB_HC_POST_PRE", "0") == "1"
 
 
@@ -358,10 +359,9 @@ def mhc_post_pre(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Ten
                  ) -> tuple | None:
     """``mhc_post`` and then ``mhc_pre`` of the next site over the new streams as one launch
     (``mhc_fused.hc_post_pre``, the same bits): (new streams, pre, post, comb, collapsed or normed),
-    or None where it does not apply (off, off CUDA, a shape ``post_pre_fits`` declines): the caller
-    then runs the two. ``HyperConnection.combine_then`` calls it."""
-    if not POST_PRE_ON or not (_mhc_kernel_can_take(streams, block_out, post, comb, fn, base, scale)
-                               and block_out.dtype == streams.dtype):
+    or None where it does not apply (off CUDA, a shape ``post_pre_fits`` declines): the caller then
+    runs the two. ``HyperConnection.combine_then`` calls it while ``set_post_pre`` is on."""
+    if not (_mhc_kernel_can_take(streams, block_out, post, comb, fn, base, scale) and block_out.dtype == streams.dtype):
         return None
     B, S, hc, D = streams.shape
     if not (block_out.shape == (B, S, D) and post.shape == (B, S, hc) and comb.shape == (B, S, hc, hc)
@@ -375,8 +375,20 @@ def mhc_post_pre(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Ten
                                      block_norm_eps=block_norm_eps)
 
 
-mhc_post.then_pre = mhc_post_pre   # HyperConnection.combine_then: this expansion fuses with ...
-mhc_post.pre_fuses_with = mhc_pre  # ... a next site whose pre is this slot
+def set_post_pre(on: bool) -> bool:
+    """Turn the one-launch expansion + next pre on or off for this process (``DSV4LAB_HC_POST_PRE``
+    at import); returns the previous setting. Off, ``mhc_post.then_pre`` is None, so the decode
+    layer pays one attribute read for it (``HyperConnection.combine_then``)."""
+    global POST_PRE_ON
+    if not isinstance(on, bool):
+        raise TypeError(f"set_post_pre(on) takes True or False; got {on!r}")
+    prev, POST_PRE_ON = POST_PRE_ON, on
+    mhc_post.then_pre = mhc_post_pre if on else None   # HyperConnection.combine_then: this expansion fuses
+    return prev                                         # with a next site whose pre is ``pre_fuses_with``
+
+
+mhc_post.pre_fuses_with = mhc_pre
+set_post_pre(POST_PRE_ON)
 
 
 def mhc_head_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
