@@ -155,6 +155,10 @@ if LAYOUT == "NEW":  # mHC sites (hc 4, hidden 7168): decode batches and one pre
         mhc.hc_pre(hs, torch.zeros(24, 4 * 7168), torch.zeros(24), torch.ones(3), 20, 1e-6, 1e-6)
         mhc.hc_head_pre(hs, torch.zeros(4, 4 * 7168), torch.zeros(4), torch.ones(1), 1e-6, 1e-6)
         mhc.hc_post(hs, torch.zeros(T, 1, 7168, dtype=torch.bfloat16), torch.zeros(T, 1, 4), torch.zeros(T, 1, 4, 4))
+        if mhc.post_pre_fits(hs):  # the attn expansion and the ffn pre as one launch (batch-1 decode)
+            mhc.hc_post_pre(hs, torch.zeros(T, 1, 7168, dtype=torch.bfloat16), torch.zeros(T, 1, 4),
+                            torch.zeros(T, 1, 4, 4), torch.zeros(24, 4 * 7168), torch.zeros(24), torch.ones(3), 20,
+                            1e-6, 1e-6, block_norm_weight=torch.ones(7168, dtype=torch.bfloat16), block_norm_eps=1e-6)
 
 if LAYOUT == "NEW":  # the compressor decode step: attention CSA (ratio 4) / HCA (128) at d 512, indexer d 128
     from dsv4lab.kernels.compressor_decode import compressor_decode_triton  # noqa: E402
