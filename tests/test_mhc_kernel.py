@@ -235,12 +235,13 @@ def test_block_norm_fold_is_the_reference_and_steps_aside():
 
 
 def test_post_pre_fusion_is_the_two_calls_and_steps_aside():
-    """``HyperConnection.combine_then``: where the attention site's expansion slot declares the FFN
-    site's pre slot (``then_pre`` / ``pre_fuses_with``), each layer runs its attn expansion and its
-    FFN pre (norm folded, Sinkhorn pending) as one call: logits bitwise the reference (CPU entry
-    points: the reference math), one fused call a layer and step; a hook on the residual between
-    them, a hook point of the attention site, a torch hook on the FFN norm or an undeclared pre
-    slot each give that layer its two calls back (and the hooks see their tensors)."""
+    """``HyperConnection.combine_then``: where an expansion slot declares the pre slot (``then_pre`` /
+    ``pre_fuses_with``), each layer runs its attn expansion and its FFN pre (norm folded, Sinkhorn
+    pending) as one call, and in decode each FFN expansion and the next layer's attention pre too:
+    logits bitwise the reference (CPU entry points: the reference math). A hook on the residual
+    between them (mid, post, the next pre), a hook point of the site, a torch hook on the norm or
+    an undeclared pre slot each give back the two calls they sit between (and the hooks see their
+    tensors)."""
     cfg = tiny_config()
     m = random_model(cfg, seed=5)
     ids = random_ids(cfg, n=14, b=2)
@@ -259,14 +260,17 @@ def test_post_pre_fusion_is_the_two_calls_and_steps_aside():
     pre_k, post_k, norm_k, fused = Counting(mhc_pre), Counting(mhc_post), Counting(rms_norm), Counting(post_pre_ref)
     pre_k.norms_with = norm_k
     post_k.then_pre, post_k.pre_fuses_with = fused, pre_k
-    n_layers, calls = len(m.layers), 7   # prefill + 6 decode steps
+    n_layers, steps = len(m.layers), 6   # a prefill and 6 decode steps
+    calls = steps + 1
+    both = n_layers * calls + (n_layers - 1) * steps   # within each layer; across layers in decode only
+    assert n_layers >= 3
     try:
         for s in sites:
             s.kernel, s.post_kernel = pre_k, post_k
         for nm in norms:
             nm.kernel = norm_k
         assert torch.equal(decode_logits(m, ids), ref)
-        assert fused.calls == n_layers * calls and norm_k.calls == 0
+        assert fused.calls == both and norm_k.calls == 0
         assert all(it == (cfg.hc_sinkhorn_iters, True, False) for it in iters_seen)   # pending in, pending out
 
         def fused_calls_when(hook_on):
@@ -278,14 +282,17 @@ def test_post_pre_fusion_is_the_two_calls_and_steps_aside():
             finally:
                 h.remove()
             return fused.calls, len(seen)
-        layer = m.layers[1]
-        assert fused_calls_when(layer.hook_resid_mid) == ((n_layers - 1) * calls, calls)
-        assert fused_calls_when(layer.attn_hc.hook_streams) == ((n_layers - 1) * calls, calls)
-        assert fused_calls_when(layer.ffn_norm) == ((n_layers - 1) * calls, calls)
+        layer = m.layers[1]   # a middle layer: chained from layer 0, chaining into layer 2
+        assert fused_calls_when(layer.hook_resid_mid) == (both - calls, calls)
+        assert fused_calls_when(layer.ffn_norm) == (both - calls, calls)
+        assert fused_calls_when(layer.hook_resid_post) == (both - steps, calls)
+        assert fused_calls_when(layer.hook_resid_pre) == (both - steps, calls)
+        assert fused_calls_when(layer.attn_norm) == (both - steps, calls)
+        assert fused_calls_when(layer.attn_hc.hook_streams) == (both - calls - steps, calls)   # its pre and its post
         layer.ffn_hc.kernel = Counting(mhc_pre)   # a pre slot the expansion does not declare
         layer.ffn_hc.kernel.norms_with = norm_k
         fused.calls = 0
-        assert torch.equal(decode_logits(m, ids), ref) and fused.calls == (n_layers - 1) * calls
+        assert torch.equal(decode_logits(m, ids), ref) and fused.calls == both - calls
     finally:
         for s in sites:
             s.kernel = s.post_kernel = None
@@ -577,7 +584,8 @@ def test_gpu_embedded_model_post_pre_fusion_is_bitwise():
         dispatch.set_post_pre(True)
         dispatch.mhc_post.then_pre = lambda *a, **k: calls.append(1) or real(*a, **k)   # counted; reset below
         assert torch.equal(decode_logits(m, ids.cuda(), steps=16), two)
-        assert len(calls) == len(m.layers) * 17   # the prefill (declined: 17 tokens) and 16 steps asked
+        n = len(m.layers)   # the prefill asks each layer once (declined: 17 tokens); a step 2 n - 1 times
+        assert len(calls) == n + (2 * n - 1) * 16
         s = decode_check(m, ids, steps=16).summary()
         assert s["token_agreement"] == 1.0 and s["max_abs_logit_diff"] == 0.0
     finally:

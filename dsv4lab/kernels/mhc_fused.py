@@ -239,6 +239,24 @@ def _reduce_and_finish(acc_ss, acc_pre, acc_post, acc_comb, tb, sp, t, t_ok, x_p
 
 
 @triton.jit
+def _fn_rows(fn_ptr, k, k_ok, K, HC: tl.constexpr, HCP: tl.constexpr, BK: tl.constexpr, HEAD: tl.constexpr):
+    """fn's pre, post and comb rows [HCP, BK], [HCP, BK], [HCP*HCP, BK] at columns k (as stored;
+    HEAD: pre's rows only, the other two unused stand-ins of their shapes): hc_pre's early step and
+    the fused post+pre load them before the PDL wait."""
+    jj = tl.arange(0, HCP)
+    j_ok = jj < HC
+    w_pre = tl.load(fn_ptr + jj[:, None] * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0)
+    if HEAD:
+        return w_pre, w_pre, tl.zeros((HCP * HCP, BK), dtype=w_pre.dtype)
+    cc = tl.arange(0, HCP * HCP)                             # comb row (i, j) = cc // HCP, cc % HCP
+    c_row = 2 * HC + (cc // HCP) * HC + cc % HCP
+    c_ok = ((cc // HCP) < HC) & ((cc % HCP) < HC)
+    w_post = tl.load(fn_ptr + (HC + jj[:, None]) * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0)
+    w_comb = tl.load(fn_ptr + c_row[:, None] * K + k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
+    return w_pre, w_post, w_comb
+
+
+@triton.jit
 def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, cnt_ptr,
                    T, K, D, CH, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP,
                    HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr,
@@ -268,11 +286,7 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
         kk = tl.arange(0, BK)
         k = k_lo + kk
         k_ok = (kk < CH) & (k < K)
-        w_pre = tl.load(fn_ptr + jj[:, None] * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0)
-        if not HEAD:
-            w_post = tl.load(fn_ptr + (HC + jj[:, None]) * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :],
-                             other=0.0)
-            w_comb = tl.load(fn_ptr + c_row[:, None] * K + k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
+        w_pre, w_post, w_comb = _fn_rows(fn_ptr, k, k_ok, K, HC, HCP, BK, HEAD)
         pdl_enter(PDL)
         x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc_ss += x * x
@@ -327,12 +341,7 @@ def _hc_post_pre_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, post_iters, pos
     d = k_lo - jo * D + kk
     jj = tl.arange(0, HCP)
     j_ok = jj < HC
-    cc = tl.arange(0, HCP * HCP)
-    c_row = 2 * HC + (cc // HCP) * HC + cc % HCP
-    c_ok = ((cc // HCP) < HC) & ((cc % HCP) < HC)
-    w_pre = tl.load(fn_ptr + jj[:, None] * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0)
-    w_post = tl.load(fn_ptr + (HC + jj[:, None]) * K + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0)
-    w_comb = tl.load(fn_ptr + c_row[:, None] * K + k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
+    w_pre, w_post, w_comb = _fn_rows(fn_ptr, k, k_ok, K, HC, HCP, BK, False)
     if PROJECT and EARLY:
         comb = _comb_of_logits(comb_ptr, t, jj, j_ok, post_iters, post_eps, HC, HCP)
     pdl_enter(PDL)

@@ -196,8 +196,10 @@ class DSV4Model(Component):
         dev, layers = segs[seg]
         pos = state.pos_on(dev)
         h = self._embed(h_or_ids) if seg == 0 else h_or_ids
+        entered = None   # a layer's attention entry, computed in the previous layer's last launch
         for i in layers:
-            h = self.layers[i].decode(h, input_ids, pos, state.layers[i])
+            nxt = self.layers[i + 1] if i + 1 in layers else None   # same device: the launches may chain
+            h, entered = self.layers[i].decode_then(h, input_ids, pos, state.layers[i], entered, nxt)
         out = self._final(h) if seg == len(segs) - 1 else h
         pos.add_(1)
         return out
