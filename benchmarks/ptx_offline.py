@@ -145,6 +145,15 @@ if gemm is not None:
         ids_p = torch.arange(T * k).remainder(E).view(T, k)
         mp.moe_prefill_triton(torch.zeros(T, H, dtype=torch.bfloat16), ids_p, torch.ones(T, k), mkw(I, H), mkw(I, H),
                               mkw(H, I), 10.0)
+if LAYOUT == "NEW":  # the router's gate GEMV and route as one launch (V4-Pro: 384 experts x 7168, top-6)
+    from dsv4lab.kernels.gate_route import gate_route_triton  # noqa: E402
+
+    for T in (1, 4):
+        CASE = f"gate_route/T{T}"
+        gx, gw = torch.zeros(T, 7168, dtype=torch.bfloat16), torch.zeros(384, 7168, dtype=torch.bfloat16)
+        gate_route_triton(gx, gw, 6, "sqrtsoftplus", 2.5, torch.zeros(384))
+        gate_route_triton(gx, gw, 6, "sqrtsoftplus", 2.5, None, torch.zeros(16, 6, dtype=torch.long),
+                          torch.zeros(1, T, dtype=torch.long))
 CASE = "act_quant"
 aq.nvfp4_act_quant(torch.zeros(4, 7168, dtype=torch.bfloat16))
 if LAYOUT == "NEW":  # mHC sites (hc 4, hidden 7168): decode batches and one prefill chunk

@@ -17,6 +17,9 @@ import torch  # noqa: E402
 
 from dsv4lab.kernels.norm_rope import NORM_NONE, NORM_PLAIN, NORM_WEIGHTED, launch_norm_pair, launch_norm_rope  # noqa: E402
 from dsv4lab.kernels.norm_rope_ref import norm_rope_ref  # noqa: E402
+from dsv4lab.kernels.common import counters  # noqa: E402
+from dsv4lab.kernels.gate_route import gate_route_takes, gate_route_triton  # noqa: E402
+from dsv4lab.kernels.linear_plain import launch_plain_gemv, plain_split  # noqa: E402
 from dsv4lab.kernels.router_topk import route_triton  # noqa: E402
 from dsv4lab.model.moe import route  # noqa: E402
 from dsv4lab.model.norms import rms_norm  # noqa: E402
@@ -176,4 +179,26 @@ for scoring in ("sqrtsoftplus", "sigmoid", "softmax"):
 bias = torch.tensor([0.0, 1, 0, 0, 1, 0, 0, 0])
 ids, w = route_triton(torch.zeros(2, 8), 4, "sigmoid", 1.0, bias)
 res["ties"] = {"ids": ids.tolist(), "w": w.tolist()}
+# the gate GEMV and the route in one launch: bitwise plain_gemv then route_triton (ids, their order,
+# weights), split K (V4-Pro's router: 384 x 7168, 7 splits) and one split, top-k and hash, 1 and 3 tokens
+for (E, D), M, scoring, hashed in (((384, 7168), 1, "sqrtsoftplus", False), ((384, 7168), 3, "sigmoid", True),
+                                   ((40, 256), 1, "softmax", False), ((40, 256), 3, "sqrtsoftplus", True),
+                                   ((40, 256), 2, "sigmoid", False)):
+    x = torch.randn(M, D, generator=g).to(torch.bfloat16)
+    w = (torch.randn(E, D, generator=g) * D ** -0.5).to(torch.bfloat16)
+    bias = torch.randn(E, generator=g) * 0.1
+    tid = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(30)])
+    toks = torch.randint(0, 30, (1, M), generator=g)
+    choice = (None, tid, toks) if hashed else (bias, None, None)
+    ri, rw = route_triton(launch_plain_gemv(x, w), 6, scoring, 2.5, *choice)
+    ki, kw = gate_route_triton(x, w, 6, scoring, 2.5, *choice)
+    tiles = -(-E // 8)
+    res[f"gate_route_{E}_{M}_{scoring}_{hashed}"] = {
+        "split": plain_split(E, D)[1], "ids_equal": bool(torch.equal(ri, ki)), "w_equal": bool(torch.equal(rw, kw)),
+        "counters_zero": int(counters(x.device, tiles + 1)[:tiles + 1].abs().sum()) == 0}
+res["gate_route_takes"] = [gate_route_takes(torch.zeros(5, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16), 2, "sigmoid"),
+                           gate_route_takes(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64), 2, "sigmoid"),
+                           gate_route_takes(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16), 9, "sigmoid"),
+                           gate_route_takes(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16), 2, "tanh"),
+                           gate_route_takes(torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16), 8, "softmax")]
 print("RESULT" + json.dumps(res))

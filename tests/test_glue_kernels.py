@@ -27,13 +27,14 @@ import torch
 from dsv4lab.analysis.components import components
 from dsv4lab.decode.graphs import model_signature
 from dsv4lab.kernels.device import triton_importable
-from dsv4lab.kernels.dispatch import norm_rope, rms_norm, route
+from dsv4lab.kernels import dispatch
+from dsv4lab.kernels.dispatch import norm_rope, plain_linear, rms_norm, route
 from dsv4lab.kernels.install import install_kernels
 from dsv4lab.model.attention import Attention
 from dsv4lab.model.moe import Router
 from dsv4lab.quant.modes import RoundTrip
 from dsv4lab.workbench import random_model
-from oracle_util import graph_equals_eager, random_ids, tiny_config
+from oracle_util import decode_logits, graph_equals_eager, random_ids, tiny_config
 from test_kernels_model import Counting
 from test_kernels_model import _prefill_decode as _run
 
@@ -71,6 +72,12 @@ def test_interp_glue_kernels_match_reference():
     for case in route_cases:
         assert res[case]["ids_equal"] and res[case]["w_max_rel"] <= 1e-6, (case, res[case])
     assert res["ties"]["ids"] == [[1, 4, 0, 2]] * 2 and res["ties"]["w"] == [[0.25] * 4] * 2
+    gate_cases = [k for k in res if k.startswith("gate_route_") and k != "gate_route_takes"]
+    assert len(gate_cases) == 5 and {res[k]["split"] for k in gate_cases} == {1, 7}
+    for case in gate_cases:   # one launch: bitwise plain_gemv then route_triton, its counters back at zero
+        assert res[case]["ids_equal"] and res[case]["w_equal"] and res[case]["counters_zero"], (case, res[case])
+    # declined: 5 tokens, an fp32 weight for bf16 x, top_k above E, an unknown scoring; taken: 4 tokens, k = E
+    assert res["gate_route_takes"] == [False, False, False, False, True]
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +206,62 @@ def test_router_route_kernel_slot(tiny):
     assert all(r.route_kernel is None for r in routers)
 
 
+def test_router_gate_and_route_as_one_call(tiny):
+    """Where the route slot declares the gate's plain slot (``with_gate`` / ``gate_fuses_with``), a
+    router whose gate runs that slot makes one call for the gate and the route (CPU stand-in: the
+    two references: bitwise the same model); a router hook, an output offered to the gate or an
+    undeclared plain slot give that router its two calls back."""
+    m, ids = tiny
+    routers = [r for r in m.modules() if isinstance(r, Router)]
+    ref = _run(m, ids, 20)
+    steps = 1 + ids.shape[1] - 20
+
+    def gate_route_ref(x, w, top_k, scoring, scale, bias=None, tid2eid=None, input_ids=None):
+        return route(plain_linear(x, w), top_k, scoring, scale, bias, tid2eid, input_ids)
+
+    plain_k, route_k, fused = Counting(plain_linear), Counting(route), Counting(gate_route_ref)
+    route_k.with_gate, route_k.gate_fuses_with = fused, plain_k
+    try:
+        for r in routers:
+            r.plain_kernel, r.route_kernel = plain_k, route_k
+        assert torch.equal(_run(m, ids, 20), ref)
+        assert fused.calls == len(routers) * steps and route_k.calls == 0 and plain_k.calls == 0
+        fused.calls = 0
+        with m.hooks([("layers.2.mlp.router.hook_ids", lambda t, n: None)]):
+            assert torch.equal(_run(m, ids, 20), ref)
+        assert fused.calls == (len(routers) - 1) * steps and route_k.calls == 0   # the hooked router: reference
+        fused.calls = 0
+        r0 = routers[0]
+        x = torch.randn(1, 1, m.config.hidden_size)
+        flat = x.reshape(1, -1)
+        r0.offer(flat, torch.zeros(1, r0.out_features))   # an offered output is the gate's: the route runs alone
+        assert r0._gate_route(flat, torch.zeros(1, 1, dtype=torch.long)) is None
+        r0.offer(None)
+        route_k.gate_fuses_with = Counting(plain_linear)   # a plain slot the route does not declare
+        plain_k.calls = 0
+        assert torch.equal(_run(m, ids, 20), ref)
+        assert fused.calls == 0 and route_k.calls == len(routers) * steps and plain_k.calls == len(routers) * steps
+    finally:
+        assert install_kernels(m, "layers.*.mlp.router", enable=False) == len(routers)
+    assert all(r.route_kernel is None and r.plain_kernel is None for r in routers)
+
+
+def test_gate_route_switch():
+    """``set_gate_route``: on, the route slot offers the one launch (``with_gate``) with the plain
+    slot it fuses with; off (the default) it offers nothing; a non-bool is refused."""
+    prev = dispatch.set_gate_route(True)
+    try:
+        assert dispatch.route.with_gate is dispatch.gate_route and dispatch.route.gate_fuses_with is plain_linear
+        assert dispatch.set_gate_route(False) is True and dispatch.route.with_gate is None
+        with pytest.raises(TypeError, match="set_gate_route"):
+            dispatch.set_gate_route(1)
+    finally:
+        dispatch.set_gate_route(prev)
+    # on CPU the entry point declines (the caller then runs the gate and the route)
+    assert dispatch.gate_route(torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16), 2,
+                               "sigmoid", 1.0, torch.zeros(4)) is None
+
+
 def test_glue_entry_points_name_bad_arguments():
     x = torch.zeros(1, 3, 2, 16)
     with pytest.raises(ValueError, match="len\\(positions\\)"):
@@ -299,6 +362,63 @@ def test_gpu_route_v4_pro_shapes(T):
     ki, kw = route(logits, k, "sqrtsoftplus", 1.5, None, tid, toks)
     assert torch.equal(ri, ki) and (kw - rw).abs().max().item() <= 1e-6 * rw.abs().max().item()
     assert graph_equals_eager(lambda: route(logits, k, "sqrtsoftplus", 1.5, bias))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T", [1, 4])
+def test_gpu_gate_route_v4_pro_is_the_two_launches(T):
+    """The gate GEMV and the route in one launch (``dispatch.gate_route``) at V4-Pro's router (384 x
+    7168, top-6): ids and weights bitwise ``plain_linear`` then ``route`` (the same warps: 384
+    experts), top-k and hash; CUDA-graph replay bitwise eager."""
+    from dsv4lab.kernels.gate_route import same_bits_as_two_launches
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(T)
+    E, k, D, V = 384, 6, 7168, 129280
+    assert same_bits_as_two_launches(E)
+    x = torch.randn(T, D, device=dev, generator=g).bfloat16()
+    gate = (torch.randn(E, D, device=dev, generator=g) / D ** 0.5).bfloat16()
+    bias = torch.randn(E, device=dev, generator=g) * 0.01
+    for scoring in ("sqrtsoftplus", "sigmoid", "softmax"):
+        ri, rw = route(plain_linear(x, gate), k, scoring, 1.5, bias)
+        ki, kw = dispatch.gate_route(x, gate, k, scoring, 1.5, bias)
+        assert torch.equal(ri, ki) and torch.equal(rw, kw), scoring
+    tid = torch.randint(0, E, (V, k), device=dev, generator=g)
+    toks = torch.randint(0, V, (1, T), device=dev, generator=g)
+    ri, rw = route(plain_linear(x, gate), k, "sqrtsoftplus", 1.5, None, tid, toks)
+    ki, kw = dispatch.gate_route(x, gate, k, "sqrtsoftplus", 1.5, None, tid, toks)
+    assert torch.equal(ri, ki) and torch.equal(rw, kw)
+    assert graph_equals_eager(lambda: dispatch.gate_route(x, gate, k, "sqrtsoftplus", 1.5, bias))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_embedded_model_gate_route():
+    """The embedded model (8 experts: the route kernel would run 1 warp, this launch 4) with the gate
+    and route in one launch: one call a router and step, greedy tokens and ids those of the two
+    launches, logits within 1e-3 (weights may differ in a sum's last bit); graph replay bitwise eager."""
+    import dsv4lab
+    from dsv4lab.decode.check import decode_check
+
+    m = dsv4lab.load("tiny-nvfp4", device="cuda", dtype=torch.bfloat16, progress=False)
+    ids = torch.randint(2, m.config.vocab_size, (1, 33), generator=torch.Generator().manual_seed(3)).cuda()
+    routers = [r for r in m.modules() if isinstance(r, Router)]
+    prev = dispatch.set_gate_route(False)
+    calls = []
+    try:
+        two = decode_logits(m, ids, steps=16)
+        dispatch.set_gate_route(True)
+        real = dispatch.gate_route
+        dispatch.route.with_gate = lambda *a, **kw: calls.append(1) or real(*a, **kw)   # counted; reset below
+        one = decode_logits(m, ids, steps=16)
+        assert len(calls) == len(routers) * 17   # the prefill asks too (declined: 17 tokens) and 16 steps
+        assert (one.float() - two.float()).abs().max().item() <= 1e-3 * two.float().abs().max().item()
+        assert torch.equal(one.argmax(-1), two.argmax(-1))
+        s = decode_check(m, ids.cpu(), steps=16).summary()
+        assert s["token_agreement"] == 1.0 and s["max_abs_logit_diff"] == 0.0
+    finally:
+        dispatch.set_gate_route(prev)
 
 
 @pytest.mark.gpu

@@ -73,7 +73,7 @@ class _TritonModules:
     module attribute is seen."""
 
     MODULES = ("act_quant_nvfp4", "attention_bounded", "attention_decode", "compressor_decode", "indexer_decode",
-               "indexer_prefill", "indexer_topk", "linear_fp8_tma", "linear_nvfp4", "linear_official",
+               "indexer_prefill", "indexer_topk", "gate_route", "linear_fp8_tma", "linear_nvfp4", "linear_official",
                "linear_plain", "mhc_fused",
                "moe_decode", "moe_decode_plain", "moe_decode_tma", "moe_prefill", "norm_rope", "router_topk")
 
@@ -98,7 +98,7 @@ PLAIN_GEMV_MAX_N = 1024  # output rows up to which it does (H200: 64-384 rows fa
 __all__ = ["KERNEL_FORMATS", "have_triton_cuda", "weight_on_cuda", "quant_linear", "nvfp4_linear", "plain_linear",
            "plain_linear_batch", "grouped_quant_linear",
            "act_quant_nvfp4", "moe_decode", "moe_prefill", "compressor_pool", "compressor_decode", "prefill_attention", "decode_attention",
-           "index_scores_decode", "index_scores_prefill", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_post_pre", "set_post_pre", "mhc_head_pre", "rms_norm", "norm_rope", "norm_pair", "route", "quant_linear_pair", "swiglu"]
+           "index_scores_decode", "index_scores_prefill", "index_top_k_decode", "mhc_pre", "mhc_post", "mhc_post_pre", "set_post_pre", "mhc_head_pre", "rms_norm", "norm_rope", "norm_pair", "route", "gate_route", "set_gate_route", "quant_linear_pair", "swiglu"]
 
 
 def weight_on_cuda(w) -> bool:
@@ -535,3 +535,38 @@ def route(logits: torch.Tensor, top_k: int, scoring: str, scale: float, bias: to
             and scoring in ("sqrtsoftplus", "sigmoid", "softmax")):
         return _tk.router_topk.route_triton(logits, top_k, scoring, scale, bias, tid2eid, input_ids)
     return route_ref(logits, top_k, scoring, scale, bias, tid2eid, input_ids)
+
+
+# DSV4LAB_GATE_ROUTE=1 (or ``set_gate_route(True)``): the router's gate GEMV and its route in one launch
+# (opt-in until timed on a GPU)
+GATE_ROUTE_ON = os.environ.get("DSV4LAB_GATE_ROUTE", "0") == "1"
+
+
+def gate_route(x: torch.Tensor, w: torch.Tensor, top_k: int, scoring: str, scale: float,
+               bias: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
+               input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``route(plain_linear(x, w), ...)`` as one launch (``gate_route.gate_route_triton``: the same
+    logits bits, so the same ids) for bf16 / fp16 decode rows on CUDA: (ids, weights), or None where
+    it does not apply (the caller runs the two). ``Router.forward`` calls it while ``set_gate_route``
+    is on."""
+    if not (kernel_can_take(x) and x.dtype != torch.float32 and w.shape[0] <= min(PLAIN_GEMV_MAX_N, ROUTE_MAX_EXPERTS)
+            and (bias is None or bias.device == x.device) and (tid2eid is None or input_ids is not None)
+            and _tk.gate_route.gate_route_takes(x, w, top_k, scoring)):
+        return None
+    return _tk.gate_route.gate_route_triton(x, w, top_k, scoring, scale, bias, tid2eid,
+                                            None if input_ids is None else input_ids.to(x.device))
+
+
+def set_gate_route(on: bool) -> bool:
+    """Turn the one-launch gate + route on or off for this process (``DSV4LAB_GATE_ROUTE`` at import);
+    returns the previous setting. Off, ``route.with_gate`` is None (``Router.forward`` reads one attribute)."""
+    global GATE_ROUTE_ON
+    if not isinstance(on, bool):
+        raise TypeError(f"set_gate_route(on) takes True or False; got {on!r}")
+    prev, GATE_ROUTE_ON = GATE_ROUTE_ON, on
+    route.with_gate = gate_route if on else None   # Router.forward: this route fuses with a gate whose
+    return prev                                     # plain slot is ``gate_fuses_with``
+
+
+route.gate_fuses_with = plain_linear
+set_gate_route(GATE_ROUTE_ON)

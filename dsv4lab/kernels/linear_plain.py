@@ -38,11 +38,10 @@ _SITES: dict = {}       # (id(kernel), constexprs) -> LaunchSite (4 plain GEMVs 
 
 
 @triton.jit
-def _plain_tile(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, M, N, K, CH, SPLIT, stride_xm, stride_wn,
-                stride_ym, USE_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One program of the GEMV: rows pid_n * BN.. of W against x's K chunk pid_k (of CH), its fp32
-    partial summed by ``store_or_fix_up`` (the one body of the single and the batched kernel, so a
-    weight's outputs are the same bits in either)."""
+def plain_acc(x_ptr, w_ptr, pid_n, pid_k, M, N, K, CH, stride_xm, stride_wn, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr):
+    """One program's fp32 partial [BM, BN]: rows pid_n * BN.. of W against x's K chunk pid_k (of
+    CH); with its token and row indices and their mask (the GEMV's and ``gate_route``'s tiles)."""
     rows = pid_n * BN + tl.arange(0, BN)
     r_ok = rows < N
     m = tl.arange(0, BM)
@@ -58,7 +57,15 @@ def _plain_tile(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, M, N, K, CH,
         x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
         out += tl.sum(x[:, None, :] * w[None, :, :], axis=2)     # [BM, BN]
-    mask = m_ok[:, None] & r_ok[None, :]
+    return out, m, rows, m_ok[:, None] & r_ok[None, :]
+
+
+@triton.jit
+def _plain_tile(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, pid_n, pid_k, M, N, K, CH, SPLIT, stride_xm, stride_wn,
+                stride_ym, USE_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One program of the GEMV: its partial (``plain_acc``) summed by ``store_or_fix_up`` (the one
+    body of the single and the batched kernel, so a weight's outputs are the same bits in either)."""
+    out, m, rows, mask = plain_acc(x_ptr, w_ptr, pid_n, pid_k, M, N, K, CH, stride_xm, stride_wn, BM, BN, BK)
     store_or_fix_up(out, y_ptr + m[:, None] * stride_ym + rows[None, :], ws_ptr + m[:, None] * N + rows[None, :],
                     mask, cnt_ptr, pid_n, pid_k, M * N, SPLIT, 1.0, USE_SPLIT)
 

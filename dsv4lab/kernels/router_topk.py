@@ -50,15 +50,14 @@ def _div(a, b):
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, E, stride_l, scale,
-                  K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, SCORE: tl.constexpr,
-                  HASH: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
-    t = tl.program_id(0)
+def route_row(row, t, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, E, scale, K: tl.constexpr, KP: tl.constexpr,
+              BE: tl.constexpr, SCORE: tl.constexpr, HASH: tl.constexpr, PRECISE: tl.constexpr,
+              CACHE: tl.constexpr):
+    """Token t's route from its logits at ``row`` (E of them, read through ``CACHE``: ".cg" where
+    other programs of this launch wrote them): ids and weights at ids_ptr / w_ptr + t * K."""
     offs = tl.arange(0, BE)
     ok = offs < E
-    row = logits_ptr + t.to(tl.int64) * stride_l
-    l = tl.load(row + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    l = tl.load(row + offs, mask=ok, other=float("-inf"), cache_modifier=CACHE).to(tl.float32)
     if SCORE == 2:    # softmax over the experts
         m = tl.max(l, axis=0)
         if PRECISE:
@@ -74,7 +73,7 @@ def _route_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, E, str
         kok = kk < K
         tok = tl.load(tok_ptr + t).to(tl.int64)
         ids = tl.load(tid_ptr + tok * K + kk, mask=kok, other=0).to(tl.int64)
-        lk = tl.load(row + ids, mask=kok, other=0.0).to(tl.float32)
+        lk = tl.load(row + ids, mask=kok, other=0.0, cache_modifier=CACHE).to(tl.float32)
         if SCORE == 2:
             if PRECISE:
                 ek = libdevice.exp(lk - m)
@@ -105,6 +104,21 @@ def _route_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, E, str
         tl.store(w_ptr + t * K + slot, w * scale, mask=sel)
 
 
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, E, stride_l, scale,
+                  K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, SCORE: tl.constexpr,
+                  HASH: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    route_row(logits_ptr + t.to(tl.int64) * stride_l, t, bias_ptr, tid_ptr, tok_ptr, ids_ptr, w_ptr, E, scale,
+              K, KP, BE, SCORE, HASH, PRECISE, "")
+
+
+def route_warps(be: int) -> int:
+    """The warps of the route kernel for ``be`` (the experts' power of two): one per 128 lanes, 1..8."""
+    return max(1, min(8, be // 128))
+
+
 @on_input_device
 def route_triton(logits: torch.Tensor, top_k: int, scoring: str, scale: float, bias: torch.Tensor | None = None,
                  tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None
@@ -125,7 +139,7 @@ def route_triton(logits: torch.Tensor, top_k: int, scoring: str, scale: float, b
     skey = (id(kernel), top_k, BE, score, hash_, pdl)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, K=top_k, KP=next_pow2(top_k), BE=BE, SCORE=score,
                                         HASH=hash_, PRECISE=not INTERPRET,
-                                        num_warps=1 if INTERPRET else max(1, min(8, BE // 128)), enable_fp_fusion=False,
+                                        num_warps=1 if INTERPRET else route_warps(BE), enable_fp_fusion=False,
                                         **pdl_kw(pdl))
     site((T,), logits, bias if bias is not None else logits, tid2eid.contiguous() if hash_ else logits,
          toks, ids, w, E, logits.stride(0), float(scale))

@@ -69,13 +69,31 @@ class Router(QLinear):
         flat = x.reshape(-1, x.shape[-1])
         if self.is_hash and input_ids is None:
             raise ValueError("hash-routed layer needs input_ids")
-        logits = QLinear.forward(self, flat)
         if self.kernel_applies():
+            fused = self._gate_route(flat, input_ids)
+            if fused is not None:
+                return fused
+            logits = QLinear.forward(self, flat)
             return self.route_kernel(logits, self.top_k, self.scoring, self.scale, *self._choice(input_ids))
+        logits = QLinear.forward(self, flat)
         logits = self.hook_logits(logits.float())
         scores = score_fn(self.scoring, logits)
         ids = self.hook_ids(choose_experts(scores, self.top_k, *self._choice(input_ids)))
         return ids, self.hook_weights(routing_weights(scores, ids, self.scoring, self.scale))
+
+    def _gate_route(self, flat: torch.Tensor, input_ids: torch.Tensor | None) -> tuple | None:
+        """The gate and the route as one call, where the route slot declares this linear's plain slot
+        (``route_kernel.with_gate`` / ``gate_fuses_with``) and the gate would run that slot on its
+        unquantised weight (``batchable``; no output offered); None otherwise or where the kernel
+        declines (the caller then runs the two). Why: two dependent launches a decode layer."""
+        with_gate = getattr(self.route_kernel, "with_gate", None)
+        if (with_gate is None or self._offered is not None
+                or getattr(self.route_kernel, "gate_fuses_with", None) is not self.plain_kernel):
+            return None
+        w = self.batchable(flat)
+        if w is None:
+            return None
+        return with_gate(flat, w, self.top_k, self.scoring, self.scale, *self._choice(input_ids))
 
     def _choice(self, input_ids: torch.Tensor | None) -> tuple:
         """(bias, tid2eid, input_ids): what chooses the experts (bias for top-k layers, the
