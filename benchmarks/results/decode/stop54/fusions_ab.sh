@@ -25,7 +25,7 @@ for cfg in "0 0" "1 0" "1 1"; do
 done
 echo "full depth: ${SECONDS}s"
 for cfg in "0 0" "1 1" "0 0" "1 1"; do
-  [ $SECONDS -gt 470 ] && break
+  [ $SECONDS -gt 420 ] && break
   set -- $cfg
   tag=pp$1_gr$2
   DSV4LAB_HC_POST_PRE=$1 DSV4LAB_GATE_ROUTE=$2 timeout 60 python3 benchmarks/decode.py --steps 64 --skip-tiny \
