@@ -4,19 +4,22 @@
 # (DSV4LAB_GATE_ROUTE, gate_route.py). Their GPU tests, full depth (61 layers, 8 experts, 4k) with
 # neither / post_pre / both, then one V4-Pro layer's graph step (384 experts) neither / both while
 # time is left. Results in $OUT/fusions.tgz.
-# Usage (device tool, carry .whl): bash benchmarks/results/decode/stop54/fusions_ab.sh $OUT
+# Usage (device tool, carry .whl): bash benchmarks/results/decode/stop54/fusions_ab.sh $OUT [short]
+# (short: full depth neither / both only, no layer rounds)
 set -u
 OUT=${1:?out dir}
+CONFIGS=("0 0" "1 0" "1 1"); LAYER_UNTIL=420
+[ "${2:-}" = "short" ] && CONFIGS=("0 0" "1 1") && LAYER_UNTIL=0
 W=/tmp/fusions; rm -rf $W; mkdir -p $W
 export PYTHONUNBUFFERED=1
 SECONDS=0
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $W/gpu.txt
 python3 -m pytest --version > /dev/null 2>&1 || pip install -q --no-index .whl/*.whl > /dev/null 2>&1
-timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_mhc_kernel.py tests/test_glue_kernels.py \
+timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_mhc_kernel.py tests/test_glue_kernels.py \
   > $W/gpu_tests.txt 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" $W/gpu_tests.txt | tail -8
 echo "tests: ${SECONDS}s"
-for cfg in "0 0" "1 0" "1 1"; do
+for cfg in "${CONFIGS[@]}"; do
   set -- $cfg
   tag=pp$1_gr$2
   DSV4LAB_HC_POST_PRE=$1 DSV4LAB_GATE_ROUTE=$2 timeout 110 python3 benchmarks/full_model.py --preset v4-pro --experts 8 \
@@ -25,7 +28,7 @@ for cfg in "0 0" "1 0" "1 1"; do
 done
 echo "full depth: ${SECONDS}s"
 for cfg in "0 0" "1 1" "0 0" "1 1"; do
-  [ $SECONDS -gt 420 ] && break
+  [ $SECONDS -gt $LAYER_UNTIL ] && break
   set -- $cfg
   tag=pp$1_gr$2
   DSV4LAB_HC_POST_PRE=$1 DSV4LAB_GATE_ROUTE=$2 timeout 60 python3 benchmarks/decode.py --steps 64 --skip-tiny \
