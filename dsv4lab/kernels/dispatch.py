@@ -348,8 +348,7 @@ mhc_pre.takes_pending_sinkhorn = True   # HyperConnection.defers_sinkhorn: this 
 mhc_post.takes_pending_sinkhorn = True
 
 # DSV4LAB_HC_POST_PRE=1 (or ``set_post_pre(True)``): an expansion and the next site's pre in one launch
-# (opt-in until timed on a GPU)
-POST_PRE_ON = os.environ.get("DSV4LAB_HC_POST_PRE", "0") == "1"
+# (opt-in until timed on a GPU); the setting is ``mhc_post.then_pre`` itself
 
 
 def mhc_post_pre(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -379,16 +378,15 @@ def set_post_pre(on: bool) -> bool:
     """Turn the one-launch expansion + next pre on or off for this process (``DSV4LAB_HC_POST_PRE``
     at import); returns the previous setting. Off, ``mhc_post.then_pre`` is None, so the decode
     layer pays one attribute read for it (``HyperConnection.combine_then``)."""
-    global POST_PRE_ON
     if not isinstance(on, bool):
         raise TypeError(f"set_post_pre(on) takes True or False; got {on!r}")
-    prev, POST_PRE_ON = POST_PRE_ON, on
+    prev = getattr(mhc_post, "then_pre", None) is not None
     mhc_post.then_pre = mhc_post_pre if on else None   # HyperConnection.combine_then: this expansion fuses
     return prev                                         # with a next site whose pre is ``pre_fuses_with``
 
 
 mhc_post.pre_fuses_with = mhc_pre
-set_post_pre(POST_PRE_ON)
+set_post_pre(os.environ.get("DSV4LAB_HC_POST_PRE", "0") == "1")
 
 
 def mhc_head_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
@@ -538,8 +536,7 @@ def route(logits: torch.Tensor, top_k: int, scoring: str, scale: float, bias: to
 
 
 # DSV4LAB_GATE_ROUTE=1 (or ``set_gate_route(True)``): the router's gate GEMV and its route in one launch
-# (opt-in until timed on a GPU)
-GATE_ROUTE_ON = os.environ.get("DSV4LAB_GATE_ROUTE", "0") == "1"
+# (opt-in until timed on a GPU); the setting is ``route.with_gate`` itself
 
 
 def gate_route(x: torch.Tensor, w: torch.Tensor, top_k: int, scoring: str, scale: float,
@@ -560,13 +557,12 @@ def gate_route(x: torch.Tensor, w: torch.Tensor, top_k: int, scoring: str, scale
 def set_gate_route(on: bool) -> bool:
     """Turn the one-launch gate + route on or off for this process (``DSV4LAB_GATE_ROUTE`` at import);
     returns the previous setting. Off, ``route.with_gate`` is None (``Router.forward`` reads one attribute)."""
-    global GATE_ROUTE_ON
     if not isinstance(on, bool):
         raise TypeError(f"set_gate_route(on) takes True or False; got {on!r}")
-    prev, GATE_ROUTE_ON = GATE_ROUTE_ON, on
+    prev = getattr(route, "with_gate", None) is not None
     route.with_gate = gate_route if on else None   # Router.forward: this route fuses with a gate whose
     return prev                                     # plain slot is ``gate_fuses_with``
 
 
 route.gate_fuses_with = plain_linear
-set_gate_route(GATE_ROUTE_ON)
+set_gate_route(os.environ.get("DSV4LAB_GATE_ROUTE", "0") == "1")
