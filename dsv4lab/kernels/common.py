@@ -107,15 +107,20 @@ def store_or_fix_up(acc, y_ptrs, ws_ptrs, mask, cnt_ptr, tile, pid_k, split_stri
                      USE_SPLIT: tl.constexpr):
     """y = acc * scale; with split K every split writes its fp32 partial at ws_ptrs + pid_k *
     split_stride and bumps the tile's counter, and the last one sums the SPLIT partials in split
-    order, stores and resets the counter (one launch, deterministic, CUDA-graph safe)."""
+    order, stores and resets the counter (one launch, deterministic, CUDA-graph safe). Returns
+    whether this program stored the tile (every program without split K; the last split with it),
+    for kernels that go on from the stored tile (``gate_route``)."""
     out_ty = y_ptrs.dtype.element_ty
     if not USE_SPLIT:
         tl.store(y_ptrs, round_to(acc * scale, out_ty).to(out_ty), mask=mask)
+        stored = tl.full((), 1, tl.int1)
     else:
-        if arrive(acc, ws_ptrs + pid_k * split_stride, mask, cnt_ptr, tile) == SPLIT - 1:
+        stored = arrive(acc, ws_ptrs + pid_k * split_stride, mask, cnt_ptr, tile) == SPLIT - 1
+        if stored:
             tot = sum_partials(ws_ptrs, split_stride, SPLIT, mask, tl.zeros_like(acc))
             tl.store(y_ptrs, round_to(tot * scale, out_ty).to(out_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # next use is a later launch: no fence
+    return stored
 
 
 @triton.jit

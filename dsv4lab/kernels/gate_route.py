@@ -16,14 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import arrive, cdiv, counters, next_pow2, pdl_enter, pdl_kw, round_to, scratch, sum_partials, use_pdl, \
-    INTERPRET
+from .common import cdiv, counters, next_pow2, pdl_enter, pdl_kw, scratch, store_or_fix_up, use_pdl, INTERPRET
 from .device import on_input_device
 from .launch import new_site
-from .linear_plain import BK, BN, MAX_ROWS, TARGET_PROGRAMS, plain_acc, plain_split
+from .linear_plain import BK, BN, MAX_ROWS, TARGET_PROGRAMS, WARPS, plain_acc, plain_split
 from .router_topk import SCORES, route_row, route_warps
 
-WARPS = 4                # the GEMV's warps (``linear_plain``'s single kernel)
 _SITES: dict = {}        # (id(kernel), constexprs) -> LaunchSite
 
 
@@ -47,26 +45,16 @@ def _gate_route_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, CH, SPLIT,
                        USE_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        TOP_K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, SCORE: tl.constexpr,
                        HASH: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (row tile, K split): ``linear_plain``'s program, then the route once all tiles are stored."""
+    """Program (row tile, K split): ``linear_plain``'s program (``plain_acc``, ``store_or_fix_up``), then
+    the route once all row tiles are stored."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     out, m, rows, mask = plain_acc(x_ptr, w_ptr, pid_n, pid_k, M, N, K, CH, stride_xm, stride_wn, BM, BN, BK)
-    y_ptrs = y_ptr + m[:, None] * N + rows[None, :]
-    out_ty = y_ptr.dtype.element_ty
-    if not USE_SPLIT:
-        tl.store(y_ptrs, round_to(out * 1.0, out_ty).to(out_ty), mask=mask)
+    if store_or_fix_up(out, y_ptr + m[:, None] * N + rows[None, :], ws_ptr + m[:, None] * N + rows[None, :], mask,
+                       cnt_ptr, pid_n, pid_k, M * N, SPLIT, 1.0, USE_SPLIT):
         _route_when_last(y_ptr, cnt_ptr, TILES, M, N, bias_ptr, tid_ptr, tok_ptr, ids_ptr, wt_ptr, scale, TOP_K, KP,
                          BE, SCORE, HASH, PRECISE)
-    else:
-        ws_ptrs = ws_ptr + m[:, None] * N + rows[None, :]
-        if arrive(out, ws_ptrs + pid_k * (M * N), mask, cnt_ptr, pid_n) == SPLIT - 1:
-            tot = sum_partials(ws_ptrs, M * N, SPLIT, mask, tl.zeros_like(out))
-            tl.store(y_ptrs, round_to(tot * 1.0, out_ty).to(out_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed")
-            _route_when_last(y_ptr, cnt_ptr, TILES, M, N, bias_ptr, tid_ptr, tok_ptr, ids_ptr, wt_ptr, scale, TOP_K,
-                             KP, BE, SCORE, HASH, PRECISE)
-
 
 def gate_route_takes(x: torch.Tensor, w: torch.Tensor, top_k: int, scoring: str) -> bool:
     """x [T, D] of at most ``MAX_ROWS`` tokens, contiguous, and W [E, D] in x's dtype on its device with

@@ -33,6 +33,7 @@ MAX_ROWS = 4            # x rows (decode batch) this kernel takes; dispatch.plai
 BN = 8                  # weight rows per program
 BK = 1024               # K per step (2 KB of a bf16 row)
 TARGET_PROGRAMS = 512   # row tiles x splits aimed at
+WARPS = 4               # warps of the single kernel's program (gate_route runs the same)
 BATCH_WARPS = 4         # warps of a batched program
 _SITES: dict = {}       # (id(kernel), constexprs) -> LaunchSite (4 plain GEMVs an eager CSA layer)
 
@@ -172,7 +173,7 @@ def launch_plain_gemv(x: torch.Tensor, w: torch.Tensor, *, split: int | None = N
     tiles = cdiv(N, bn)
     ws = scratch("plain_split", (n_split * M * N if n_split > 1 else 1,), torch.float32, x.device)
     cnt = counters(x.device, tiles)
-    kernel, bm, warps = _gemv_plain_kernel, next_pow2(M), 1 if INTERPRET else cfg.get("WARPS", 4)  # kernel: tests replace it
+    kernel, bm, warps = _gemv_plain_kernel, next_pow2(M), 1 if INTERPRET else cfg.get("WARPS", WARPS)  # kernel: tests replace it
     pdl = use_pdl(tiles * n_split, x.device)
     skey = (id(kernel), n_split > 1, bm, bn, bk, warps, pdl)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, USE_SPLIT=n_split > 1, BM=bm, BN=bn, BK=bk,
