@@ -257,6 +257,25 @@ def _fn_rows(fn_ptr, k, k_ok, K, HC: tl.constexpr, HCP: tl.constexpr, BK: tl.con
 
 
 @triton.jit
+def _step_products(x, w_pre, w_post, w_comb, BT: tl.constexpr, HCP: tl.constexpr, BK: tl.constexpr,
+                   HEAD: tl.constexpr):
+    """One K step's accumulators (x . x, x . fn's pre, post and comb rows) of x [BT, BK] fp32, each
+    zeros plus the products: the one expression of hc_pre's early step and the fused post+pre, so a
+    GPU rounds them alike (a bare product is contracted into the sums' first add, an FMA with one
+    rounding less: H100, not the two launches' bits; the interpreter does not contract)."""
+    acc_ss = tl.zeros((BT, BK), dtype=tl.float32)
+    acc_pre = tl.zeros((BT, HCP, BK), dtype=tl.float32)
+    acc_post = tl.zeros((BT, HCP, BK), dtype=tl.float32)
+    acc_comb = tl.zeros((BT, HCP * HCP, BK), dtype=tl.float32)
+    acc_ss += x * x
+    acc_pre += x[:, None, :] * w_pre.to(tl.float32)[None, :, :]
+    if not HEAD:
+        acc_post += x[:, None, :] * w_post.to(tl.float32)[None, :, :]
+        acc_comb += x[:, None, :] * w_comb.to(tl.float32)[None, :, :]
+    return acc_ss, acc_pre, acc_post, acc_comb
+
+
+@triton.jit
 def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr, ws_ptr, cnt_ptr,
                    T, K, D, CH, iters, hc_eps, norm_eps, bn_w_ptr, bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP,
                    HC: tl.constexpr, HCP: tl.constexpr, BT: tl.constexpr,
@@ -289,11 +308,7 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
         w_pre, w_post, w_comb = _fn_rows(fn_ptr, k, k_ok, K, HC, HCP, BK, HEAD)
         pdl_enter(PDL)
         x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc_ss += x * x
-        acc_pre += x[:, None, :] * w_pre.to(tl.float32)[None, :, :]
-        if not HEAD:
-            acc_post += x[:, None, :] * w_post.to(tl.float32)[None, :, :]
-            acc_comb += x[:, None, :] * w_comb.to(tl.float32)[None, :, :]
+        acc_ss, acc_pre, acc_post, acc_comb = _step_products(x, w_pre, w_post, w_comb, BT, HCP, BK, HEAD)
     else:
         for k0 in range(0, CH, BK):
             kk = k0 + tl.arange(0, BK)
@@ -330,7 +345,8 @@ def _hc_post_pre_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, post_iters, pos
     of programs: program (t, sp) owns K chunk sp of the new streams (CH <= BK elements of one stream
     jo), computes it as ``_hc_post_kernel`` does (``PROJECT``: comb from logits; ``EARLY``: before
     the PDL wait), stores it, and multiplies it by fn's rows (loaded before the PDL wait) as
-    ``_hc_pre_kernel``'s program sp does; the last program finishes from the new streams as stored."""
+    ``_hc_pre_kernel``'s program sp does (``_step_products``); the last program finishes from the new
+    streams as stored."""
     t = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     k_lo = sp * CH
@@ -364,10 +380,7 @@ def _hc_post_pre_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, post_iters, pos
     x = tl.reshape(tl.where(k_ok, y, 0.0), (1, BK))                 # the new streams' chunk, as hc_pre loads it
     t_ok = tl.full((1,), 1, tl.int1) & (t < T)
     tv = tl.full((1,), 0, tl.int64) + t
-    acc_ss = x * x
-    acc_pre = x[:, None, :] * w_pre.to(tl.float32)[None, :, :]
-    acc_post = x[:, None, :] * w_post.to(tl.float32)[None, :, :]
-    acc_comb = x[:, None, :] * w_comb.to(tl.float32)[None, :, :]
+    acc_ss, acc_pre, acc_post, acc_comb = _step_products(x, w_pre, w_post, w_comb, 1, HCP, BK, False)
     _reduce_and_finish(acc_ss, acc_pre, acc_post, acc_comb, t, sp, tv, t_ok, y_ptr, base_ptr, scale_ptr, pre_ptr,
                        post2_ptr, comb2_ptr, out_ptr, ws_ptr, cnt_ptr, K, D, iters, hc_eps, norm_eps, bn_w_ptr,
                        bn_y_ptr, xp_ptr, xinv_ptr, bn_eps, KG, KGP, HC, HCP, 1, BD, SPLIT, SPLITP, False, BF16_BY_HAND,
