@@ -103,21 +103,38 @@ def _inventory():
     return benchmark_module("launch_inventory")
 
 
+@pytest.mark.parametrize("joined", [True, False], ids=["joined", "split"])
 @pytest.mark.parametrize("layer,most", [("compressed_sparse_attention", 21), ("heavily_compressed_attention", 17)])
-def test_launch_inventory_counts_a_v4_pro_step(layer, most):
+def test_launch_inventory_counts_a_v4_pro_step(layer, most, joined):
     """The inventory of one V4-Pro decode step (stubbed launches, 8 experts): every fused component
     launches its kernels, and the estimate stays within what it is today (the issue's budget: 60);
     a kernel path falling back to its reference would add aten ops (the indexer's top-k alone
     eight) and fail here. The MoE (routed + the folded shared expert) is two GEMV launches and no
     x-pairs prelude (its input's pairs come from ffn_hc's launch, h's from the up launch); no aten
     op is left, and no GEMV takes a prelude (wo_b's input pairs come from wo_a's launch); wq_a and
-    wkv are one launch; the layer norms run in the mHC sites' launches (``norms_with``)."""
-    inv = _inventory().inventory(layer, stub=True, experts=8)
+    wkv are one launch; the layer norms run in the mHC sites' launches (``norms_with``). Joined (the
+    default: ``set_post_pre``, ``set_gate_route``), the attn expansion runs with the FFN pre and the
+    router's gate with its route: two launches fewer; split, each site its pre and its post."""
+    from dsv4lab.kernels import dispatch
+
+    prev = dispatch.set_post_pre(joined), dispatch.set_gate_route(joined)
+    try:
+        inv = _inventory().inventory(layer, stub=True, experts=8)
+    finally:
+        dispatch.set_post_pre(prev[0]), dispatch.set_gate_route(prev[1])
     comps = inv["components"]
-    assert inv["estimated_cuda_kernels"] <= most, inv
+    assert inv["estimated_cuda_kernels"] <= most - 2 * joined, inv
     assert "attn_norm" not in comps and "ffn_norm" not in comps, sorted(comps)
-    for site in ("attn_hc", "ffn_hc"):
-        assert comps[site] == {"triton": {"mhc_fused._hc_pre_kernel": 1, "mhc_fused._hc_post_kernel": 1}, "aten": {}}
+    if joined:
+        assert comps["attn_hc"] == {"triton": {"mhc_fused._hc_pre_kernel": 1, "mhc_fused._hc_post_pre_kernel": 1},
+                                    "aten": {}}
+        assert comps["ffn_hc"] == {"triton": {"mhc_fused._hc_post_kernel": 1}, "aten": {}}
+        assert comps["mlp.router"] == {"triton": {"gate_route._gate_route_kernel": 1}, "aten": {}}
+    else:
+        for site in ("attn_hc", "ffn_hc"):
+            assert comps[site] == {"triton": {"mhc_fused._hc_pre_kernel": 1, "mhc_fused._hc_post_kernel": 1},
+                                   "aten": {}}
+        assert "gate_route._gate_route_kernel" not in comps["mlp.router"]["triton"], comps["mlp.router"]
     assert comps["mlp"]["triton"] == {"moe_decode_tma._moe_up_kernel": 1, "moe_decode_tma._moe_down_kernel": 1}, comps["mlp"]
     assert inv["aten_ops"] == 0, inv
     for lin in ("attn.wq_b", "attn.wo_b"):  # inputs from an emitting launch: the GEMV alone
