@@ -247,9 +247,9 @@ def test_router_gate_and_route_as_one_call(tiny):
 
 
 def test_gate_route_switch():
-    """``set_gate_route``: on (the default; ``DSV4LAB_GATE_ROUTE=0`` at import turns it off), the route
-    slot offers the one launch (``with_gate``) with the plain slot it fuses with; off it offers
-    nothing; a non-bool is refused."""
+    """``set_gate_route``: on (``DSV4LAB_GATE_ROUTE=1`` at import), the route slot offers the one launch
+    (``with_gate``) with the plain slot it fuses with; off (the default) it offers nothing; a non-bool
+    is refused."""
     prev = dispatch.set_gate_route(True)
     try:
         assert dispatch.route.with_gate is dispatch.gate_route and dispatch.route.gate_fuses_with is plain_linear

@@ -112,8 +112,8 @@ def test_launch_inventory_counts_a_v4_pro_step(layer, most, joined):
     eight) and fail here. The MoE (routed + the folded shared expert) is two GEMV launches and no
     x-pairs prelude (its input's pairs come from ffn_hc's launch, h's from the up launch); no aten
     op is left, and no GEMV takes a prelude (wo_b's input pairs come from wo_a's launch); wq_a and
-    wkv are one launch; the layer norms run in the mHC sites' launches (``norms_with``). Joined (the
-    default: ``set_post_pre``, ``set_gate_route``), the attn expansion runs with the FFN pre and the
+    wkv are one launch; the layer norms run in the mHC sites' launches (``norms_with``). Joined
+    (opt-in: ``set_post_pre``, ``set_gate_route``), the attn expansion runs with the FFN pre and the
     router's gate with its route: two launches fewer; split, each site its pre and its post."""
     from dsv4lab.kernels import dispatch
 
