@@ -49,6 +49,7 @@ from dsv4lab.checkpoint.fake import tiny_config  # noqa: E402
 from dsv4lab.checkpoint.names import layer_of  # noqa: E402
 from dsv4lab.checkpoint.synth import Planned, master_tensor, preset_config, store_of  # noqa: E402
 from dsv4lab.decode.graphs import GraphDecoder  # noqa: E402
+from dsv4lab.kernels import launch  # noqa: E402
 from dsv4lab.loading import device_for, install_kernels_for_load, materialize  # noqa: E402
 from dsv4lab.model.state import DecodeState  # noqa: E402
 from dsv4lab.plan import DEFAULT_RESERVE, MemoryPlan, plan  # noqa: E402
@@ -376,7 +377,10 @@ def run(args) -> dict:
     model.prefill(ids, state, chunk=args.chunk or model.prefill_chunk(T, free=budget), last_only=True)
     step_ids = torch.zeros(1, 1, dtype=torch.long, device=used[0])
     host_op = host_op_us(used[0])  # eager waits on the host: its floor there, measured next to it
+    normal0 = launch.normal_by_kernel.copy()
     eager = timed(lambda: model.decode_step(step_ids, state), args.steps, used)
+    eager_calls = args.steps + 3  # timed's warm-ups included
+    eager_normal = {k: v / eager_calls for k, v in (launch.normal_by_kernel - normal0).most_common()}
     eager_launches = kernels_per_call(lambda: model.decode_step(step_ids, state), reps=1, devices=used)
     gd = GraphDecoder(model, state)
     t0 = time.perf_counter()
@@ -389,7 +393,10 @@ def run(args) -> dict:
                      "capture_s": capture_s, "graphs": len(gd.segments), "floor_ms_per_token": floor * 1e3,
                      "eager_fraction_of_floor": floor / eager, "graph_fraction_of_floor": floor / graph,
                      "graph_speedup": eager / graph, "eager_kernels_per_step": eager_launches["kernels"],
-                     "graph_launches": graph_launches, "logits_finite": bool(torch.isfinite(out).all())}
+                     "graph_launches": graph_launches, "logits_finite": bool(torch.isfinite(out).all()),
+                     # launches a step through Triton's Python launcher instead of the direct path (host time)
+                     "eager_normal_launches_per_step": sum(eager_normal.values()),
+                     "eager_normal_by_kernel": eager_normal}
     res.update(host_op_us=host_op, eager_over_host_op=eager * 1e6 / host_op)
     res.update(floor_ms=floor * 1e3, graph_ms=graph * 1e3, graph_over_floor=graph / floor, eager_ms=eager * 1e3,
                capture_s=capture_s, kernels_per_step=graph_launches["kernels"],

@@ -127,12 +127,12 @@ def test_fixed_positions_are_checked_by_identity(fake):
         site((1,), x, y, n, m, 1.0)
         assert (L.stats["direct"] == n0 + 1) is direct
         assert log[-1][0] is _expected(_probe_kernel, (x, y, n, m, 1.0), dict(B=16, F=1))
-    n0 = L.stats["direct"]
+    n0, k0 = L.stats["direct"], L.normal_by_kernel["_probe_kernel"]
     site((1,), x, y, n, 4096 + 16, 1.0)   # another object at a fixed position: normal, right kernel
-    assert L.stats["direct"] == n0
+    assert L.stats["direct"] == n0 and L.normal_by_kernel["_probe_kernel"] == k0 + 1   # counted by kernel
     assert log[-1][0] is _expected(_probe_kernel, (x, y, n, 4096 + 16, 1.0), dict(B=16, F=1))
     L.clear()
-    assert site.key is None and not site.entries
+    assert site.key is None and not site.entries and not L.normal_by_kernel
 
 
 def test_interpreter_never_goes_direct():

@@ -35,6 +35,7 @@ Imports triton: import this module only from kernel modules (``dsv4lab.kernels``
 """
 from __future__ import annotations
 
+import collections
 import inspect
 import os
 import sys
@@ -76,6 +77,9 @@ _runtime = knobs.runtime
 _compilation = knobs.compilation
 stats = {"direct": 0, "normal": 0, "raw": 0}  # launches per path since the last ``clear()`` (raw: direct ones that
                                               # skipped Triton's Python launcher; tests, benchmarks)
+# normal-path launches per kernel name since the last ``clear()``: which kernels miss the direct path
+# (each such launch costs Triton's Python launcher on the host: what an eager step waits on)
+normal_by_kernel: collections.Counter = collections.Counter()
 
 
 def set_direct_launch(enabled: bool) -> bool:
@@ -107,6 +111,7 @@ def clear() -> None:
     for site in list(_all_sites):
         site.reset()
     stats["direct"] = stats["normal"] = stats["raw"] = 0
+    normal_by_kernel.clear()
 
 
 # hooks that older Tritons kept on CompiledKernel (absent in 3.6 / 3.9: not looked up per launch)
@@ -173,6 +178,7 @@ class LaunchSite:
     def _normal(self, grid: tuple, args: tuple) -> None:
         """``kernel[grid]``, then (when the direct path applies) its compiled kernel under this key."""
         stats["normal"] += 1
+        normal_by_kernel[getattr(self.kernel, "__name__", "?")] += 1
         compiled = self.kernel[grid](*args, **self.kw)
         if not (self.ok and _enabled and type(grid) is tuple and _triton_state_plain()):
             return
@@ -363,4 +369,5 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kw: Any) -> None:
             site(grid, *args)
             return
     stats["normal"] += 1
+    normal_by_kernel[getattr(kernel, "__name__", "?")] += 1
     kernel[grid](*args, **kw)
