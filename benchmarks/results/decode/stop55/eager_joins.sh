@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Why was eager full depth slower with both decode joins on the H200's host (stop 55: 102.8 / 115.3 ->
 # 129.5 / 140.8 ms, two rounds), when the CPU stub has the joined layers cheaper on the host? One
-# process per setting (neither, each join alone, both), two rounds in swapped order; each prints
+# process per setting (neither, each join alone, both; then both / neither with PDL off, since the
+# H200 delta was ~26 ms in both rounds whatever the host speed: a wait, not Python?), two rounds in
+# swapped order; each prints
 # eager ms, host_op_us and the launches a step that missed the direct path, by kernel
 # (decode.eager_normal_by_kernel: each costs Triton's Python launcher on the host).
 # Usage (device tool): bash benchmarks/results/decode/stop55/eager_joins.sh $OUT
@@ -10,11 +12,11 @@ OUT=${1:?out dir}
 export PYTHONUNBUFFERED=1
 SECONDS=0
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpu.txt
-for cfg in "0 0" "1 1" "1 0" "0 1" "1 1" "0 0"; do
-  [ $SECONDS -gt 480 ] && break
+for cfg in "0 0 1" "1 1 1" "1 0 1" "0 1 1" "1 1 1" "0 0 1" "1 1 0" "0 0 0"; do
+  [ $SECONDS -gt 520 ] && break
   set -- $cfg
-  tag=pp$1_gr$2_$SECONDS
-  DSV4LAB_HC_POST_PRE=$1 DSV4LAB_GATE_ROUTE=$2 timeout 100 python3 benchmarks/full_model.py --preset v4-pro --experts 8 \
+  tag=pp$1_gr$2_pdl$3_$SECONDS
+  DSV4LAB_HC_POST_PRE=$1 DSV4LAB_GATE_ROUTE=$2 DSV4LAB_PDL=$3 timeout 100 python3 benchmarks/full_model.py --preset v4-pro --experts 8 \
     --gpus 1 --context 4096 --steps 32 --prefill-iters 1 --json $OUT/full_model_$tag.json > $OUT/full_model_$tag.txt 2>&1
   python3 -c "
 import json, sys
