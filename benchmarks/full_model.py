@@ -377,10 +377,9 @@ def run(args) -> dict:
     model.prefill(ids, state, chunk=args.chunk or model.prefill_chunk(T, free=budget), last_only=True)
     step_ids = torch.zeros(1, 1, dtype=torch.long, device=used[0])
     host_op = host_op_us(used[0])  # eager waits on the host: its floor there, measured next to it
-    normal0 = launch.normal_by_kernel.copy()
-    eager = timed(lambda: model.decode_step(step_ids, state), args.steps, used)
-    eager_calls = args.steps + 3  # timed's warm-ups included
-    eager_normal = {k: v / eager_calls for k, v in (launch.normal_by_kernel - normal0).most_common()}
+    normal0, warm = launch.normal_by_kernel.copy(), 3
+    eager = timed(lambda: model.decode_step(step_ids, state), args.steps, used, warmup=warm)
+    eager_normal = {k: v / (args.steps + warm) for k, v in (launch.normal_by_kernel - normal0).most_common()}
     eager_launches = kernels_per_call(lambda: model.decode_step(step_ids, state), reps=1, devices=used)
     gd = GraphDecoder(model, state)
     t0 = time.perf_counter()

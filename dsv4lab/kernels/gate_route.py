@@ -56,6 +56,7 @@ def _gate_route_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, CH, SPLIT,
         _route_when_last(y_ptr, cnt_ptr, TILES, M, N, bias_ptr, tid_ptr, tok_ptr, ids_ptr, wt_ptr, scale, TOP_K, KP,
                          BE, SCORE, HASH, PRECISE)
 
+
 def gate_route_takes(x: torch.Tensor, w: torch.Tensor, top_k: int, scoring: str) -> bool:
     """x [T, D] of at most ``MAX_ROWS`` tokens, contiguous, and W [E, D] in x's dtype on its device with
     contiguous rows; 1 <= top_k <= E and a scoring the route kernel has."""

@@ -173,7 +173,8 @@ def launch_plain_gemv(x: torch.Tensor, w: torch.Tensor, *, split: int | None = N
     tiles = cdiv(N, bn)
     ws = scratch("plain_split", (n_split * M * N if n_split > 1 else 1,), torch.float32, x.device)
     cnt = counters(x.device, tiles)
-    kernel, bm, warps = _gemv_plain_kernel, next_pow2(M), 1 if INTERPRET else cfg.get("WARPS", WARPS)  # kernel: tests replace it
+    kernel = _gemv_plain_kernel  # looked up per call: tests replace it
+    bm, warps = next_pow2(M), 1 if INTERPRET else cfg.get("WARPS", WARPS)
     pdl = use_pdl(tiles * n_split, x.device)
     skey = (id(kernel), n_split > 1, bm, bn, bk, warps, pdl)
     site = _SITES.get(skey) or new_site(_SITES, skey, kernel, USE_SPLIT=n_split > 1, BM=bm, BN=bn, BK=bk,

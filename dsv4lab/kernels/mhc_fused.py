@@ -296,10 +296,6 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
     cc = tl.arange(0, HCP * HCP)                             # comb row (i, j) = cc // HCP, cc % HCP
     c_row = 2 * HC + (cc // HCP) * HC + cc % HCP
     c_ok = ((cc // HCP) < HC) & ((cc % HCP) < HC)
-    acc_pre = tl.zeros((BT, HCP, BK), dtype=tl.float32)
-    acc_post = tl.zeros((BT, HCP, BK), dtype=tl.float32)
-    acc_comb = tl.zeros((BT, HCP * HCP, BK), dtype=tl.float32)
-    acc_ss = tl.zeros((BT, BK), dtype=tl.float32)
     k_lo = sp * CH
     if EARLY_FN:  # CH <= BK: the one step, fn's rows first
         kk = tl.arange(0, BK)
@@ -310,6 +306,10 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
         x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc_ss, acc_pre, acc_post, acc_comb = _step_products(x, w_pre, w_post, w_comb, BT, HCP, BK, HEAD)
     else:
+        acc_pre = tl.zeros((BT, HCP, BK), dtype=tl.float32)
+        acc_post = tl.zeros((BT, HCP, BK), dtype=tl.float32)
+        acc_comb = tl.zeros((BT, HCP * HCP, BK), dtype=tl.float32)
+        acc_ss = tl.zeros((BT, BK), dtype=tl.float32)
         for k0 in range(0, CH, BK):
             kk = k0 + tl.arange(0, BK)
             k = k_lo + kk
