@@ -46,8 +46,9 @@ from .checkpoint.locate import resolve_path
 from .checkpoint.names import KIND_GROUPS, component_kind, layer_of, split_name
 from .checkpoint.reader import CheckpointReader
 from .checkpoint.safetensors_index import FLOAT_DTYPES, nbytes_of
-from .config import NAMED_CONFIGS, DSV4Config, config_from_dict, load_config, named_config
+from .config import NAMED_CONFIGS, ConfigError, DSV4Config, config_from_dict, load_config, named_config
 from .model.state import DecodeState
+from .patterns import close_names
 
 FORMATS = ("nvfp4", "fp8_mxfp4", "bf16")
 _FAKE_FMT = {"nvfp4": "nvfp4", "fp8_mxfp4": "official", "bf16": "plain"}
@@ -114,6 +115,8 @@ def _parse_dtype(d):
 
 
 # --------------------------------------------------------------------------------- inputs
+BUNDLED_NAMES = ("tiny", "tiny-nvfp4")  # the embedded model's checkpoints (``checkpoint.locate``)
+
 def _is_checkpoint(p: str) -> bool:
     if os.path.isdir(p):
         return any(f.endswith(".safetensors") or f == "model.safetensors.index.json" for f in os.listdir(p))
@@ -129,13 +132,19 @@ def _resolve(config_or_path: Any):
     s = os.fspath(config_or_path)
     if s.lower() in NAMED_CONFIGS:
         return named_config(s), None, s.lower()
-    if s in ("tiny", "tiny-nvfp4"):
+    if s in BUNDLED_NAMES:
         s = str(resolve_path(s))
     if _is_checkpoint(s):
         reader = CheckpointReader(s, strict=True)
         if reader.config is None:
             raise ValueError(f"{s}: checkpoint has no config.json; pass the config instead")
         return reader.config, reader, reader.root
+    if not os.path.exists(s):  # neither a path nor a name: say what is accepted, with the closest names
+        names = ("v4-pro", "v4-flash", *BUNDLED_NAMES)   # NAMED_CONFIGS also takes aliases of the first two
+        close = close_names(s.lower(), names)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise ConfigError(f"{s!r} is no checkpoint, config.json or packaged name{hint} "
+                          f"(packaged: {', '.join(names)})")
     return load_config(s), None, s
 
 

@@ -12,7 +12,7 @@ import torch
 
 import dsv4lab
 from dsv4lab.checkpoint.fake import make_sparse_checkpoint, v4_flash_config, v4_pro_config
-from dsv4lab.config import CSA, HCA, HASH_MOE, MOE
+from dsv4lab.config import CSA, HCA, HASH_MOE, MOE, ConfigError
 from dsv4lab.model import DSV4Model
 from dsv4lab.model.state import DecodeState
 from dsv4lab.plan import MemoryPlan, PlanError, named_config, parse_bytes, place, plan, state_bytes
@@ -196,3 +196,17 @@ def test_cli_plan(pro_nvfp4):
     r = subprocess.run(py + ["v4-pro", "--gpus", "1", "--gpu-memory", "141GB"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "does not fit" in r.stderr and "would fit: 7 GPUs" in r.stderr
     assert dsv4lab.plan is not None and callable(dsv4lab.plan)
+
+
+def test_plan_unknown_name_says_what_is_accepted(tmp_path):
+    """A name that is neither a path nor packaged: one error naming it, the closest packaged names
+    and the list; the CLI prints that line, no traceback, and exits non-zero."""
+    with pytest.raises(ConfigError, match=r"'v4-prp' is no checkpoint.*did you mean 'v4-pro'\?.*tiny-nvfp4"):
+        plan("v4-prp", gpus=8)
+    with pytest.raises(ConfigError, match=r"'zzz' is no checkpoint, config.json or packaged name \(packaged"):
+        plan("zzz", gpus=8)
+    r = subprocess.run([sys.executable, "-m", "dsv4lab", "plan", "tiny-nvfp"], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("dsv4lab plan: 'tiny-nvfp' is no checkpoint")
+    assert "did you mean 'tiny-nvfp4'" in r.stderr
