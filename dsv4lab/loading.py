@@ -20,6 +20,7 @@ from .checkpoint.reader import CheckpointReader
 from .config import DSV4Config
 from .kernels.device import have_triton_cuda, triton_importable
 from .model.rope import Rotary, inverse_frequencies
+from .model.validate import COMPUTE_DTYPES, parse_dtype
 from .multidevice import normalize_device_map
 from .precision import apply_precision
 from .quant.weights import QuantWeight
@@ -101,10 +102,14 @@ def materialize(config: DSV4Config, get_weight: Callable, get_tensor: Callable, 
     return model.eval()
 
 
-def load(path: str | os.PathLike | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-         device_map: Mapping[int, str] | list | None = None, precision=None, dequantize: bool = False,
-         progress: bool = True, kernels: bool | str = "auto") -> WorkbenchModel:
+def load(path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
+         dtype: torch.dtype | str = torch.float32, device_map: Mapping[int, str] | list | None = None,
+         precision=None, dequantize: bool = False, progress: bool = True,
+         kernels: bool | str = "auto") -> WorkbenchModel:
     """Load a DSV4 checkpoint (any supported layout/format) lazily, shard by shard.
+
+    ``dtype``: the compute dtype, a torch.dtype or a name ("fp32", "bf16", "fp16": notebook
+    parameters are strings).
 
     ``device_map``: layer index -> device (list or dict); embedding goes with layer 0, the head
     with the last layer. ``precision``: a mode for every linear ("bf16"/"w4a16"/"w4a4"/"w4a8"),
@@ -119,6 +124,7 @@ def load(path: str | os.PathLike | None = None, device: str | torch.device = "cp
     if kernels not in ("auto", True, False):
         raise ValueError(f"kernels must be 'auto', True or False, not {kernels!r}")
     kernels = "auto" if isinstance(kernels, str) else bool(kernels)
+    dtype = parse_dtype(dtype, "dtype", COMPUTE_DTYPES)
     reader = CheckpointReader(resolve_path(path))
     config = reader.config
     # one CUDA graph / position counter per contiguous run of layers: the normaliser refuses others

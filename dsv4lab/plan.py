@@ -48,6 +48,7 @@ from .checkpoint.reader import CheckpointReader
 from .checkpoint.safetensors_index import FLOAT_DTYPES, nbytes_of
 from .config import NAMED_CONFIGS, ConfigError, DSV4Config, config_from_dict, load_config, named_config
 from .model.state import DecodeState
+from .model.validate import parse_dtype
 from .patterns import close_names
 
 FORMATS = ("nvfp4", "fp8_mxfp4", "bf16")
@@ -102,16 +103,6 @@ def fmt_bytes(n: float) -> str:
     if abs(n) >= 10**3:
         return f"{n / 1e3:.1f} kB"
     return f"{int(n)} B"
-
-
-def _parse_dtype(d):
-    if isinstance(d, torch.dtype):
-        return d
-    name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}.get(str(d), str(d))
-    dt = getattr(torch, name.replace("torch.", ""), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {d!r}")
-    return dt
 
 
 # --------------------------------------------------------------------------------- inputs
@@ -271,7 +262,8 @@ def normalize_format(fmt: str) -> str:
 # ---------------------------------------------------------------------------- state bytes
 def state_bytes(config: DSV4Config, context: int, batch: int = 1, kv_dtype="bf16") -> list[int]:
     """Decode-state bytes per layer: the buffers ``DecodeState.allocate`` makes (built on meta)."""
-    st = DecodeState.allocate(config, batch, max(int(context), 1), dtype=_parse_dtype(kv_dtype), devices="meta")
+    st = DecodeState.allocate(config, batch, max(int(context), 1), dtype=parse_dtype(kv_dtype, "kv_dtype"),
+                              devices="meta")
     out = []
     for ls in st.layers:
         ts = [ls.kv_ring]

@@ -8,10 +8,10 @@ import torch
 
 import dsv4lab
 from dsv4lab.bugzoo import BUGS, UnknownBugError, inject
-from dsv4lab.checkpoint import CheckpointReader, DeviceUnavailableError
+from dsv4lab.checkpoint import CheckpointError, CheckpointReader, DeviceUnavailableError
 from dsv4lab.checkpoint.locate import resolve_path
 from dsv4lab.config import config_from_dict
-from dsv4lab.model.validate import InputError
+from dsv4lab.model.validate import InputError, parse_dtype
 from dsv4lab.workbench import random_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -91,3 +91,29 @@ def test_cuda_read_without_cuda_blames_the_device(monkeypatch):
     assert "device='cuda'" in msg and "CUDA is not available" in msg and "pin_memory" not in msg
     with pytest.raises(DeviceUnavailableError, match="device='cuda'"):
         dsv4lab.load(device="cuda", progress=False)
+
+
+@pytest.mark.parametrize("dtype, said", [("float17", "did you mean 'float16'"), ("bfloat", "'bfloat16'"),
+                                         (torch.int32, "not allowed here (use one of float32, bfloat16, float16)"),
+                                         ("fp8", "not allowed here")])
+def test_load_bad_dtype_names_it(dtype, said):
+    """A bad compute dtype fails before any weight is read, naming the argument (not torch's
+    TypeError from a .to() deep inside materialize)."""
+    with pytest.raises(InputError, match=r"dtype=") as e:
+        dsv4lab.load(dtype=dtype, progress=False)
+    assert said in str(e.value)
+
+
+def test_load_dtype_by_name_is_the_dtype():
+    """Notebook parameters arrive as strings: "bf16" loads what torch.bfloat16 loads."""
+    assert parse_dtype("bf16") is parse_dtype("torch.bfloat16") is parse_dtype(torch.bfloat16) is torch.bfloat16
+    m = dsv4lab.load(dtype="bf16", progress=False)
+    assert m.embed.weight.dtype == torch.bfloat16
+
+
+def test_embedded_name_misspelt_suggests_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # no file of that name here
+    with pytest.raises(CheckpointError, match=r"'tiny-nvfp': no such checkpoint.*did you mean 'tiny-nvfp4'"):
+        dsv4lab.load("tiny-nvfp", progress=False)
+    with pytest.raises(CheckpointError, match="no such checkpoint file or directory$"):
+        dsv4lab.load("elsewhere", progress=False)   # not close to a bundled name: the path's own error

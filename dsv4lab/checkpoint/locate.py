@@ -7,11 +7,13 @@ weights of a quantised checkpoint are, when they are known (the reference a tria
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import warnings
 from pathlib import Path
 
+from .errors import CheckpointError
 from .identity import checkpoint_identity
 
 TINY_DIR = Path(__file__).resolve().parents[2] / "data" / "tiny-dsv4"
@@ -19,10 +21,21 @@ EMBEDDED = {"tiny": TINY_DIR, "tiny-nvfp4": TINY_DIR / "nvfp4"}
 
 
 def resolve_path(path: str | os.PathLike | None) -> Path:
-    """``None`` or ``"tiny"`` -> the embedded default model; ``"tiny-nvfp4"`` -> its NVFP4 export."""
+    """``None`` or ``"tiny"`` -> the embedded default model; ``"tiny-nvfp4"`` -> its NVFP4 export.
+    A bare name that is neither one nor on disk but close to one fails here, with did-you-mean."""
     if path is None:
         return TINY_DIR
-    return EMBEDDED.get(str(path), Path(path))
+    s = str(path)
+    if s in EMBEDDED:
+        return EMBEDDED[s]
+    p = Path(path)
+    if os.sep not in s and not p.exists():
+        close = difflib.get_close_matches(s, list(EMBEDDED), n=2, cutoff=0.6)
+        if close:
+            raise CheckpointError(f"{s!r}: no such checkpoint file or directory; did you mean "
+                                  f"{' or '.join(repr(c) for c in close)}? (the embedded model: "
+                                  f"{', '.join(EMBEDDED)}; anything else is a path)")
+    return p
 
 
 # ------------------------------------------------------------------------------ originals

@@ -8,6 +8,8 @@ import numbers
 
 import torch
 
+from ..patterns import close_names
+
 
 class InputError(ValueError):
     """A bad argument to a public entry point; the message names the argument and the fix."""
@@ -62,3 +64,31 @@ def check_chunk(chunk, argument: str = "chunk") -> None:
     """Tokens per prefill call: a positive int, or None (chosen from free memory)."""
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1):
         raise InputError(f"{argument} must be a positive int or None (chosen from free memory), got {chunk!r}")
+
+
+# names a dtype argument takes besides a torch.dtype (notebook parameters and CLI flags are strings)
+DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+               "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+               "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+               "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what a model's activations may be
+
+
+def parse_dtype(value, argument: str = "dtype", allowed: tuple[torch.dtype, ...] | None = None) -> torch.dtype:
+    """A torch.dtype or one of ``DTYPE_NAMES`` ("bf16", "torch.float32", ...) -> the torch.dtype,
+    one of ``allowed`` when given; else an InputError naming the argument, with did-you-mean."""
+    if isinstance(value, torch.dtype):
+        dt = value
+    else:
+        key = str(value).lower().removeprefix("torch.")
+        dt = DTYPE_NAMES.get(key)
+        if dt is None:
+            names = [n for n, d in DTYPE_NAMES.items() if allowed is None or d in allowed]
+            close = close_names(key, names)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise InputError(f"{argument}={value!r} is not a dtype{hint} (use a torch.dtype or one of "
+                             f"{', '.join(names)})")
+    if allowed is not None and dt not in allowed:
+        raise InputError(f"{argument}={value!r} is not allowed here (use one of "
+                         f"{', '.join(str(d).removeprefix('torch.') for d in allowed)})")
+    return dt
