@@ -31,6 +31,7 @@ import fnmatch
 import functools
 import json
 import math
+import numbers
 import os
 import re
 import sys
@@ -577,6 +578,9 @@ def plan(config_or_path: Any = "v4-pro", gpus: int | None = 8, gpu_memory: Any =
     policy ``bf16`` caches one). ``check``: raise :class:`PlanError` when it does not fit;
     otherwise return the best plan with ``fits == False``.
     """
+    for name, v, what in (("context", context, "tokens of decode state per sequence"), ("batch", batch, "sequences")):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1 ({what}), got {v!r}")
     config, reader, label = _resolve(config_or_path)
     if reader is not None:
         if fmt is not None:

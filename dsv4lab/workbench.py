@@ -17,7 +17,7 @@ from .config import DSV4Config
 from .decode.drivers import check_decode_mode, decoder
 from .model import DSV4Model
 from .model.init import randomize_
-from .model.validate import check_new_tokens
+from .model.validate import check_new_tokens, check_state
 from .precision import sweep
 
 
@@ -95,8 +95,10 @@ class WorkbenchModel(DSV4Model):
                              "give one (step_fn for a driver of your own)")
         self.check_ids(input_ids)
         check_new_tokens(max_new_tokens)
+        B, S = input_ids.shape
         if state is None:
-            state = self.new_state(input_ids.shape[0], input_ids.shape[1] + max_new_tokens)
+            state = self.new_state(B, S + max_new_tokens)
+        check_state(state, B, S + max_new_tokens - 1)   # before a driver is built over it
         return super().generate(input_ids, max_new_tokens, state=state, step_fn=decoder(self, state, decode), **kw)
 
     def inject(self, bug: str, layers=None, **kw):

@@ -44,6 +44,7 @@ ENTRY_POINTS = {
     "prefill": lambda m, ids: m.prefill(ids, m.new_state(1, 8)),
     "generate": lambda m, ids: m.generate(ids, max_new_tokens=2),
     "run_with_cache": lambda m, ids: m.run_with_cache(ids),
+    "hook_schema": lambda m, ids: m.hook_schema(ids),
 }
 
 
@@ -117,3 +118,55 @@ def test_embedded_name_misspelt_suggests_it(tmp_path, monkeypatch):
         dsv4lab.load("tiny-nvfp", progress=False)
     with pytest.raises(CheckpointError, match="no such checkpoint file or directory$"):
         dsv4lab.load("elsewhere", progress=False)   # not close to a bundled name: the path's own error
+
+
+IDS = torch.tensor([[1, 2, 3]])
+
+# (call, error type, what the message must say): each a bad argument at a public entry point that
+# used to surface as an AttributeError / IndexError / torch error from deep inside, or ran on
+BAD_ARGUMENTS = {
+    "generate state not a state": (lambda m: m.generate(IDS, 2, state="abc"), InputError,
+                                   "state must be a DecodeState"),
+    "generate state too short": (lambda m: m.generate(IDS, 5, state=m.new_state(1, 4)), InputError,
+                                 "need 7 (use model.new_state(1, 7)"),
+    "generate state other batch": (lambda m: m.generate(IDS, 2, state=m.new_state(2, 8)), InputError,
+                                   "holds 2 sequences but input_ids has 1"),
+    "generate graph state": (lambda m: m.generate(IDS, 2, state=[], decode="graph"), InputError,
+                             "state must be a DecodeState"),
+    "generate eos not an id": (lambda m: m.generate(IDS, 2, eos_token_id="x"), InputError,
+                               "eos_token_id must be one int"),
+    "generate eos outside vocab": (lambda m: m.generate(IDS, 2, eos_token_id=97), InputError, "outside the vocabulary"),
+    "cache reduce a name": (lambda m: m.run_with_cache(IDS, reduce="maen"), InputError,
+                            "did you mean cache.mean(...)?"),
+    "cache reduce dict value": (lambda m: m.run_with_cache(IDS, reduce={"**": 3}), InputError, "reduce['**']=3"),
+    "cache device": (lambda m: m.run_with_cache(IDS, device="gpu"), InputError, "device='gpu' is not a device"),
+    "cache keep": (lambda m: m.run_with_cache(IDS, keep="lst"), ValueError, "did you mean 'last'?"),
+    "cache on_overflow": (lambda m: m.run_with_cache(IDS, on_overflow="rase"), ValueError, "did you mean 'raise'?"),
+    "cache generate": (lambda m: m.run_with_cache(IDS, generate=-1), InputError, "generate must be an int >= 0"),
+    "compare other": (lambda m: m.compare("x", IDS), InputError,
+                      "must be a DSV4 model or (model, intervention), got str"),
+    "compare tol": (lambda m: m.compare(m, IDS, tol=-1), InputError, "tol must be a number >= 0"),
+    "inject layer out of range": (lambda m: m.inject("compressor_ape_on_kv", layers=[99]), InputError,
+                                  "99 is no layer index of this model (use ints in 0..1"),
+    "inject layer a string": (lambda m: m.inject("compressor_ape_on_kv", layers=["1"]), InputError, "'1' is no layer"),
+    "precision floor threshold": (lambda m: m.precision_floor(IDS, threshold=-1), InputError, "threshold must be"),
+    "precision floor max_steps": (lambda m: m.precision_floor(IDS, threshold=0.1, max_steps=-2), InputError,
+                                  "max_steps must be"),
+    "plan context": (lambda m: dsv4lab.plan("v4-pro", context=-5), ValueError, "context must be an int >= 1"),
+    "plan batch": (lambda m: dsv4lab.plan("v4-pro", batch=0), ValueError, "batch must be an int >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_bad_argument_named_at_the_boundary(model, case):
+    call, err, said = BAD_ARGUMENTS[case]
+    with pytest.raises(err) as e:
+        call(model)
+    assert said in str(e.value), str(e.value)
+
+
+def test_state_with_room_exactly_is_enough(model):
+    """S + max_new_tokens - 1 positions: the last new token is never fed back."""
+    out = model.generate(IDS, 3, state=model.new_state(1, 5))
+    assert out.shape == (1, 6)
+    assert torch.equal(out, model.generate(IDS, 3))

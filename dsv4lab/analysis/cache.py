@@ -8,13 +8,17 @@ memory-bounded) without changing the computation (logits are bitwise equal with 
 """
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Mapping
 from typing import Callable
 
 import torch
 
-from ..patterns import matches
+from ..checkpoint.errors import DeviceUnavailableError
+from ..model.validate import InputError
+from ..patterns import close_names, matches
+from ..quant.modes import unknown_choice
 from .hooks import check_hook_names, hooks, name_filter
 
 
@@ -190,6 +194,44 @@ def caching_hook(cache: ActivationCache, names=None, device="cpu", reduce=None, 
     return ("**" if names is None else names, fn)
 
 
+KEEPS = ("all", "last")            # run_with_cache(keep=...): every firing, or the last one per hook
+ON_OVERFLOW = ("skip", "raise")   # run_with_cache(on_overflow=...) past max_bytes
+REDUCER_NAMES = ("topk", "norm", "histogram", "mean", "stats")   # this module's reducer factories
+
+
+def _check_reduce(reduce) -> None:
+    """None, one function of the tensor, or {pattern: function}; else one error naming the argument
+    (a reducer's name given as a string: did you mean its factory?)."""
+    if reduce is None or callable(reduce):
+        return
+    if isinstance(reduce, Mapping):
+        bad = {k: v for k, v in reduce.items() if not callable(v)}
+        if not bad:
+            return
+        pat, value = next(iter(bad.items()))
+        what = f"reduce[{pat!r}]={value!r}"
+    else:
+        value, what = reduce, f"reduce={reduce!r}"
+    near = close_names(str(value), REDUCER_NAMES) if isinstance(value, str) else []
+    hint = f"; did you mean {' or '.join(f'cache.{n}(...)' for n in near)}?" if near else ""
+    raise InputError(f"{what} is not a function of the captured tensor{hint} (reduce takes a function, "
+                     f"e.g. dsv4lab.analysis.cache.{' / '.join(f'{n}()' for n in REDUCER_NAMES)}, a "
+                     f"{{pattern: function}} dict, or None)")
+
+
+def _check_capture_device(device) -> None:
+    """Where captures go: None (where computed) or a device this machine has."""
+    if device is None:
+        return
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError(f"device={device!r} is not a device (use 'cpu', 'cuda', 'cuda:N', or None to keep each "
+                         f"capture where it was computed)") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceUnavailableError(f"device={device!r}: CUDA is not available on this machine (use 'cpu' or None)")
+
+
 @torch.no_grad()
 def run_with_cache(model, ids: torch.Tensor, names=None, device="cpu", reduce=None, max_bytes: int | None = None,
                    generate: int = 0, keep: str = "all", fwd_hooks=(), on_overflow: str = "skip", **gen_kwargs):
@@ -208,8 +250,16 @@ def run_with_cache(model, ids: torch.Tensor, names=None, device="cpu", reduce=No
     Returns (logits, cache) or (tokens, cache).
     """
     check_hook_names(model, names)
+    _check_reduce(reduce)
     if isinstance(reduce, Mapping):
         check_hook_names(model, list(reduce), "reduce")
+    _check_capture_device(device)
+    if keep not in KEEPS:
+        raise unknown_choice("keep (argument keep)", keep, KEEPS)
+    if on_overflow not in ON_OVERFLOW:
+        raise unknown_choice("on_overflow (argument on_overflow)", on_overflow, ON_OVERFLOW)
+    if isinstance(generate, bool) or not isinstance(generate, numbers.Integral) or generate < 0:
+        raise InputError(f"generate must be an int >= 0 (new tokens; 0: one forward), got {generate!r}")
     cache = ActivationCache()
     cap = caching_hook(cache, names, device, reduce, max_bytes, keep, on_overflow=on_overflow)
     with hooks(model, [cap] + list(fwd_hooks)):

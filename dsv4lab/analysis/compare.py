@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
 
+from ..model import DSV4Model
+from ..model.validate import InputError
 from ..quant.modes import ACT_SCALES, MODES
 from .cache import run_with_cache
 from .components import replace
@@ -80,10 +83,13 @@ def _looks_like_policy(d: dict) -> bool:
     return all(isinstance(v, str) and v in words for v in d.values())
 
 
-def _side(x):
-    if isinstance(x, tuple) and len(x) == 2 and not isinstance(x[0], torch.Tensor):
-        return x[0], x[1]
-    return x, None
+def _side(x, argument: str):
+    """(model, intervention or None) of a compared side: a model or (model, intervention)."""
+    m, i = (x[0], x[1]) if isinstance(x, tuple) and len(x) == 2 and not isinstance(x[0], torch.Tensor) else (x, None)
+    if not isinstance(m, DSV4Model):
+        raise InputError(f"{argument} must be a DSV4 model or (model, intervention), got {type(m).__name__} "
+                         f"(e.g. dsv4lab.load(...), or (model, [(hook pattern, fn)]))")
+    return m, i
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -210,8 +216,12 @@ def compare_runs(model_a, model_b, ids: torch.Tensor, names=None, tol: float = 1
     names: which hook points to compare (fnmatch patterns / predicate; default all). tol: a hook
     diverges when rel_err > tol (or shape/non-finite mismatch, or it fired on one side only).
     """
-    ma, ia = _side(model_a)
-    mb, ib = _side(model_b)
+    ma, ia = _side(model_a, "model_a")
+    mb, ib = _side(model_b, "model_b (model.compare's other)")
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol >= 0:
+        raise InputError(f"tol must be a number >= 0 (the rel_err above which a hook diverges), got {tol!r}")
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise InputError(f"k must be an int >= 1 (the top-k logits compared), got {k!r}")
     with applied(ma, ia):
         logits_a, cache_a = run_with_cache(ma, ids, names=names, device=device)
     return compare_against(logits_a.detach().to(device or logits_a.device), cache_a, mb, ib,

@@ -105,6 +105,7 @@ def hook_schema(model, ids: torch.Tensor | None = None, decode: bool = False):
     """
     if ids is None:
         ids = default_prompt(model.config).to(model.device)
+    model.check_ids(ids)
     seen: dict[str, tuple] = {}
     seen_dec: dict[str, tuple] = {}
     order: list[str] = []

@@ -20,7 +20,8 @@ from .norms import RMSNorm
 from .state import DecodeState
 from .chunking import CPU_MAX_CHUNK, choose_chunk, free_bytes
 from .component import Component
-from .validate import InputError, check_chunk, check_embeds, check_ids, check_new_tokens
+from .validate import (InputError, check_chunk, check_embeds, check_ids, check_new_tokens, check_state,
+                       check_token_id)
 
 
 class DSV4Model(Component):
@@ -227,9 +228,11 @@ class DSV4Model(Component):
         self.check_ids(input_ids)
         check_new_tokens(max_new_tokens)
         check_chunk(prefill_chunk, "prefill_chunk")
+        check_token_id(eos_token_id, self.config.vocab_size)
         B, S = input_ids.shape
         if state is None:
             state = self.new_state(B, S + max_new_tokens)
+        check_state(state, B, S + max_new_tokens - 1)   # the last new token is not fed back
         logits = self._prefill_chunks(input_ids, state, prefill_chunk, last_only=True)
         step = step_fn or self.decode_step
         tokens = [input_ids]

@@ -9,6 +9,7 @@ import numbers
 import torch
 
 from ..patterns import close_names
+from .state import DecodeState
 
 
 class InputError(ValueError):
@@ -58,6 +59,31 @@ def check_new_tokens(n, argument: str = "max_new_tokens") -> None:
         raise InputError(f"{argument} must be a positive int, got {n!r} ({type(n).__name__})")
     if n < 1:
         raise InputError(f"{argument} must be >= 1, got {n}")
+
+
+def check_token_id(token_id, vocab_size: int, argument: str = "eos_token_id") -> None:
+    """One token id in [0, vocab_size), or None."""
+    if token_id is None:
+        return
+    if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
+        raise InputError(f"{argument} must be one int token id or None, got {token_id!r} ({type(token_id).__name__}) "
+                         f"(e.g. tokenizer.eos_token_id)")
+    if not 0 <= token_id < vocab_size:
+        raise InputError(f"{argument}={token_id} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_state(state, batch: int, tokens: int, argument: str = "state") -> None:
+    """A DecodeState for ``batch`` sequences with room for ``tokens`` more positions from its own."""
+    if not isinstance(state, DecodeState):
+        raise InputError(f"{argument} must be a DecodeState or None, got {type(state).__name__} "
+                         f"(make one with model.new_state(batch, max_len))")
+    if state.batch != batch:
+        raise InputError(f"{argument} holds {state.batch} sequences but input_ids has {batch} "
+                         f"(use model.new_state({batch}, max_len))")
+    if state.pos + tokens > state.max_len:
+        raise InputError(f"{argument} holds {state.max_len} positions; {tokens} more from position {state.pos} "
+                         f"need {state.pos + tokens} (use model.new_state({batch}, {state.pos + tokens}) or a "
+                         f"shorter max_new_tokens)")
 
 
 def check_chunk(chunk, argument: str = "chunk") -> None:
