@@ -44,7 +44,7 @@ import torch
 from .checkpoint import CheckpointError
 from .checkpoint.fake import tensor_specs
 from .checkpoint.locate import resolve_path
-from .checkpoint.names import KIND_GROUPS, component_kind, layer_of, split_name
+from .checkpoint.names import KIND_GROUPS, LINEAR_KINDS, component_kind, layer_of, split_name
 from .checkpoint.reader import CheckpointReader
 from .checkpoint.safetensors_index import FLOAT_DTYPES, nbytes_of
 from .config import NAMED_CONFIGS, ConfigError, DSV4Config, config_from_dict, load_config, named_config
@@ -544,6 +544,12 @@ def _capacities(gpus: int | None, gpu_memory) -> list[int]:
 
 
 def _dense_extra(wb: WeightBytes, n: int, patterns: Sequence[str], bytes_per: int = 2) -> tuple[list[int], int, int]:
+    kinds = sorted(LINEAR_KINDS)   # a linear kind left unquantised in this format gets no copy: 0 bytes
+    for p in patterns:
+        if not any(fnmatch.fnmatchcase(k, p) for k in kinds):
+            close = close_names(p, kinds)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(f"dense={p!r} matches no linear component kind{hint} (kinds: {', '.join(kinds)})")
     if not patterns or not wb.dense_numel:
         return [0] * n, 0, 0
 

@@ -210,3 +210,18 @@ def test_plan_unknown_name_says_what_is_accepted(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("dsv4lab plan: 'tiny-nvfp' is no checkpoint")
     assert "did you mean 'tiny-nvfp4'" in r.stderr
+
+
+def test_plan_dense_kind_misspelt_is_named():
+    """``dense=`` patterns name linear component kinds; one that matches none (a typo) fails with
+    did-you-mean instead of planning no copy. A linear kind this format leaves unquantised
+    (head, router in the NVFP4 export) is valid and costs 0 bytes."""
+    with pytest.raises(ValueError, match=r"dense='compresor\.\*' matches no linear component kind; did you mean "
+                                         r"'compressor\.wkv'"):
+        plan("v4-pro", gpus=8, dense=["compresor.*"])
+    with pytest.raises(ValueError, match=r"dense='heda'.*did you mean 'head'\?"):
+        plan("v4-pro", gpus=8, fmt="bf16", check=False, dense=["heda"])   # checked without quantised weights too
+    base = plan("v4-pro", gpus=8)
+    ok = plan("v4-pro", gpus=8, dense=["head", "router", "compressor.*"])
+    assert ok.dense_bytes > 0 and plan("v4-pro", gpus=8, dense=["head", "router"]).dense_bytes == 0
+    assert base.dense_bytes == 0
