@@ -26,12 +26,21 @@ from .model.state import CompressorState, DecodeState, LayerState
 from .quant.weights import QuantWeight
 
 
+def as_device(value: Any, argument: str = "device") -> torch.device:
+    """``torch.device(value)``, or one error naming the argument and the forms a device takes."""
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{argument}={value!r} is not a device (use 'cpu', 'cuda', 'cuda:N', a GPU index, or a "
+                         f"device map: one device per layer)") from None
+
+
 def normalize_device_map(device_map: Any, n_layers: int, check_contiguous: bool = True) -> list[torch.device]:
     """One ``torch.device`` per layer from a list, a ``{layer: device}`` dict, a MemoryPlan or one device."""
     if hasattr(device_map, "device_map") and callable(device_map.device_map):  # MemoryPlan
         device_map = device_map.device_map()
     if isinstance(device_map, (str, torch.device, int)):
-        devs = [torch.device(device_map)] * n_layers
+        devs = [as_device(device_map)] * n_layers
     elif isinstance(device_map, Mapping):
         missing = [i for i in range(n_layers) if i not in device_map]
         if missing:
@@ -39,9 +48,9 @@ def normalize_device_map(device_map: Any, n_layers: int, check_contiguous: bool 
         extra = sorted(k for k in device_map if not (isinstance(k, int) and 0 <= k < n_layers))
         if extra:
             raise ValueError(f"device_map has entries {extra[:8]} outside layers 0..{n_layers - 1}")
-        devs = [torch.device(device_map[i]) for i in range(n_layers)]
+        devs = [as_device(device_map[i], f"device_map[{i}]") for i in range(n_layers)]
     else:
-        devs = [torch.device(d) for d in device_map]
+        devs = [as_device(d, f"device_map[{i}]") for i, d in enumerate(device_map)]
         if len(devs) != n_layers:
             raise ValueError(f"device_map has {len(devs)} entries for {n_layers} layers")
     if check_contiguous:

@@ -170,3 +170,15 @@ def test_state_with_room_exactly_is_enough(model):
     out = model.generate(IDS, 3, state=model.new_state(1, 5))
     assert out.shape == (1, 6)
     assert torch.equal(out, model.generate(IDS, 3))
+
+
+def test_prompt_mode_and_device_named():
+    """A misspelt prompt mode or device fails naming the argument, with did-you-mean / the forms
+    a device takes (was: a ValueError about thinking_mode; torch's device-string RuntimeError)."""
+    from dsv4lab.text import encode_prompt
+    with pytest.raises(ValueError, match=r"mode='chatt' is not a prompt mode; did you mean 'chat'\?"):
+        encode_prompt("hi", mode="chatt")
+    with pytest.raises(ValueError, match=r"device='gpu' is not a device \(use 'cpu', 'cuda'"):
+        dsv4lab.load(device="gpu", progress=False)
+    with pytest.raises(ValueError, match=r"device_map\[1\]='cpuu' is not a device"):
+        dsv4lab.load(device_map=["cpu", "cpuu"] + ["cpu"] * 4, progress=False)

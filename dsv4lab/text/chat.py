@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from ..patterns import close_names
+
 __all__ = [
     "BOS",
     "EOS",
@@ -77,6 +79,7 @@ REASONING_EFFORT_MAX = (
 )
 
 THINKING_MODES = ("chat", "thinking")
+PROMPT_MODES = ("plain", *THINKING_MODES)   # encode_prompt: a raw completion prompt, or a chat one
 _EFFORTS = (None, "high", "max")
 _USER_ROLES = ("user", "developer")
 _ROLES = ("system", "user", "developer", "assistant")
@@ -116,7 +119,10 @@ def encode_messages(
     conversation (a training sample), ending with ``<｜end▁of▁sentence｜>``.
     """
     if thinking_mode not in THINKING_MODES:
-        raise ValueError(f"thinking_mode must be one of {THINKING_MODES}, got {thinking_mode!r}")
+        close = close_names(str(thinking_mode), THINKING_MODES)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise ValueError(f"thinking_mode={thinking_mode!r} is not a chat mode{hint} (choose from "
+                         f"{', '.join(THINKING_MODES)})")
     if reasoning_effort not in _EFFORTS:
         raise ValueError(f"reasoning_effort must be one of {_EFFORTS}, got {reasoning_effort!r}")
     _check(messages)
@@ -169,6 +175,10 @@ def encode_prompt(
     ``mode``: ``"plain"`` (BOS + the raw text: a completion prompt, no chat markers), ``"chat"`` or
     ``"thinking"`` (a str becomes one user message; a list of messages is encoded as is).
     """
+    if mode not in PROMPT_MODES:
+        close = close_names(str(mode), PROMPT_MODES)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise ValueError(f"mode={mode!r} is not a prompt mode{hint} (choose from {', '.join(PROMPT_MODES)})")
     if mode == "plain":
         if not isinstance(text_or_messages, str):
             raise TypeError("plain mode takes a str")

@@ -21,6 +21,7 @@ import torch
 
 from ..checkpoint.locate import TINY_DIR, originals_of, quantized_from, resolve_path
 from ..loading import load, materialize
+from ..model.validate import check_new_tokens
 from ..plan import plan
 from ..precision import Originals, quantize_linears
 from ..quant.fp4 import NVFP4_BLOCK
@@ -244,6 +245,7 @@ def reference_policy(session: Session, model_q) -> str:
 
 def filler_prompt(session: Session, n_tokens: int = 96, seed: int = 0) -> torch.Tensor:
     """A deterministic natural-ish prompt of about ``n_tokens`` tokens (facts from the corpus)."""
+    check_new_tokens(n_tokens, "n_tokens")
     rng = random.Random(seed)
     text = ""
     while len(session.tokenizer.encode(text, add_special_tokens=False)) < n_tokens:
