@@ -23,6 +23,7 @@ from torch import nn
 
 from .analysis.cache import ActivationCache
 from .model.state import CompressorState, DecodeState, LayerState
+from .model.validate import InputError
 from .quant.weights import QuantWeight
 
 
@@ -31,7 +32,7 @@ def as_device(value: Any, argument: str = "device") -> torch.device:
     try:
         return torch.device(value)
     except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"{argument}={value!r} is not a device (use 'cpu', 'cuda', 'cuda:N', a GPU index, or a "
+        raise InputError(f"{argument}={value!r} is not a device (use 'cpu', 'cuda', 'cuda:N', a GPU index, or a "
                          f"device map: one device per layer)") from None
 
 

@@ -209,6 +209,16 @@ def test_mapping_to_unknown_hook_has_did_you_mean(dumps, tmp_path, capsys):
     assert "'layers.0.mlp.shared_experts.hook_out'" in err and "did you mean" in err and "shared_expert.hook_out" in err
 
 
+def test_tolerance_pattern_and_device_named(dumps, capsys):
+    """A --tol override matching no hook point (it would leave that hook at the default without a
+    word) and a bad --device each fail as one line with the fix."""
+    assert _status(["compare-dump", str(dumps("hf")), "--tol", "1e-3,**.hook_resid_pst=1e-2"]) == 2
+    err = _one_line(capsys)
+    assert "tol pattern '**.hook_resid_pst' matches no hook point; did you mean 'layers.*.hook_resid_post'" in err
+    assert _status(["compare-dump", str(dumps("hf")), "--device", "gpu"]) == 2
+    assert "device='gpu' is not a device" in _one_line(capsys)
+
+
 def test_shape_mismatch_after_mapping_is_named(model, dumps, tmp_path):
     spec = json.loads(Path(ZOO_MAPPING).read_text())
     for r in spec["rules"]:

@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..analysis.compare import tensor_diff
-from ..analysis.hooks import hooks
+from ..analysis.hooks import hook_points, hooks
 from ..checkpoint.names import layer_of
 from ..model.validate import InputError
 from ..patterns import close_names, matches
@@ -311,12 +311,24 @@ def _verdict(plain: list, forced: list) -> dict:
     return out
 
 
+def _check_tol_patterns(model, tol: Tolerance) -> None:
+    """Each PATTERN=NUMBER override must match a hook point: a typo would leave that hook at the
+    default tolerance without a word."""
+    names = [n for n, _ in hook_points(model)]
+    for pat, _ in tol.overrides:
+        if not any(matches(pat, n) for n in names):
+            close = close_names(pat, names)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise InputError(f"tol pattern {pat!r} matches no hook point{hint} (see model.hook_names())")
+
+
 def compare_dump(model, dump: "str | os.PathLike | DumpReader", mapping="hf", tol=None, isolate: bool = False,
                  progress: bool = True) -> DumpComparison:
     """Replay ``dump`` through ``model`` and compare every mapped engine tensor (module doc)."""
     reader = dump if isinstance(dump, DumpReader) else DumpReader(dump)
     mp = mapping if isinstance(mapping, Mapping) else load_mapping(mapping)
     tl = parse_tol(tol)
+    _check_tol_patterns(model, tl)
     per_step, unmapped = _check_hooks(model, reader, mp)
     rows, not_fired = _replay(model, reader, mp, per_step, tl, force=False, progress=progress)
     res = DumpComparison(str(reader.directory), mp.source, str(tl), len(reader), rows, unmapped, not_fired)
