@@ -76,10 +76,16 @@ def close_names(word: str, names: Iterable[str], n: int = 3) -> list[str]:
     return difflib.get_close_matches(word, list(dict.fromkeys(pool)), n=n, cutoff=0.6)
 
 
+def did_you_mean(word: str, names: Iterable[str]) -> str:
+    """``"; did you mean 'a' or 'b'?"`` with the closest of ``names`` to ``word`` (``close_names``), or
+    "" when none is close: the hint every did-you-mean error of the package appends."""
+    close = close_names(word, names)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
 def no_match_error(what: str, argument: str, pattern: str, names: Iterable[str], fix: str) -> KeyError:
     """KeyError: ``{argument}={pattern!r} matches no {what}; did you mean ...? {fix}``."""
-    close = close_names(pattern, names)
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    hint = did_you_mean(pattern, names)
     return KeyError(f"{argument}={pattern!r} matches no {what}{hint} ({fix})")
 
 

@@ -50,7 +50,7 @@ from .checkpoint.safetensors_index import FLOAT_DTYPES, nbytes_of
 from .config import NAMED_CONFIGS, ConfigError, DSV4Config, config_from_dict, load_config, named_config
 from .model.state import DecodeState
 from .model.validate import parse_dtype
-from .patterns import close_names
+from .patterns import did_you_mean
 
 FORMATS = ("nvfp4", "fp8_mxfp4", "bf16")
 _FAKE_FMT = {"nvfp4": "nvfp4", "fp8_mxfp4": "official", "bf16": "plain"}
@@ -133,8 +133,7 @@ def _resolve(config_or_path: Any):
         return reader.config, reader, reader.root
     if not os.path.exists(s):  # neither a path nor a name: say what is accepted, with the closest names
         names = ("v4-pro", "v4-flash", *BUNDLED_NAMES)   # NAMED_CONFIGS also takes aliases of the first two
-        close = close_names(s.lower(), names)
-        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        hint = did_you_mean(s.lower(), names)
         raise ConfigError(f"{s!r} is no checkpoint, config.json or packaged name{hint} "
                           f"(packaged: {', '.join(names)})")
     return load_config(s), None, s
@@ -547,8 +546,7 @@ def _dense_extra(wb: WeightBytes, n: int, patterns: Sequence[str], bytes_per: in
     kinds = sorted(LINEAR_KINDS)   # a linear kind left unquantised in this format gets no copy: 0 bytes
     for p in patterns:
         if not any(fnmatch.fnmatchcase(k, p) for k in kinds):
-            close = close_names(p, kinds)
-            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            hint = did_you_mean(p, kinds)
             raise ValueError(f"dense={p!r} matches no linear component kind{hint} (kinds: {', '.join(kinds)})")
     if not patterns or not wb.dense_numel:
         return [0] * n, 0, 0

@@ -7,12 +7,12 @@ weights of a quantised checkpoint are, when they are known (the reference a tria
 """
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import warnings
 from pathlib import Path
 
+from ..patterns import did_you_mean
 from .errors import CheckpointError
 from .identity import checkpoint_identity
 
@@ -29,12 +29,9 @@ def resolve_path(path: str | os.PathLike | None) -> Path:
     if s in EMBEDDED:
         return EMBEDDED[s]
     p = Path(path)
-    if os.sep not in s and not p.exists():
-        close = difflib.get_close_matches(s, list(EMBEDDED), n=2, cutoff=0.6)
-        if close:
-            raise CheckpointError(f"{s!r}: no such checkpoint file or directory; did you mean "
-                                  f"{' or '.join(repr(c) for c in close)}? (the embedded model: "
-                                  f"{', '.join(EMBEDDED)}; anything else is a path)")
+    if os.sep not in s and not p.exists() and (hint := did_you_mean(s, EMBEDDED)):
+        raise CheckpointError(f"{s!r}: no such checkpoint file or directory{hint} (the embedded model: "
+                              f"{', '.join(EMBEDDED)}; anything else is a path)")
     return p
 
 

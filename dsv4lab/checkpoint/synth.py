@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..config import HASH_MOE, NAMED_CONFIGS, DSV4Config, load_config, named_config
-from ..patterns import close_names
+from ..patterns import did_you_mean
 from ..quant.weights import quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
 from .errors import CheckpointError
 from .expected import expected_tensors
@@ -82,8 +82,7 @@ def preset_config(preset: str, layers: int | None = None, experts: int | None = 
     and ``experts`` routed experts (top-k clipped to it)."""
     key = str(preset).lower()
     if key not in NAMED_CONFIGS:
-        close = close_names(key, sorted(set(NAMED_CONFIGS)))
-        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        hint = did_you_mean(key, sorted(set(NAMED_CONFIGS)))
         raise SynthError(f"--preset {preset!r} is not a known preset{hint} (known: {', '.join(PRESETS)})")
     return shrink(named_config(key), layers, experts, source=f"<synth {key}>")
 

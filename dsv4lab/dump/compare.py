@@ -28,7 +28,7 @@ from ..analysis.compare import tensor_diff
 from ..analysis.hooks import hook_points, hooks
 from ..checkpoint.names import layer_of
 from ..model.validate import InputError
-from ..patterns import close_names, matches
+from ..patterns import close_names, did_you_mean, matches
 from .mapping import Mapping, Target, load_mapping
 from .reader import DumpError, DumpReader
 
@@ -187,8 +187,7 @@ def _check_hooks(model, reader: DumpReader, mapping: Mapping) -> tuple[list, lis
         targets, um = mapping.targets(st.names)
         for t in targets:
             if t.hook not in known:
-                close = close_names(t.hook, known)
-                hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+                hint = did_you_mean(t.hook, known)
                 raise DumpError(f"mapping {mapping.source}: engine tensor {t.engine!r} maps to {t.hook!r}, which is no "
                                 f"dsv4lab hook point{hint} (see docs/hooks.md or model.hook_names())")
         per_step.append(targets)
@@ -317,8 +316,7 @@ def _check_tol_patterns(model, tol: Tolerance) -> None:
     names = [n for n, _ in hook_points(model)]
     for pat, _ in tol.overrides:
         if not any(matches(pat, n) for n in names):
-            close = close_names(pat, names)
-            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            hint = did_you_mean(pat, names)
             raise InputError(f"tol pattern {pat!r} matches no hook point{hint} (see model.hook_names())")
 
 

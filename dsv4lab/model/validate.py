@@ -8,7 +8,7 @@ import numbers
 
 import torch
 
-from ..patterns import close_names
+from ..patterns import did_you_mean
 from .state import DecodeState
 
 
@@ -110,8 +110,7 @@ def parse_dtype(value, argument: str = "dtype", allowed: tuple[torch.dtype, ...]
         dt = DTYPE_NAMES.get(key)
         if dt is None:
             names = [n for n, d in DTYPE_NAMES.items() if allowed is None or d in allowed]
-            close = close_names(key, names)
-            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            hint = did_you_mean(key, names)
             raise InputError(f"{argument}={value!r} is not a dtype{hint} (use a torch.dtype or one of "
                              f"{', '.join(names)})")
     if allowed is not None and dt not in allowed:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..patterns import close_names
+from ..patterns import did_you_mean
 
 __all__ = [
     "BOS",
@@ -119,8 +119,7 @@ def encode_messages(
     conversation (a training sample), ending with ``<｜end▁of▁sentence｜>``.
     """
     if thinking_mode not in THINKING_MODES:
-        close = close_names(str(thinking_mode), THINKING_MODES)
-        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        hint = did_you_mean(str(thinking_mode), THINKING_MODES)
         raise ValueError(f"thinking_mode={thinking_mode!r} is not a chat mode{hint} (choose from "
                          f"{', '.join(THINKING_MODES)})")
     if reasoning_effort not in _EFFORTS:
@@ -176,8 +175,7 @@ def encode_prompt(
     ``"thinking"`` (a str becomes one user message; a list of messages is encoded as is).
     """
     if mode not in PROMPT_MODES:
-        close = close_names(str(mode), PROMPT_MODES)
-        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        hint = did_you_mean(str(mode), PROMPT_MODES)
         raise ValueError(f"mode={mode!r} is not a prompt mode{hint} (choose from {', '.join(PROMPT_MODES)})")
     if mode == "plain":
         if not isinstance(text_or_messages, str):
