@@ -23,17 +23,10 @@ from torch import nn
 
 from .analysis.cache import ActivationCache
 from .model.state import CompressorState, DecodeState, LayerState
-from .model.validate import InputError
+from .model.validate import DEVICE_FORMS, as_device
 from .quant.weights import QuantWeight
 
-
-def as_device(value: Any, argument: str = "device") -> torch.device:
-    """``torch.device(value)``, or one error naming the argument and the forms a device takes."""
-    try:
-        return torch.device(value)
-    except (RuntimeError, TypeError, ValueError):
-        raise InputError(f"{argument}={value!r} is not a device (use 'cpu', 'cuda', 'cuda:N', a GPU index, or a "
-                         f"device map: one device per layer)") from None
+_MAP_FORMS = f"{DEVICE_FORMS}, or a device map: one device per layer"
 
 
 def normalize_device_map(device_map: Any, n_layers: int, check_contiguous: bool = True) -> list[torch.device]:
@@ -41,7 +34,7 @@ def normalize_device_map(device_map: Any, n_layers: int, check_contiguous: bool 
     if hasattr(device_map, "device_map") and callable(device_map.device_map):  # MemoryPlan
         device_map = device_map.device_map()
     if isinstance(device_map, (str, torch.device, int)):
-        devs = [as_device(device_map)] * n_layers
+        devs = [as_device(device_map, forms=_MAP_FORMS)] * n_layers
     elif isinstance(device_map, Mapping):
         missing = [i for i in range(n_layers) if i not in device_map]
         if missing:

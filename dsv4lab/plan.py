@@ -31,7 +31,6 @@ import fnmatch
 import functools
 import json
 import math
-import numbers
 import os
 import re
 import sys
@@ -39,17 +38,16 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import pandas as pd
-import torch
 
 from .checkpoint import CheckpointError
 from .checkpoint.fake import tensor_specs
-from .checkpoint.locate import resolve_path
+from .checkpoint.locate import EMBEDDED, resolve_path
 from .checkpoint.names import KIND_GROUPS, LINEAR_KINDS, component_kind, layer_of, split_name
 from .checkpoint.reader import CheckpointReader
 from .checkpoint.safetensors_index import FLOAT_DTYPES, nbytes_of
 from .config import NAMED_CONFIGS, ConfigError, DSV4Config, config_from_dict, load_config, named_config
 from .model.state import DecodeState
-from .model.validate import parse_dtype
+from .model.validate import check_int, parse_dtype
 from .patterns import did_you_mean
 
 FORMATS = ("nvfp4", "fp8_mxfp4", "bf16")
@@ -107,8 +105,6 @@ def fmt_bytes(n: float) -> str:
 
 
 # --------------------------------------------------------------------------------- inputs
-BUNDLED_NAMES = ("tiny", "tiny-nvfp4")  # the embedded model's checkpoints (``checkpoint.locate``)
-
 def _is_checkpoint(p: str) -> bool:
     if os.path.isdir(p):
         return any(f.endswith(".safetensors") or f == "model.safetensors.index.json" for f in os.listdir(p))
@@ -124,7 +120,7 @@ def _resolve(config_or_path: Any):
     s = os.fspath(config_or_path)
     if s.lower() in NAMED_CONFIGS:
         return named_config(s), None, s.lower()
-    if s in BUNDLED_NAMES:
+    if s in EMBEDDED:
         s = str(resolve_path(s))
     if _is_checkpoint(s):
         reader = CheckpointReader(s, strict=True)
@@ -132,7 +128,7 @@ def _resolve(config_or_path: Any):
             raise ValueError(f"{s}: checkpoint has no config.json; pass the config instead")
         return reader.config, reader, reader.root
     if not os.path.exists(s):  # neither a path nor a name: say what is accepted, with the closest names
-        names = ("v4-pro", "v4-flash", *BUNDLED_NAMES)   # NAMED_CONFIGS also takes aliases of the first two
+        names = ("v4-pro", "v4-flash", *EMBEDDED)   # NAMED_CONFIGS also takes aliases of the first two
         hint = did_you_mean(s.lower(), names)
         raise ConfigError(f"{s!r} is no checkpoint, config.json or packaged name{hint} "
                           f"(packaged: {', '.join(names)})")
@@ -582,9 +578,8 @@ def plan(config_or_path: Any = "v4-pro", gpus: int | None = 8, gpu_memory: Any =
     policy ``bf16`` caches one). ``check``: raise :class:`PlanError` when it does not fit;
     otherwise return the best plan with ``fits == False``.
     """
-    for name, v, what in (("context", context, "tokens of decode state per sequence"), ("batch", batch, "sequences")):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1 ({what}), got {v!r}")
+    check_int(context, "context", 1, "tokens of decode state per sequence")
+    check_int(batch, "batch", 1, "sequences")
     config, reader, label = _resolve(config_or_path)
     if reader is not None:
         if fmt is not None:

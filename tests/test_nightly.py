@@ -81,8 +81,8 @@ def _exit_status(argv) -> int:
     ([], "--history"),
     (["--inject", "compresor_ape_on_kv"], "did you mean 'compressor_ape_on_kv'"),
     (["--inject-layers", "2"], "--inject-layers without --inject"),
-    (["--inject", "compressor_ape_on_kv", "--inject-layers", "2", "99"], "99 is no layer of this model (it has "
-                                                                          "layers 0..5)"),
+    (["--inject", "compressor_ape_on_kv", "--inject-layers", "2", "99"], "99 is no layer index of this model (use "
+                                                                          "ints in 0..5"),
     (["--policy", "w4a17"], "did you mean 'w4a16'"),
     (["--keep-daily", "-1"], "--keep-daily"),
     (["--model", "/no/such/ckpt"], "--model /no/such/ckpt"),

@@ -8,7 +8,6 @@ memory-bounded) without changing the computation (logits are bitwise equal with 
 """
 from __future__ import annotations
 
-import numbers
 import warnings
 from collections.abc import Mapping
 from typing import Callable
@@ -16,7 +15,7 @@ from typing import Callable
 import torch
 
 from ..checkpoint.errors import DeviceUnavailableError
-from ..model.validate import InputError
+from ..model.validate import DEVICE_FORMS, InputError, as_device, check_int
 from ..patterns import close_names, matches
 from ..quant.modes import unknown_choice
 from .hooks import check_hook_names, hooks, name_filter
@@ -223,11 +222,7 @@ def _check_capture_device(device) -> None:
     """Where captures go: None (where computed) or a device this machine has."""
     if device is None:
         return
-    try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InputError(f"device={device!r} is not a device (use 'cpu', 'cuda', 'cuda:N', or None to keep each "
-                         f"capture where it was computed)") from None
+    d = as_device(device, forms=f"{DEVICE_FORMS}, or None to keep each capture where it was computed")
     if d.type == "cuda" and not torch.cuda.is_available():
         raise DeviceUnavailableError(f"device={device!r}: CUDA is not available on this machine (use 'cpu' or None)")
 
@@ -258,8 +253,7 @@ def run_with_cache(model, ids: torch.Tensor, names=None, device="cpu", reduce=No
         raise unknown_choice("keep (argument keep)", keep, KEEPS)
     if on_overflow not in ON_OVERFLOW:
         raise unknown_choice("on_overflow (argument on_overflow)", on_overflow, ON_OVERFLOW)
-    if isinstance(generate, bool) or not isinstance(generate, numbers.Integral) or generate < 0:
-        raise InputError(f"generate must be an int >= 0 (new tokens; 0: one forward), got {generate!r}")
+    check_int(generate, "generate", 0, "new tokens; 0: one forward")
     cache = ActivationCache()
     cap = caching_hook(cache, names, device, reduce, max_bytes, keep, on_overflow=on_overflow)
     with hooks(model, [cap] + list(fwd_hooks)):

@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 from ..model import DSV4Model
-from ..model.validate import InputError
+from ..model.validate import InputError, check_int
 from ..quant.modes import ACT_SCALES, MODES
 from .cache import run_with_cache
 from .components import replace
@@ -220,8 +220,7 @@ def compare_runs(model_a, model_b, ids: torch.Tensor, names=None, tol: float = 1
     mb, ib = _side(model_b, "model_b (model.compare's other)")
     if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol >= 0:
         raise InputError(f"tol must be a number >= 0 (the rel_err above which a hook diverges), got {tol!r}")
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-        raise InputError(f"k must be an int >= 1 (the top-k logits compared), got {k!r}")
+    check_int(k, "k", 1, "the top-k logits compared")
     with applied(ma, ia):
         logits_a, cache_a = run_with_cache(ma, ids, names=names, device=device)
     return compare_against(logits_a.detach().to(device or logits_a.device), cache_a, mb, ib,

@@ -17,7 +17,6 @@ points, e.g. a linear's attention block).
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -32,7 +31,7 @@ from ..model.compressor import Compressor
 from ..model.linear import QLinear
 from ..model.moe import Router
 from ..model.rope import Rotary, inverse_frequencies
-from ..model.validate import InputError
+from ..model.validate import check_layers
 from ..patterns import no_match_error
 from . import variants as V
 from .inputs import LIVE_PROMPT, Trigger, drop_ids_from_embeddings, from_embeddings, weights_in_place
@@ -265,15 +264,8 @@ def inject(model, bug: str | Bug, layers=None) -> BugHandle:
     False (and nothing changes) when the model has no such component, e.g. an NVFP4-only bug on
     plain weights."""
     b = bug_named(bug)
-    if isinstance(layers, int):
-        layers = [layers]
+    layers = check_layers(layers, getattr(getattr(model, "config", None), "num_hidden_layers", None))
     layers = None if layers is None else set(layers)
-    n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-    bad = [x for x in (layers or ()) if isinstance(x, bool) or not isinstance(x, numbers.Integral)
-           or (n_layers is not None and not 0 <= x < n_layers)]
-    if bad:
-        raise InputError(f"layers={sorted(layers, key=str)!r}: {bad[0]!r} is no layer index of this model "
-                         f"(use ints in 0..{'N-1' if n_layers is None else n_layers - 1}, or None for all layers)")
     match = _matcher(b, layers)
     targets = {}
     for name, mod in iter_components(model):

@@ -61,6 +61,38 @@ def check_new_tokens(n, argument: str = "max_new_tokens") -> None:
         raise InputError(f"{argument} must be >= 1, got {n}")
 
 
+def check_int(value, argument: str, minimum: int, meaning: str = "") -> None:
+    """An int (not a bool) >= ``minimum``; ``meaning`` says what it counts in the error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise InputError(f"{argument} must be an int >= {minimum}{f' ({meaning})' if meaning else ''}, got {value!r}")
+
+
+def check_layers(layers, n_layers: int | None, argument: str = "layers") -> list[int] | None:
+    """Layer indices (one int or several; None: every layer) -> a list, each in 0..n_layers-1
+    (``n_layers`` None: only their type is checked)."""
+    if layers is None:
+        return None
+    got = [layers] if isinstance(layers, numbers.Integral) else list(layers)
+    for x in got:
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral) or (n_layers is not None
+                                                                            and not 0 <= x < n_layers):
+            span = "0..N-1" if n_layers is None else f"0..{n_layers - 1}"
+            raise InputError(f"{argument}={got!r}: {x!r} is no layer index of this model (use ints in {span}, "
+                             f"or None for all layers)")
+    return got
+
+
+DEVICE_FORMS = "'cpu', 'cuda', 'cuda:N' or a GPU index"
+
+
+def as_device(value, argument: str = "device", forms: str = DEVICE_FORMS) -> torch.device:
+    """``torch.device(value)``, or one error naming the argument and the forms a device takes."""
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise InputError(f"{argument}={value!r} is not a device (use {forms})") from None
+
+
 def check_token_id(token_id, vocab_size: int, argument: str = "eos_token_id") -> None:
     """One token id in [0, vocab_size), or None."""
     if token_id is None:

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from ..analysis.cache import ActivationCache, run_with_cache
 from ..analysis.compare import CompareResult, compare_against
-from ..model.validate import InputError
+from ..model.validate import InputError, check_int
 from ..quant.modes import ROUND_TRIPS, Mode, as_round_trip, unknown_choice
 from .apply import Originals, UnknownTargetError, linear_kinds
 from .policy import PrecisionPolicy, linear_kind, linear_layer
@@ -221,9 +221,8 @@ def precision_floor(model, ids: torch.Tensor, threshold: float, base=Mode.W4A16,
     if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not threshold > 0:
         raise InputError(f"threshold must be a number > 0 (the mean KL vs the reference the floor stops below), "
                          f"got {threshold!r}")
-    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, numbers.Integral)
-                                  or max_steps < 0):
-        raise InputError(f"max_steps must be an int >= 0 or None (every kind), got {max_steps!r}")
+    if max_steps is not None:
+        check_int(max_steps, "max_steps", 0, "kinds to add; None: every kind")
     candidates = linear_kinds(model) if kinds is None else list(kinds)
     _check_kinds(model, candidates)
     originals = _originals(originals, reference_model)

@@ -27,6 +27,7 @@ from ..bugzoo import bug_named
 from ..bugzoo.inputs import from_embeddings
 from ..checkpoint.locate import TINY_DIR, resolve_path
 from ..config import load_config
+from ..model.validate import check_layers
 from ..precision import PrecisionPolicy
 from . import history as H
 from .bugs import inject as inject_bug
@@ -99,13 +100,8 @@ def check_args(history, model, reference, device, inject, inject_layers, keep_da
         raise NightlyError(f"--reference {reference}: no such checkpoint ({resolve_path(reference)} does not exist)")
     if inject is not None:
         bug_named(inject, "--inject")
-        if inject_layers:
-            n = load_config(resolve_path(model)).num_hidden_layers   # config.json alone: no weights read
-            layers = [inject_layers] if isinstance(inject_layers, int) else list(inject_layers)
-            bad = [x for x in layers if not 0 <= x < n]
-            if bad:
-                raise NightlyError(f"--inject-layers {' '.join(map(str, layers))}: {bad[0]} is no layer of this model "
-                                   f"(it has layers 0..{n - 1})")
+        if inject_layers:   # the model's config.json alone: no weights read
+            check_layers(inject_layers, load_config(resolve_path(model)).num_hidden_layers, "--inject-layers")
     elif inject_layers:
         raise NightlyError("--inject-layers without --inject: name the bug to inject (python -m dsv4lab bugzoo --list)")
     try:
