@@ -15,7 +15,7 @@ order of calls and the same per-lane buffers.
 Modes (``DSV4LAB_DECODE_LANES``, read at import, or ``set_decode_lanes``): "graph" (default) forks
 only inside ``capturing()``, which the graph decoders hold around their warm-up and capture:
 captured decode gains (H100, full depth V4-Pro-shaped: 17.48 -> 16.78 ms a token, the same 1376
-kernels; docs/benchmarks.md "Stop 52"), while eager decode, host-bound and where hooks fire, keeps
+kernels; docs/benchmarks_journal.md "Stop 52"), while eager decode, host-bound and where hooks fire, keeps
 one stream and its exact order of launches. "all" forks in eager decode too (tests, A/B runs);
 "off" never forks.
 """
