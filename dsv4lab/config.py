@@ -26,6 +26,7 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 NAMED_CONFIGS = {"v4-pro": "v4_pro.json", "v4_pro": "v4_pro.json", "pro": "v4_pro.json",
                  "deepseek-v4-pro": "v4_pro.json", "v4-flash": "v4_flash.json", "v4_flash": "v4_flash.json",
                  "flash": "v4_flash.json", "deepseek-v4-flash": "v4_flash.json"}
+PRESET_NAMES = ("v4-pro", "v4-flash")  # the names errors list and suggest; NAMED_CONFIGS also takes aliases
 
 
 class ConfigError(ValueError):

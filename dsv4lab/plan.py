@@ -45,7 +45,7 @@ from .checkpoint.locate import EMBEDDED, resolve_path
 from .checkpoint.names import KIND_GROUPS, LINEAR_KINDS, component_kind, layer_of, split_name
 from .checkpoint.reader import CheckpointReader
 from .checkpoint.safetensors_index import FLOAT_DTYPES, nbytes_of
-from .config import NAMED_CONFIGS, ConfigError, DSV4Config, config_from_dict, load_config, named_config
+from .config import NAMED_CONFIGS, PRESET_NAMES, ConfigError, DSV4Config, config_from_dict, load_config, named_config
 from .model.state import DecodeState
 from .model.validate import check_int, parse_dtype
 from .patterns import did_you_mean
@@ -128,7 +128,7 @@ def _resolve(config_or_path: Any):
             raise ValueError(f"{s}: checkpoint has no config.json; pass the config instead")
         return reader.config, reader, reader.root
     if not os.path.exists(s):  # neither a path nor a name: say what is accepted, with the closest names
-        names = ("v4-pro", "v4-flash", *EMBEDDED)   # NAMED_CONFIGS also takes aliases of the first two
+        names = (*PRESET_NAMES, *EMBEDDED)
         hint = did_you_mean(s.lower(), names)
         raise ConfigError(f"{s!r} is no checkpoint, config.json or packaged name{hint} "
                           f"(packaged: {', '.join(names)})")

@@ -10,6 +10,7 @@ import dsv4lab
 from dsv4lab.bugzoo import BUGS, UnknownBugError, inject
 from dsv4lab.checkpoint import CheckpointError, CheckpointReader, DeviceUnavailableError
 from dsv4lab.checkpoint.locate import resolve_path
+from dsv4lab.checkpoint.synth import SynthError, preset_config
 from dsv4lab.config import config_from_dict
 from dsv4lab.model.validate import InputError, parse_dtype
 from dsv4lab.workbench import random_model
@@ -182,3 +183,11 @@ def test_prompt_mode_and_device_named():
         dsv4lab.load(device="gpu", progress=False)
     with pytest.raises(ValueError, match=r"device_map\[1\]='cpuu' is not a device"):
         dsv4lab.load(device_map=["cpu", "cpuu"] + ["cpu"] * 4, progress=False)
+
+
+def test_misspelt_preset_suggests_the_listed_name_not_an_alias():
+    """The hint names what the error lists ('v4-pro'), not one of its aliases ('v4_pro')."""
+    with pytest.raises(SynthError) as err:
+        preset_config("v4-prp")
+    msg = str(err.value)
+    assert "did you mean 'v4-pro'?" in msg and "v4_pro" not in msg, msg

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..config import HASH_MOE, NAMED_CONFIGS, DSV4Config, load_config, named_config
+from ..config import HASH_MOE, NAMED_CONFIGS, PRESET_NAMES, DSV4Config, load_config, named_config
 from ..patterns import did_you_mean
 from ..quant.weights import quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
 from .errors import CheckpointError
@@ -40,7 +40,7 @@ from .safetensors_index import INDEX_NAME, nbytes_of
 from .writer import write_configs
 
 SYNTH_FORMATS = ("nvfp4", "official")
-PRESETS = ("v4-pro", "v4-flash")
+PRESETS = PRESET_NAMES
 NVFP4_EXCLUDE = ("head", "layers.*.mlp.router")       # kept BF16 in the NVFP4 export (as ModelOpt does)
 DEFAULT_SHARD_BYTES = 4 * 2**30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -82,7 +82,7 @@ def preset_config(preset: str, layers: int | None = None, experts: int | None = 
     and ``experts`` routed experts (top-k clipped to it)."""
     key = str(preset).lower()
     if key not in NAMED_CONFIGS:
-        hint = did_you_mean(key, sorted(set(NAMED_CONFIGS)))
+        hint = did_you_mean(key, PRESETS)
         raise SynthError(f"--preset {preset!r} is not a known preset{hint} (known: {', '.join(PRESETS)})")
     return shrink(named_config(key), layers, experts, source=f"<synth {key}>")
 
