@@ -4,6 +4,7 @@
 # both on the H200's host at stop 55?), PDL off, and the NVFP4 MoE decode fused with 128-row down
 # tiles (graph <= 2x the floor?). Each line: eager ms, host_op_us, graph ms, x floor, launches a step
 # on the normal path by kernel. Usage: bash .../stop56/decode_ab.sh $OUT [first config index]
+# (STOP_AT=seconds: start no config after that, default 500: a call's limit less ~100)
 set -u
 OUT=${1:?out dir}
 FIRST=${2:-0}
@@ -14,7 +15,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee -a $OUT/gpu.txt
 CFGS=("1 1 1 default" "1 1 1 fused128" "0 0 1 default" "0 0 1 fused128" "1 0 1 default" "0 1 1 default"
       "1 1 1 fused128" "1 1 1 default" "1 1 0 default" "0 0 0 default")
 for ((i = FIRST; i < ${#CFGS[@]}; i++)); do
-  [ $SECONDS -gt 500 ] && { echo "stopped before config $i"; break; }
+  [ $SECONDS -gt ${STOP_AT:-500} ] && { echo "stopped before config $i"; break; }
   set -- ${CFGS[$i]}
   tag=${i}_pp$1_gr$2_pdl$3_$4
   DSV4LAB_HC_POST_PRE=$1 DSV4LAB_GATE_ROUTE=$2 DSV4LAB_PDL=$3 timeout 110 python3 $D/moe_variant.py $4 --preset v4-pro \
