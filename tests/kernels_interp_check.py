@@ -290,8 +290,10 @@ for lim in (None, 1.5):
     res[f"moetma_lim{lim}"] = {"max_abs": (y.float() - ref.float()).abs().max().item(), "ref_max": ref.abs().max().item(),
                                "repeat_equal": bool(torch.equal(y, y2))}
 # the up launch writing h's pairs (I a multiple of the tile) against h + the
-# x_pairs prelude: the same bits, one launch fewer
+# x_pairs prelude: the same bits, one launch fewer (the two-launch schedule: without h's pairs the
+# fused one steps back to it, so the default schedule would compare fused with two)
 from dsv4lab.kernels import moe_decode_tma as mdt
+mdt.SCHEDULE = "two"
 from dsv4lab.kernels.launch import LaunchSite
 x4 = rnd(4, H).to(torch.bfloat16)
 ids4 = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(4)])
@@ -304,6 +306,7 @@ y_emit = moe_decode_triton(x4, ids4, wt4, w1, w3, w2, 1.5, tma=True)
 mdt.EMIT_H_PAIRS = False
 y_prelude = moe_decode_triton(x4, ids4, wt4, w1, w3, w2, 1.5, tma=True)
 mdt.EMIT_H_PAIRS = True
+mdt.SCHEDULE = None
 LaunchSite.__call__ = real_call
 ref = moe_decode_ref(x4, ids4, wt4, w1, w3, w2, 1.5)
 res["moetma_h_pairs"] = {"equal": bool(torch.equal(y_emit, y_prelude)), "launches": [counts[True], counts[False]],

@@ -104,17 +104,18 @@ def _inventory():
 
 
 @pytest.mark.parametrize("joined", [True, False], ids=["joined", "split"])
-@pytest.mark.parametrize("layer,most", [("compressed_sparse_attention", 21), ("heavily_compressed_attention", 17)])
+@pytest.mark.parametrize("layer,most", [("compressed_sparse_attention", 20), ("heavily_compressed_attention", 16)])
 def test_launch_inventory_counts_a_v4_pro_step(layer, most, joined):
     """The inventory of one V4-Pro decode step (stubbed launches, 8 experts): every fused component
     launches its kernels, and the estimate stays within what it is today (the issue's budget: 60);
     a kernel path falling back to its reference would add aten ops (the indexer's top-k alone
-    eight) and fail here. The MoE (routed + the folded shared expert) is two GEMV launches and no
-    x-pairs prelude (its input's pairs come from ffn_hc's launch, h's from the up launch); no aten
+    eight) and fail here. The MoE (routed + the folded shared expert) is one launch of up and down
+    tiles and no x-pairs prelude (its input's pairs come from ffn_hc's launch, h's from the up tiles); no aten
     op is left, and no GEMV takes a prelude (wo_b's input pairs come from wo_a's launch); wq_a and
     wkv are one launch; the layer norms run in the mHC sites' launches (``norms_with``). Joined
-    (opt-in: ``set_post_pre``, ``set_gate_route``), the attn expansion runs with the FFN pre and the
-    router's gate with its route: two launches fewer; split, each site its pre and its post."""
+    (``set_post_pre``, on by default, and the opt-in ``set_gate_route``), the attn expansion runs with
+    the FFN pre and the router's gate with its route: two launches fewer; split, each site its pre and
+    its post."""
     from dsv4lab.kernels import dispatch
 
     prev = dispatch.set_post_pre(joined), dispatch.set_gate_route(joined)
@@ -135,7 +136,7 @@ def test_launch_inventory_counts_a_v4_pro_step(layer, most, joined):
             assert comps[site] == {"triton": {"mhc_fused._hc_pre_kernel": 1, "mhc_fused._hc_post_kernel": 1},
                                    "aten": {}}
         assert "gate_route._gate_route_kernel" not in comps["mlp.router"]["triton"], comps["mlp.router"]
-    assert comps["mlp"]["triton"] == {"moe_decode_tma._moe_up_kernel": 1, "moe_decode_tma._moe_down_kernel": 1}, comps["mlp"]
+    assert comps["mlp"]["triton"] == {"moe_decode_tma._moe_fused_kernel": 1}, comps["mlp"]
     assert inv["aten_ops"] == 0, inv
     for lin in ("attn.wq_b", "attn.wo_b"):  # inputs from an emitting launch: the GEMV alone
         assert comps[lin]["triton"] == {"linear_nvfp4_tma._gemv_tma_kernel": 1}, (lin, comps[lin])

@@ -301,9 +301,9 @@ def test_post_pre_fusion_is_the_two_calls_and_steps_aside():
 
 
 def test_post_pre_switch():
-    """``set_post_pre``: on (``DSV4LAB_HC_POST_PRE=1`` at import), the expansion slot offers the one
-    launch (``then_pre``); off (the default) it offers nothing, so the layer reads one attribute; a
-    non-bool is refused."""
+    """``set_post_pre``: on (the default; ``DSV4LAB_HC_POST_PRE=0`` at import turns it off), the
+    expansion slot offers the one launch (``then_pre``); off it offers nothing, so the layer reads one
+    attribute; a non-bool is refused."""
     from dsv4lab.kernels import dispatch
 
     prev = dispatch.set_post_pre(True)

@@ -347,10 +347,13 @@ def mhc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
 mhc_pre.takes_pending_sinkhorn = True   # HyperConnection.defers_sinkhorn: this pair projects comb in mhc_post
 mhc_post.takes_pending_sinkhorn = True
 
-# DSV4LAB_HC_POST_PRE=1 (or ``set_post_pre(True)``): an expansion and the next site's pre in one
-# launch; the setting is ``mhc_post.then_pre`` itself. Opt-in: full depth with both joins (stop 55)
-# runs its graph ~1 % faster (H200 13.64 -> 13.49 ms) but its eager step was 22-26 % slower on the
-# H200's host in two rounds (and 23 % faster in one H100 round): not the default until that is explained
+# An expansion and the next site's pre in one launch (on by default; DSV4LAB_HC_POST_PRE=0 or
+# ``set_post_pre(False)`` turns it off); the setting is ``mhc_post.then_pre`` itself. Full depth, graph:
+# H200 13.64 -> 13.49 ms with both joins (stop 55); H100 16.23 -> 16.04 with this one alone, 16.27 with
+# the gate + route join alone (stop 57). Eager was 22-26 % slower with both on the H200's host at stop
+# 55, 23 % faster in an H100 round; stop 57's H100 runs put eager at 94-164 ms across ten processes
+# of one machine, the joins' either side, with host_op_us 6.9-10.7: host noise, not the join, and the
+# join takes 35 Python calls off a CSA or HCA layer step (CPU stub, deterministic)
 
 
 def mhc_post_pre(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -388,7 +391,7 @@ def set_post_pre(on: bool) -> bool:
 
 
 mhc_post.pre_fuses_with = mhc_pre
-set_post_pre(os.environ.get("DSV4LAB_HC_POST_PRE", "0") == "1")
+set_post_pre(os.environ.get("DSV4LAB_HC_POST_PRE", "1") != "0")
 
 
 def mhc_head_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
@@ -538,7 +541,9 @@ def route(logits: torch.Tensor, top_k: int, scoring: str, scale: float, bias: to
 
 
 # DSV4LAB_GATE_ROUTE=1 (or ``set_gate_route(True)``): the router's gate GEMV and its route in one
-# launch; the setting is ``route.with_gate`` itself. Opt-in for the reason above (the two were timed together)
+# launch; the setting is ``route.with_gate`` itself. Opt-in: 61 launches a token fewer but no graph gain
+# measured (stop 57, H100: 16.27 ms alone against 16.23 without either join, 16.05-16.07 with both
+# against 16.04 with the expansion + pre join alone)
 
 
 def gate_route(x: torch.Tensor, w: torch.Tensor, top_k: int, scoring: str, scale: float,

@@ -253,7 +253,7 @@ def tma_moe_supported(x: torch.Tensor, w1, w3, w2) -> bool:
     if H % mult or I % mult:
         return False
     if not (_stack_args(w1, UP_TILE[0]).aligned and _stack_args(w3, UP_TILE[0]).aligned
-            and _stack_args(w2, DOWN_TILE[0]).aligned):
+            and _stack_args(w2, DOWN_TILES[_is_mx(w2)][0]).aligned):
         return False
     return INTERPRET or (x.is_cuda and device_capability(x.device) >= (9, 0))
 
@@ -263,27 +263,26 @@ def _is_mx(w) -> bool:
 
 
 # (rows a CTA, TMA ring stages, warps) of each launch; ``benchmarks/results/decode/moe_tile_sweep.py``
-# times the alternatives on V4-Pro's experts (H = 7168, I = 3072)
+# times the alternatives on V4-Pro's experts (H = 7168, I = 3072). The down tile is per format
+# (MXFP4?) and shared by every schedule: its rows ([BN, G] layout) fix the order of each output row's
+# fp32 sum, so the schedules below give the same bits only with the same down tile.
 UP_TILE = (16, 2, 1) if INTERPRET else (64, 3, 4)
-DOWN_TILE = (16, 2, 1) if INTERPRET else (64, 3, 4)
+DOWN_TILES = {False: (16, 2, 1), True: (16, 2, 1)} if INTERPRET else {False: (128, 3, 4), True: (64, 3, 4)}
+FUSED_UP_TILES = {False: (16, 2, 1), True: (16, 2, 1)} if INTERPRET else {False: (64, 4, 4), True: (64, 3, 4)}
 EMIT_H_PAIRS = True  # the up launch writes h's pairs (False: h + the x_pairs prelude; tests compare both)
 # "two": the up and the down launch; "pdl": the same, the down launch programmatic-dependent on the
-# up one (no launch gap); "fused": one launch of up and down tiles (``_moe_fused_kernel``). With the
-# same down tile rows (its [BN, G] layout fixes the order of each row's fp32 sum) all three give the
-# same bits. ``SCHEDULE`` None takes ``DEFAULT_SCHEDULE`` per weight format (MXFP4?), a name forces
-# one (tests, benchmarks). Measured on H100s (benchmarks/results/decode/moe_schedule/, one token,
-# 6 routed + the shared expert of V4-Pro, graph replay): two launches NVFP4 109-117 us (up 71 + down
-# 42: the down GEMV's short K = 3072 loop at 68 % of the copy ceiling), MXFP4 120-125 us (up 80);
-# fused MXFP4 101-103 us (-16 %), NVFP4 115-122 us. NVFP4 fused with 128-row down tiles took
-# 107-111 us, but its rows' sums then run in another order: not the two launches' bits for every
-# input (seen 1 ulp off at 3 tokens), so it is not the default.
+# up one (no launch gap); "fused": one launch of up and down tiles (``_moe_fused_kernel``, up tile
+# ``FUSED_UP_TILES``). ``SCHEDULE`` None takes ``DEFAULT_SCHEDULE`` per weight format (MXFP4?), a
+# name forces one (tests, benchmarks). Measured on H100s (benchmarks/results/decode/moe_schedule/,
+# one token, 6 routed + the shared expert of V4-Pro, graph replay): two launches NVFP4 109-117 us
+# (up 71 + down 42: the down GEMV's short K = 3072 loop at 68 % of the copy ceiling), MXFP4 120-125
+# us (up 80); fused MXFP4 101-103 us (-16 %), NVFP4 115-122 us with 64-row down tiles, 107-111 us
+# with 128-row ones. Full depth (stop 57, H100, two rounds): NVFP4 fused with 128-row down tiles
+# 15.98 / 16.01 ms a token against 16.05 / 16.07 for two launches with 64-row ones
+# (benchmarks/results/decode/stop57/).
 SCHEDULES = ("two", "pdl", "fused")
-DEFAULT_SCHEDULE = {False: "two", True: "fused"}
+DEFAULT_SCHEDULE = {False: "fused", True: "fused"}
 SCHEDULE: str | None = None
-# (up tile, down tile) of the fused launch per format (MXFP4?), from moe_schedule.py --sweep; the
-# down tile's rows as DOWN_TILE's (same bits)
-FUSED_TILES = ({False: ((16, 2, 1), (16, 2, 1)), True: ((16, 2, 1), (16, 2, 1))} if INTERPRET else
-               {False: ((64, 4, 4), (64, 3, 4)), True: ((64, 3, 4), (64, 3, 4))})
 
 
 class _StackArgs:
@@ -335,9 +334,9 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     schedule = SCHEDULE or DEFAULT_SCHEDULE[mx]
     if schedule not in SCHEDULES:
         raise ValueError(f"moe_decode_tma.SCHEDULE={schedule!r}: expected None or one of {', '.join(SCHEDULES)}")
-    if schedule == "fused" and not (EMIT_H_PAIRS and I % FUSED_TILES[mx][0][0] == 0):
+    if schedule == "fused" and not (EMIT_H_PAIRS and I % FUSED_UP_TILES[mx][0] == 0):
         schedule = "two"   # one launch needs the up tiles to write h's pairs
-    up_tile, down_tile = FUSED_TILES[mx] if schedule == "fused" else (UP_TILE, DOWN_TILE)
+    up_tile, down_tile = (FUSED_UP_TILES[mx] if schedule == "fused" else UP_TILE), DOWN_TILES[mx]
     bn, stages, warps = up_tile
     npair = k + (shared is not None)
     npt = T * npair

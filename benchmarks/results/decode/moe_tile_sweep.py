@@ -65,7 +65,8 @@ def main() -> None:
     up_bytes, down_bytes = (K + 1) * 2 * I * H * per, (K + 1) * I * H * per
 
     m.SCHEDULE = "two"   # these tiles are the two-launch schedule's (the fused one: moe_schedule/ --sweep)
-    default_up, default_down = m.UP_TILE, m.DOWN_TILE
+    mx, downs0 = fmt == "mxfp4", dict(m.DOWN_TILES)
+    default_up, default_down = m.UP_TILE, downs0[mx]
     ref = run().clone()
     base = graph_us(run)
     rows = [dict(which="default", up=default_up, down=default_down, us=base, bitwise=True)]
@@ -75,7 +76,7 @@ def main() -> None:
              if not (bn == 256 and st == 6) and not (bn == 32 and wp == 8)]
     for which in ("up", "down"):
         for cfg in cands:
-            m.UP_TILE, m.DOWN_TILE = (cfg, default_down) if which == "up" else (default_up, cfg)
+            m.UP_TILE, m.DOWN_TILES = (cfg, downs0) if which == "up" else (default_up, {**downs0, mx: cfg})
             try:
                 y = run()
                 t = graph_us(run)
@@ -87,7 +88,7 @@ def main() -> None:
             byts = up_bytes if which == "up" else down_bytes
             rows.append(dict(which=which, cfg=cfg, us=t, delta_us=t - base, bitwise=same))
             print(f"{which:4s} {cfg}  {t:7.1f} us  {t - base:+6.1f}  bitwise {same}", flush=True)
-    m.UP_TILE, m.DOWN_TILE = default_up, default_down
+    m.UP_TILE, m.DOWN_TILES = default_up, downs0
     out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), fmt=fmt, copy_GBps=ceil,
                                    up_bytes=up_bytes, down_bytes=down_bytes, rows=rows), indent=1))
 

@@ -1,3 +1,5 @@
+# Written for moe_decode_tma's FUSED_TILES ((up, down) tiles per format), which stop 57 replaced by
+# FUSED_UP_TILES + DOWN_TILES (one down tile per format for every schedule): rerun at commit 244f746.
 import sys, torch
 sys.path.insert(0, "benchmarks/results/decode")
 sys.path.insert(0, ".")

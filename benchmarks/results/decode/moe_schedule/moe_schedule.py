@@ -7,6 +7,8 @@ Usage (device): python3 benchmarks/results/decode/moe_schedule/moe_schedule.py $
 (``--sweep``: the fused launch over up x down tiles against the two launches, and the two launches'
 per-kernel device time)
 """
+# Written for moe_decode_tma's FUSED_TILES ((up, down) tiles per format), which stop 57 replaced by
+# FUSED_UP_TILES + DOWN_TILES (one down tile per format for every schedule): rerun at commit 244f746.
 from __future__ import annotations
 
 import json

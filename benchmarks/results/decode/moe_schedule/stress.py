@@ -4,6 +4,8 @@ out-of-bounds write would change it), and the outputs of a replayed graph of 10 
 
 Usage (device): python3 benchmarks/results/decode/moe_schedule/stress.py [iterations] [tokens]
 """
+# Written for moe_decode_tma's FUSED_TILES ((up, down) tiles per format), which stop 57 replaced by
+# FUSED_UP_TILES + DOWN_TILES (one down tile per format for every schedule): rerun at commit 244f746.
 import sys
 from pathlib import Path
 
