@@ -19,7 +19,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.kernels import copy_ceiling, graph_time_us  # noqa: E402
-from dsv4lab.kernels.common import cdiv, num_sms  # noqa: E402
+from dsv4lab.kernels.host import cdiv, num_sms  # noqa: E402
 from dsv4lab.kernels.linear_fp8_tma import BK, fp8_gemv, fp8_tma_config  # noqa: E402
 from dsv4lab.kernels.linear_official import official_matmul  # noqa: E402
 from dsv4lab.quant.weights import quantize_fp8_block  # noqa: E402

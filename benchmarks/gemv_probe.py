@@ -1,6 +1,6 @@
 """What the batch-1 f16x2 GEMV loop decodes: a triage probe for the E2M1 nibble decode.
 
-``decode_probe(words)`` runs ``dsv4lab.kernels.common.group_dot`` (inline PTX on the GPU, its
+``decode_probe(words)`` runs ``dsv4lab.kernels.weight_decode.group_dot`` (inline PTX on the GPU, its
 emulation under ``TRITON_INTERPRET=1``) against x' pairs holding f16 1.0 at one element, so every
 decoded weight comes out exactly; ``decode_probe_selfcheck()`` compares every E2M1 code at every
 position with the reference decode. Not part of the installed kernels (a debugging tool).
@@ -19,7 +19,8 @@ import triton  # a benchmark script: triton is required here
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dsv4lab.kernels.common import INTERPRET, group_dot  # noqa: E402
+from dsv4lab.kernels.host import INTERPRET  # noqa: E402
+from dsv4lab.kernels.weight_decode import group_dot  # noqa: E402
 from dsv4lab.kernels.device import on_input_device  # noqa: E402
 from dsv4lab.quant.fp4 import e2m1_decode, unpack_fp4  # noqa: E402
 

@@ -7,7 +7,7 @@ indexer's selection reads x and the latent query q_res, never the queries that t
 GEMV (wq_b) makes. On a side lane they run beside wq_a / wkv -> norm -> wq_b; the decode
 attention joins both lanes. In a captured CUDA graph the fork and the join are graph edges.
 
-Kernels keep their internal buffers per lane (``kernels.common.scratch``, ``counters`` and the
+Kernels keep their internal buffers per lane (``kernels.host.scratch``, ``counters`` and the
 kept x-pairs buffers key on ``current_lane()``), because two lanes' launches run at the same
 time. Off the GPU a ``Fork`` only switches the lane (no streams): the CPU tests run the same
 order of calls and the same per-lane buffers.

@@ -54,7 +54,7 @@ for dtype in (torch.float32, torch.bfloat16):
 # the output's inverse RoPE folded into the combine (inv_freq=): the bits of the kernel's output then
 # norm_rope's in-place inverse launch; at one batch row (H * D / 16 = 64 groups: whole pair boxes) also
 # the row's x_pairs for wo_a, written by the combine (no x_pairs launch after it)
-from dsv4lab.kernels import common  # noqa: E402
+from dsv4lab.kernels import activation_pairs  # noqa: E402
 from dsv4lab.kernels.norm_rope import NORM_NONE, NORM_PLAIN, launch_norm_rope  # noqa: E402
 
 inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))  # rope dim 16 of head dim 32
@@ -68,12 +68,13 @@ for dtype in (torch.float32, torch.bfloat16):
         want = launch_norm_rope(plain.clone(), dtype, norm=NORM_NONE, positions=torch.tensor([43]), inv_freq=inv,
                                 inverse=True, inplace=True)
         got = decode_attention_triton(*args, splits=splits, inv_freq=inv)
-        gen = dict(common._PAIRS_GEN)
+        gen = dict(activation_pairs._PAIRS_GEN)
         entry = {"equal": bool(torch.equal(got, want))}
         if b == 1:
-            xp, xinv = (t.clone() for t in common.x_pairs(got.reshape(1, -1)))
-            skipped = common._PAIRS_GEN == gen
-            rp, rinv = common.x_pairs(got.clone().reshape(1, -1))   # another address: launched, the reference bits
+            xp, xinv = (t.clone() for t in activation_pairs.x_pairs(got.reshape(1, -1)))
+            skipped = activation_pairs._PAIRS_GEN == gen
+            # another address: launched, the reference bits
+            rp, rinv = activation_pairs.x_pairs(got.clone().reshape(1, -1))
             entry.update(pairs_skipped=skipped,
                          pairs_equal=bool(torch.equal(xp, rp) and torch.equal(xinv, rinv)))
         res[f"unrope_b{b}_s{splits}_{str(dtype)[6:]}"] = entry

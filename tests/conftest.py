@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-# dsv4lab.kernels.common pins Triton's FP fusion on when it is first imported (a process-wide
+# dsv4lab.kernels.host pins Triton's FP fusion on when it is first imported (a process-wide
 # setting its kernels were checked with); pinned here before any test runs, so no test looks as if
 # it had changed it (no_leaked_switches). tests/test_triton_options.py checks the pin itself in a
 # fresh process without it.

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from dsv4lab.kernels.norm_rope import NORM_NONE, NORM_PLAIN, NORM_WEIGHTED, launch_norm_pair, launch_norm_rope  # noqa: E402
 from dsv4lab.kernels.norm_rope_ref import norm_rope_ref  # noqa: E402
-from dsv4lab.kernels.common import counters  # noqa: E402
+from dsv4lab.kernels.host import counters  # noqa: E402
 from dsv4lab.kernels.gate_route import gate_route_takes, gate_route_triton  # noqa: E402
 from dsv4lab.kernels.linear_plain import launch_plain_gemv, plain_split  # noqa: E402
 from dsv4lab.kernels.router_topk import route_triton  # noqa: E402
@@ -92,38 +92,39 @@ for dt in (torch.float32, torch.bfloat16):
 # a one-row RMSNorm (decode) writes its output's x_pairs rows: the bits x_pairs computes from the
 # output, and x_pairs of the output (or a view of all of it) then launches nothing until the output
 # changes or another row's pairs take the buffers
-from dsv4lab.kernels import common  # noqa: E402
+from dsv4lab.kernels import activation_pairs  # noqa: E402
 
 for dt in (torch.float32, torch.bfloat16):
     x = (torch.randn(1, 1, 1536, generator=g) * 3).to(dt)
     wq = (torch.rand(1536, generator=g) + 0.5).to(dt)
     y = launch_norm_rope(x, dt, norm=NORM_WEIGHTED, eps=EPS, weight=wq, one_head=True)
-    gen = dict(common._PAIRS_GEN)
-    xp, xinv = common.x_pairs(y)
-    xp_v, _ = common.x_pairs(y.view(-1, 1536))
-    skipped = common._PAIRS_GEN == gen
+    gen = dict(activation_pairs._PAIRS_GEN)
+    xp, xinv = activation_pairs.x_pairs(y)
+    xp_v, _ = activation_pairs.x_pairs(y.view(-1, 1536))
+    skipped = activation_pairs._PAIRS_GEN == gen
     emitted = (xp.clone(), xinv.clone())
-    rp, rinv = common.x_pairs(y.clone())          # another address: launched, the reference bits
+    rp, rinv = activation_pairs.x_pairs(y.clone())  # another address: launched, the reference bits
     res[f"pairs_{str(dt)[6:]}"] = {"skipped": skipped, "same_buffers": xp_v is xp,
                                    "rows_equal": bool(torch.equal(emitted[0], rp)),
                                    "inv_equal": bool(torch.equal(emitted[1], rinv))}
     y2 = launch_norm_rope(x, dt, norm=NORM_WEIGHTED, eps=EPS, weight=wq, one_head=True)
     y2.mul_(2)                                     # changed after the launch: pairs made afresh
-    gen = dict(common._PAIRS_GEN)
-    p2, _ = common.x_pairs(y2)
-    want, _ = common.x_pairs(y2.clone())
-    res[f"pairs_{str(dt)[6:]}"]["changed_relaunched"] = common._PAIRS_GEN != gen and bool(torch.equal(p2, want))
+    gen = dict(activation_pairs._PAIRS_GEN)
+    p2, _ = activation_pairs.x_pairs(y2)
+    want, _ = activation_pairs.x_pairs(y2.clone())
+    res[f"pairs_{str(dt)[6:]}"]["changed_relaunched"] = (activation_pairs._PAIRS_GEN != gen
+                                                         and bool(torch.equal(p2, want)))
     # the decode's inverse RoPE in place over whole rows [1, 1, H=32, D=32] (H * D / 16 = 64 groups):
     # the bits of the out-of-place launch, written into x, and the row's pairs for the grouped wo_a
     o = (torch.randn(1, 1, 32, 32, generator=g) * 2).to(dt)
     want = launch_norm_rope(o, dt, norm=NORM_NONE, positions=pos[:1], inv_freq=inv, inverse=True)
     oo = o.clone()
     got = launch_norm_rope(oo, dt, norm=NORM_NONE, positions=pos[:1], inv_freq=inv, inverse=True, inplace=True)
-    gen = dict(common._PAIRS_GEN)
-    xp, xinv = common.x_pairs(got.reshape(1, 1, 2, 512)[0, 0].contiguous().reshape(1, 1024))
-    skipped = common._PAIRS_GEN == gen
+    gen = dict(activation_pairs._PAIRS_GEN)
+    xp, xinv = activation_pairs.x_pairs(got.reshape(1, 1, 2, 512)[0, 0].contiguous().reshape(1, 1024))
+    skipped = activation_pairs._PAIRS_GEN == gen
     emitted = (xp.clone(), xinv.clone())
-    rp, rinv = common.x_pairs(got.clone())
+    rp, rinv = activation_pairs.x_pairs(got.clone())
     res[f"unrope_pairs_{str(dt)[6:]}"] = {"same_y": bool(torch.equal(got, want)), "in_x": got.data_ptr() == oo.data_ptr(),
                                           "skipped": skipped,
                                           "rows_equal": bool(torch.equal(emitted[0], rp)),
@@ -143,10 +144,10 @@ for dt in (torch.float32, torch.bfloat16):
     ring = torch.randn(1, 5, 80, generator=g).to(dt)
     before = ring.clone()
     got_q, got_kv = launch_norm_pair(a, wq, EPS, kv1, w, EPS, p1, inv, True, ring)
-    gen = dict(common._PAIRS_GEN)
-    xp, xinv = common.x_pairs(got_q)
-    skipped = common._PAIRS_GEN == gen
-    rp, rinv = common.x_pairs(got_q.clone())
+    gen = dict(activation_pairs._PAIRS_GEN)
+    xp, xinv = activation_pairs.x_pairs(got_q)
+    skipped = activation_pairs._PAIRS_GEN == gen
+    rp, rinv = activation_pairs.x_pairs(got_q.clone())
     slot = int(p1) % 5
     res[f"norm_pair_{str(dt)[6:]}"] = {
         "q_equal": bool(torch.equal(got_q, want_q)), "kv_equal": bool(torch.equal(got_kv, want_kv)),

@@ -190,21 +190,21 @@ res["grouped_one_token_plans"] = {"same": p1 is p2, "other_groups": ln_mod._grou
     xg[None], wg.packed, wg.block_scale, wg.global_scale, 6) is not p1}
 # the emitting launch (wo_a -> wo_b): y's x_pairs rows written by the GEMV's finishing programs, the
 # same bits as an x_pairs launch over y, recorded so that x_pairs(y) launches nothing; split 1 and 2
-from dsv4lab.kernels import common as common_mod
+from dsv4lab.kernels import activation_pairs
 from dsv4lab.kernels.linear_nvfp4_tma import GemvTmaPlan, emits_pairs
 gs_g = wg.global_scale.reshape(1).float()
 for split in (1, 2):
     plan = GemvTmaPlan(wg.packed.view(torch.uint8), wg.block_scale.view(torch.uint8),
                        {"TMA": True, "BN": 16, "STAGES": 2, "SPLIT": split, "num_warps": 1}, True, torch.bfloat16, 3)
-    oxp, oinv = common_mod.pairs_buffers(6, xg.device)
+    oxp, oinv = activation_pairs.pairs_buffers(6, xg.device)
     oxp.fill_(-1)
     oinv.fill_(7.0)  # stale values the launch must overwrite (rows) or zero (1/xs padding from group 6 to 64)
     ye, yp = torch.empty(96, dtype=torch.bfloat16), torch.empty(96, dtype=torch.bfloat16)
     run_gemv_tma(plan, xg.reshape(1, -1), gs_g, ye, emit=emits_pairs(plan, ye))
     got = (oxp.clone(), oinv.clone())
-    recorded = common_mod._pairs_record(ye, (6, xg.device, 0)) is not None
+    recorded = activation_pairs._pairs_record(ye, (6, xg.device, 0)) is not None
     run_gemv_tma(plan, xg.reshape(1, -1), gs_g, yp)
-    want = common_mod.x_pairs(yp.clone())   # a new tensor: the x_pairs launch writes the same buffers
+    want = activation_pairs.x_pairs(yp.clone())  # a new tensor: the x_pairs launch writes the same buffers
     res[f"emit_split{split}"] = {"y_bitwise": bool(torch.equal(ye, yp)), "rows": bool(torch.equal(got[0], want[0])),
                                  "inv": bool(torch.equal(got[1], want[1])), "recorded": recorded,
                                  "inv_len": int(got[1].numel()), "emits": emits_pairs(plan, ye),

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from dsv4lab.kernels import mhc_fused  # noqa: E402
-from dsv4lab.kernels.common import x_pairs  # noqa: E402
+from dsv4lab.kernels.activation_pairs import x_pairs  # noqa: E402
 from dsv4lab.kernels.mhc_fused import hc_head_pre, hc_post, hc_pre  # noqa: E402
 from dsv4lab.model.mhc import HyperConnection, collapse, head_weights, mix_logits, mix_weights  # noqa: E402
 from dsv4lab.model.norms import rms_norm  # noqa: E402
@@ -114,7 +114,7 @@ res["_early_fn"] = early
 # one launch for an expansion and the next site's pre (hc_post_pre) against the two launches, bit for
 # bit: comb given or its logits projected (the pending Sinkhorn), with and without the next block's
 # norm (one row: its pairs too), one and several splits, two tokens; and the shapes it declines
-from dsv4lab.kernels.common import _kept_pairs  # noqa: E402
+from dsv4lab.kernels.activation_pairs import _kept_pairs  # noqa: E402
 from dsv4lab.kernels.mhc_fused import hc_post_pre, post_pre_fits  # noqa: E402
 fused = {}
 for name, (hc, D, B, dtype, project, norm) in {

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from dsv4lab.kernels import moe_decode_tma as mdt  # noqa: E402
-from dsv4lab.kernels.common import counters  # noqa: E402
+from dsv4lab.kernels.host import counters  # noqa: E402
 from dsv4lab.kernels.moe_decode_ref import moe_decode_ref  # noqa: E402
 from dsv4lab.quant.stacked import StackedNVFP4, stack_one  # noqa: E402
 from dsv4lab.quant.weights import quantize_nvfp4  # noqa: E402

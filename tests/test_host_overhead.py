@@ -1,5 +1,5 @@
 """The host side of the decode launches (CPU, no GPU): the per-weight plan cache
-(``dsv4lab.kernels.common.weight_cached``) invalidates on a replaced weight and is reused for the same
+(``dsv4lab.kernels.host.weight_cached``) invalidates on a replaced weight and is reused for the same
 one, and the cached ``quant_linear`` path launches the kernels with the same arguments as the uncached
 path (launches stubbed by ``benchmarks/host_overhead.py``)."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ def _host_overhead():
 
 
 def test_weight_cached_reuses_and_invalidates():
-    from dsv4lab.kernels import common
+    from dsv4lab.kernels import host
 
     builds = []
 
@@ -29,28 +29,28 @@ def test_weight_cached_reuses_and_invalidates():
         return object()
 
     w = torch.zeros(4, 8, dtype=torch.uint8)
-    a = common.weight_cached(w, ("k",), lambda: build("a"))
-    assert common.weight_cached(w, ("k",), lambda: build("again")) is a          # same weight: reused
-    assert common.weight_cached(w, ("other",), lambda: build("b")) is not a      # another key: new entry
+    a = host.weight_cached(w, ("k",), lambda: build("a"))
+    assert host.weight_cached(w, ("k",), lambda: build("again")) is a            # same weight: reused
+    assert host.weight_cached(w, ("other",), lambda: build("b")) is not a        # another key: new entry
     w2 = w.clone()                                                               # a replaced weight
-    assert common.weight_cached(w2, ("k",), lambda: build("c")) is not a
+    assert host.weight_cached(w2, ("k",), lambda: build("c")) is not a
     w.data = torch.ones(4, 8, dtype=torch.uint8)                                 # swapped storage
-    assert common.weight_cached(w, ("k",), lambda: build("d")) is not a
+    assert host.weight_cached(w, ("k",), lambda: build("d")) is not a
     assert builds == ["a", "b", "c", "d"]
     i = id(w2)
     del w2
     gc.collect()
-    assert i not in common._PER_WEIGHT                                           # no dead weight kept
+    assert i not in host._PER_WEIGHT                                             # no dead weight kept
 
 
 def test_weight_cached_keeps_no_weight_alive():
     import weakref
 
-    from dsv4lab.kernels import common
+    from dsv4lab.kernels import host
 
     w = torch.zeros(16, 16, dtype=torch.uint8)
     ref = weakref.ref(w)
-    common.weight_cached(w, (), lambda: w.view(torch.int64))   # a value holding a view of the weight
+    host.weight_cached(w, (), lambda: w.view(torch.int64))     # a value holding a view of the weight
     del w
     gc.collect()
     assert ref() is None

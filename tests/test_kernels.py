@@ -317,13 +317,13 @@ def test_gpu_grouped_wo_a_v4_pro(T):
     torch.cuda.synchronize()
     assert torch.equal(yg, y)
     if T == 1:  # the grouped GEMV wrote y's pairs (wo_b's input): the bits an x_pairs launch writes
-        from dsv4lab.kernels import common
+        from dsv4lab.kernels import activation_pairs
 
         y = nvfp4_grouped_matmul(x, w.packed, w.block_scale, w.global_scale)
         kg = G * R // 16
-        assert common._pairs_record(y, (kg, y.device, 0)) is not None
-        emitted = [t.clone() for t in common.x_pairs(y.flatten())]   # the kept buffers, no launch
-        fresh = common.x_pairs(y.flatten().clone())                   # a new tensor: launched
+        assert activation_pairs._pairs_record(y, (kg, y.device, 0)) is not None
+        emitted = [t.clone() for t in activation_pairs.x_pairs(y.flatten())]  # the kept buffers, no launch
+        fresh = activation_pairs.x_pairs(y.flatten().clone())         # a new tensor: launched
         assert torch.equal(emitted[0], fresh[0]) and torch.equal(emitted[1], fresh[1])
 
 
@@ -507,7 +507,7 @@ def test_gpu_moe_decode_schedules_agree(fmt, T):
     launch of up and down tiles) on V4-Pro shapes with the shared expert: bitwise the same y,
     eagerly (three calls each: the fused launch's tickets and pair counters are back at 0 after
     every call) and replayed from a CUDA graph, and the counters are all 0 afterwards."""
-    from dsv4lab.kernels import common
+    from dsv4lab.kernels import host
     from dsv4lab.kernels import moe_decode_tma as mdt
 
     H, E, k = 7168, 8, 6
@@ -535,7 +535,7 @@ def test_gpu_moe_decode_schedules_agree(fmt, T):
     for sched, ys in outs.items():
         for y in ys:
             assert torch.equal(y, base), (sched, (y.float() - base.float()).abs().max())
-    assert int(common.counters(x.device, 1).abs().sum()) == 0
+    assert int(host.counters(x.device, 1).abs().sum()) == 0
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ import torch
 
 import dsv4lab
 from dsv4lab import lanes
-from dsv4lab.kernels import common, install
+from dsv4lab.kernels import activation_pairs, host, install
 from dsv4lab.kernels.install import install_kernels
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,20 +35,20 @@ def lanes_set(mode: str):
 
 def test_buffers_are_kept_per_lane():
     dev = torch.device("cpu")
-    main = common.scratch("lanes_test", (8,), torch.float32, dev)
-    cnt = common.counters(dev, 4)
+    main = host.scratch("lanes_test", (8,), torch.float32, dev)
+    cnt = host.counters(dev, 4)
     fork = lanes.Fork(dev)
     with fork.side():
         assert lanes.current_lane() == lanes.SIDE
-        side = common.scratch("lanes_test", (8,), torch.float32, dev)
-        side_cnt = common.counters(dev, 4)
-        xp_side, _ = common.pairs_buffers(4, dev)
+        side = host.scratch("lanes_test", (8,), torch.float32, dev)
+        side_cnt = host.counters(dev, 4)
+        xp_side, _ = activation_pairs.pairs_buffers(4, dev)
     fork.join()
     assert lanes.current_lane() == lanes.MAIN
     assert side is not main and side.data_ptr() != main.data_ptr()
     assert side_cnt.data_ptr() != cnt.data_ptr()
-    assert common.scratch("lanes_test", (8,), torch.float32, dev) is main   # kept, per lane
-    assert common.pairs_buffers(4, dev)[0] is not xp_side
+    assert host.scratch("lanes_test", (8,), torch.float32, dev) is main     # kept, per lane
+    assert activation_pairs.pairs_buffers(4, dev)[0] is not xp_side
 
 
 class _FakeStream:
@@ -85,19 +85,19 @@ def test_side_lane_borrows_the_main_lanes_emitted_pairs(monkeypatch):
     dev, KG = torch.device("cpu"), 6
     x = torch.randn(KG * 16)
     log = []
-    common.pairs_written(KG, dev, x)                     # an emitting main-lane launch, before the fork
-    xp0, inv0 = common.pairs_buffers(KG, dev)
+    activation_pairs.pairs_written(KG, dev, x)           # an emitting main-lane launch, before the fork
+    xp0, inv0 = activation_pairs.pairs_buffers(KG, dev)
     fork = _fake_cuda_fork(log, monkeypatch)
     with fork.side():
-        xp, inv = common.x_pairs(x)                      # would launch the kernel if not borrowed
+        xp, inv = activation_pairs.x_pairs(x)            # would launch the kernel if not borrowed
     assert xp is xp0 and inv is inv0 and log == []       # in place; written before the fork: no wait
     assert (KG, dev) in fork.borrowed
     y = torch.randn((KG + 1) * 16)
-    common.pairs_written(KG + 1, dev, y)                  # another size, after the fork
+    activation_pairs.pairs_written(KG + 1, dev, y)        # another size, after the fork
     with fork.side():
-        common.x_pairs(y)
+        activation_pairs.x_pairs(y)
     assert log == [("side", "main")]                     # written after the side's last wait: wait now
-    common.pairs_buffers(KG, dev)                        # a main-lane launch about to write them
+    activation_pairs.pairs_buffers(KG, dev)              # a main-lane launch about to write them
     assert log[-1] == ("main", "side") and not fork.borrowed
     fork.join()
     assert lanes._open is None

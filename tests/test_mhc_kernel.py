@@ -449,7 +449,7 @@ def test_gpu_hc_pre_block_norm_v4_pro_shapes(B, S):
     for the collapse, as the plain launch's; one for (x * r) rounded after a statistic summed in
     another order, one for the weight's product), deterministic; one row also leaves its x_pairs,
     bitwise what x_pairs computes of it."""
-    from dsv4lab.kernels.common import x_pairs
+    from dsv4lab.kernels.activation_pairs import x_pairs
     from dsv4lab.kernels.mhc_fused import hc_pre
     from dsv4lab.model.norms import rms_norm as rms_norm_ref
 
@@ -536,7 +536,7 @@ def test_gpu_hc_post_pre_v4_pro_is_the_two_launches(B):
     mixes, logits and normed rows bitwise those of ``hc_post`` then ``hc_pre`` (comb given and
     pending, the next block's norm folded), one row's x_pairs too; a CUDA-graph replay bitwise
     eager. The collapse reads streams other programs of the launch wrote (``.cg``)."""
-    from dsv4lab.kernels.common import _kept_pairs
+    from dsv4lab.kernels.activation_pairs import _kept_pairs
     from dsv4lab.kernels.mhc_fused import hc_post, hc_post_pre, hc_pre
 
     cfg, streams, fn0, base0, scale0 = _v4_pro_site(B, 1, seed=2)

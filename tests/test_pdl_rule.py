@@ -1,4 +1,4 @@
-"""Which decode launches use programmatic dependent launch (``common.use_pdl``): CUDA sm_90+ grids of
+"""Which decode launches use programmatic dependent launch (``pdl.use_pdl``): CUDA sm_90+ grids of
 at most one wave, nothing on the CPU or under the interpreter, nothing with ``DSV4LAB_PDL=0``. On
 the H200 (``-m gpu``) every decode entry point gives bitwise the same outputs with PDL as without."""
 from __future__ import annotations
@@ -7,13 +7,13 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from dsv4lab.kernels import common  # noqa: E402
+from dsv4lab.kernels import pdl  # noqa: E402
 
 
 @pytest.fixture
 def fresh_rule(monkeypatch):
-    monkeypatch.setattr(common, "_PDL_SMS", {})
-    return common
+    monkeypatch.setattr(pdl, "_PDL_SMS", {})
+    return pdl
 
 
 def test_no_pdl_on_the_cpu(fresh_rule):
@@ -49,25 +49,25 @@ def test_gpu_pdl_launches_match_plain_launches_bitwise(monkeypatch):
 
     monkeypatch.setenv("DSV4LAB_KERNEL_VERIFY", "0")
     calls = _host_overhead().decode_calls(torch.bfloat16, "cuda")
-    assert common.use_pdl(1, torch.device("cuda", torch.cuda.current_device())), "PDL must apply on the H200"
+    assert pdl.use_pdl(1, torch.device("cuda", torch.cuda.current_device())), "PDL must apply on the H200"
     for name, fn in calls.items():
         if name in _STATEFUL:
             continue
         fn()
         with_pdl = _outputs(fn())
-        monkeypatch.setattr(common, "_PDL_SMS", {})
-        monkeypatch.setattr(common, "PDL_ON", False)
+        monkeypatch.setattr(pdl, "_PDL_SMS", {})
+        monkeypatch.setattr(pdl, "PDL_ON", False)
         try:
             fn()
             plain = _outputs(fn())
         finally:
-            monkeypatch.setattr(common, "PDL_ON", True)
-            monkeypatch.setattr(common, "_PDL_SMS", {})
+            monkeypatch.setattr(pdl, "PDL_ON", True)
+            monkeypatch.setattr(pdl, "_PDL_SMS", {})
         torch.cuda.synchronize()
         _bitwise(with_pdl, plain, name)
 
 
 def test_site_keywords_follow_the_choice():
     """On: the kernel's constexpr and Triton's launch option; off: the constexpr alone (Triton's default)."""
-    assert common.pdl_kw(True) == {"PDL": True, "launch_pdl": True}
-    assert common.pdl_kw(False) == {"PDL": False}
+    assert pdl.pdl_kw(True) == {"PDL": True, "launch_pdl": True}
+    assert pdl.pdl_kw(False) == {"PDL": False}

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
 # what a launch without enable_fp_fusion gets (triton >= 3.9 asks fp_fusion_enabled, warning when unset)
-PROBE = ("import warnings; warnings.simplefilter('error'); import dsv4lab.kernels.common, triton; "
+PROBE = ("import warnings; warnings.simplefilter('error'); import dsv4lab.kernels.host, triton; "
          "k = triton.knobs.language; "
          "print(k.fp_fusion_enabled(None) if hasattr(k, 'fp_fusion_enabled') else k.default_fp_fusion)")
 

@@ -36,8 +36,9 @@ Entry points (``dispatch``: kernel where it runs, reference elsewhere): ``quant_
 ``plain_linear``, ``grouped_quant_linear``, ``act_quant_nvfp4``, ``moe_decode``, ``moe_prefill``, ``compressor_pool``,
 ``compressor_decode``, ``prefill_attention``, ``decode_attention``, ``index_scores_decode``, ``index_scores_prefill``, ``mhc_pre``, ``mhc_post``, ``mhc_head_pre``,
 ``rms_norm``, ``norm_rope``, ``route``. Installing them on a model:
-``install.install_kernels(model, pattern, enable)``. Shared Triton helpers: ``common``; the
-launch-device guard and availability check: ``device``. Importing ``dsv4lab.kernels`` imports
+``install.install_kernels(model, pattern, enable)``. Shared Triton helpers: ``host`` (host side of
+the launches), ``pdl``, ``rounding``, ``split_k``, ``weight_decode``, ``attention_tiles``,
+``activation_pairs``; the launch-device guard and availability check: ``device``. Importing ``dsv4lab.kernels`` imports
 neither triton nor cutlass (the kernel modules do, and are imported inside the calls).
 See docs/kernels.md for layouts, tolerances and measured numbers.
 """

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from ..quant.activations import nvfp4_global_scale
-from .common import cdiv, INTERPRET  # importing common also patches the interpreter for numpy >= 2.4
 from .device import on_input_device
+from .host import INTERPRET, cdiv  # importing host also patches the interpreter for numpy >= 2.4
 
 
 @triton.jit

@@ -5,7 +5,7 @@
 One program per (query, block of BLOCK_H = 64 heads, batch row): q [BLOCK_H, Dh] stays in registers,
 keys stream in tiles of BLOCK_N rows: first the window (contiguous positions
 [q_pos - window + 1, q_pos]), then the entries: the CSA indexer's ``selected`` rows gathered by
-index (up to the row's last valid slot: ``common.selected_extent``), or HCA's closed entries
+index (up to the row's last valid slot: ``attention_tiles.selected_extent``), or HCA's closed entries
 w < (q_pos + 1) // ratio. Online softmax in fp32 started from the
 sink logit (m = sink, l = 1), P.V with P in the keys' dtype (bf16 / fp16 tensor-core dots; fp32
 inputs and the interpreter: IEEE fp32 dots) and fp32 accumulators, the output rounded once to
@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import SEL_SCAN, cdiv, next_pow2, dot_dtype, head_block_query, online_softmax_tile, selected_extent
+from .attention_tiles import SEL_SCAN, head_block_query, online_softmax_tile, selected_extent
 from .device import on_input_device
+from .host import cdiv, dot_dtype, next_pow2
 
 CSA_STAGES = 2  # pipeline stages of the CSA case (gathered keys); the window-only and HCA cases keep Triton's
 

@@ -6,7 +6,7 @@ entries] with the sink, reading only the valid keys in place: the kernel of
 Keys are a virtual sequence of BLOCK_N-row tiles: first the ring's valid slots i < min(pos + 1,
 W) (addressed by slot, the softmax does not care about order), then the entries: w < n_entries
 (HCA, CSA with the indexer off) or the indexer's ``selected`` [B,1,k] gathered by index (-1 =
-none, masked; a masked row is never read) up to its last valid slot (``common.selected_extent``:
+none, masked; a masked row is never read) up to its last valid slot (``attention_tiles.selected_extent``:
 at position p < 4k, V4-Pro's k = 1024 slots hold about p / 4 valid ones). ``pos`` and
 ``n_entries`` are read on the device, so the grid and every shape are fixed by host ints
 (CUDA-graph safe, no host sync).
@@ -14,7 +14,7 @@ at position p < 4k, V4-Pro's k = 1024 slots hold about p / 4 valid ones). ``pos`
 FlashMLA-style split: at batch 1 the 128 heads make only 4 blocks of 32, so the tiles are spread
 over ``splits`` programs per (head block, batch row), a balanced share each (split s takes tiles
 [s*n/S, (s+1)*n/S) of the n valid ones). Every split runs the online softmax of
-``common.online_softmax_tile`` from m = sink, l = 0 and writes its fp32 (acc, m, l); a second
+``attention_tiles.online_softmax_tile`` from m = sink, l = 0 and writes its fp32 (acc, m, l); a second
 launch combines them per head with the sink's exp(sink - M), every split's partials in one load
 and fixed-order reductions over them (deterministic, no atomics). One split (large batches) is
 one launch that starts from l = 1 and writes the output.
@@ -27,12 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INTERPRET, INV_PAD, SEL_SCAN, cdiv, next_pow2, dot_dtype, head_block_query, num_sms,
-                     online_softmax_tile, pairs_buffers, pairs_written, pdl_enter, pdl_kw, scratch, sel_scan_block,
-                     selected_extent, store_pair_rows, use_pdl)
+from .activation_pairs import INV_PAD, pairs_buffers, pairs_written, store_pair_rows
+from .attention_tiles import SEL_SCAN, head_block_query, online_softmax_tile, sel_scan_block, selected_extent
 from .device import on_input_device
+from .host import INTERPRET, cdiv, dot_dtype, next_pow2, num_sms, scratch
 from .launch import new_site
 from .norm_rope import NORM_NONE, launch_norm_rope, rope_cos_sin, rotate_pairs
+from .pdl import pdl_enter, pdl_kw, use_pdl
 
 BLOCK_H = 32   # heads per program: the bounded prefill kernel's tile (offline sm_90a: no spills)
 BLOCK_N = 32   # keys per tile

@@ -31,10 +31,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-# importing common also patches the interpreter for numpy >= 2.4
-from .common import next_pow2, pdl_enter, pdl_kw, use_pdl, INTERPRET
 from .device import on_input_device
+from .host import INTERPRET, next_pow2  # importing host also patches the interpreter for numpy >= 2.4
 from .launch import new_site
+from .pdl import pdl_enter, pdl_kw, use_pdl
 
 
 @triton.jit

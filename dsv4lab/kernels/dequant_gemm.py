@@ -21,8 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, FMT_NVFP4, FORMAT_CODES, INTERPRET, dequant_tile, round_to
+from .host import INTERPRET, cdiv
 from .launch import launch
+from .rounding import round_to
+from .weight_decode import FMT_NVFP4, FORMAT_CODES, dequant_tile
 
 DENSE_MIN_M = 512           # from this many rows on, dequantise + cuBLAS (benchmarks/gemm.py --m sweep)
 SCRATCH_BYTES = 256 << 20   # the dequantised rows held at once (V4-Pro q_b in bf16: 201 MB, one chunk)

@@ -16,11 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, counters, next_pow2, pdl_enter, pdl_kw, scratch, store_or_fix_up, use_pdl, INTERPRET
 from .device import on_input_device
+from .host import INTERPRET, cdiv, counters, next_pow2, scratch
 from .launch import new_site
 from .linear_plain import BK, BN, MAX_ROWS, TARGET_PROGRAMS, WARPS, plain_acc, plain_split
+from .pdl import pdl_enter, pdl_kw, use_pdl
 from .router_topk import SCORES, route_row, route_warps
+from .split_k import store_or_fix_up
 
 _SITES: dict = {}        # (id(kernel), constexprs) -> LaunchSite
 

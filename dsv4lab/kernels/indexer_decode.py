@@ -20,10 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, cdiv, next_pow2, dot_dtype, num_sms, pdl_enter, pdl_kw, use_pdl
 from .device import on_input_device
+from .host import INTERPRET, cdiv, dot_dtype, next_pow2, num_sms
 from .launch import new_site
 from .norm_rope import rope_cos_sin, rotate_pairs
+from .pdl import pdl_enter, pdl_kw, use_pdl
 
 BLOCK_T = 64    # keys per tile: s [Hi=64, 64] fp32 and q [64, 128] bf16 per program at V4-Pro shapes
 NUM_WARPS = 4

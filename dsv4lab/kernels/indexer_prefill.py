@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2
 from .device import on_input_device
+from .host import cdiv, next_pow2
 from .indexer_decode import scores_dot_type
 from .launch import launch
 

@@ -26,9 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import next_pow2, pdl_enter, pdl_kw, use_pdl, INTERPRET
 from .device import on_input_device
+from .host import INTERPRET, next_pow2
 from .launch import new_site
+from .pdl import pdl_enter, pdl_kw, use_pdl
 
 BLOCK = 2048            # scores per tile (8 warps: 8 per thread)
 NUM_WARPS = 8

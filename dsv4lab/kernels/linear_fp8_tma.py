@@ -16,7 +16,7 @@ single launch's (``Attention.quant_pair_kernel``).
 
 ``ROWS_PER_X`` (grouped use, the block-diagonal wo_a): row block i of that many rows multiplies
 activation row i (x holds the G rows back to back): the 16 groups of wo_a in one launch instead
-of one launch per group. Split K finishes with the counter fix-up of ``common.store_or_fix_up``
+of one launch per group. Split K finishes with the counter fix-up of ``split_k.store_or_fix_up``
 (fp32 partials summed in split order: deterministic, one launch, graph-safe). With ``PDL`` the
 kernel waits for the previous grid before its first load and lets the next grid launch once its
 loop is done (grids of about one wave or split K, like the NVFP4 TMA GEMV).
@@ -32,9 +32,10 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .common import INTERPRET, PDL_ON, cdiv, counters, device_capability, num_sms, pdl_kw, scratch, store_or_fix_up, \
-    weight_cached
+from .host import INTERPRET, cdiv, counters, device_capability, num_sms, scratch, weight_cached
 from .launch import LaunchSite
+from .pdl import PDL_ON, pdl_kw
+from .split_k import store_or_fix_up
 
 BK = 128  # K step: one FP8 scale block
 
@@ -138,7 +139,7 @@ def fp8_tma_config(N: int, K: int, device: torch.device, rows_per_x: int = 0) ->
 
 class Fp8GemvPlan:
     """What a launch derives from the weight and the config alone (descriptor, splits, grid,
-    constexprs); ``fp8_gemv`` keeps one per weight (``common.weight_cached``)."""
+    constexprs); ``fp8_gemv`` keeps one per weight (``host.weight_cached``)."""
 
     __slots__ = ("N", "K", "kps", "split", "n_tiles", "grid", "wd", "s32", "site", "kw", "grouped")
 

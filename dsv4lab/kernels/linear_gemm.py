@@ -1,7 +1,7 @@
 """W4A16 prefill GEMM (M >= 64) for NVFP4, MXFP4 and FP8-block weights on tensor cores.
 
 y[M, N] = x[M, K] @ W^T with W kept as stored: each program dequantises a [BN, BK] weight tile in
-registers (``common.dequant_tile``: nibbles decoded into K order, block scales applied, one
+registers (``weight_decode.dequant_tile``: nibbles decoded into K order, block scales applied, one
 rounding to bf16/fp16 that is exact for the FP4 formats) and feeds it to ``tl.dot`` (wgmma on
 sm_90) against the [BM, BK] activation tile; the K loop is software-pipelined
 (``tl.range(num_stages=STAGES)``: cp.async into shared memory), so the weight bytes, scales and x
@@ -13,7 +13,7 @@ summation order is the same on every GPU):
 
 * ``SWAP`` (small M, e.g. 128): acc[BN, BM] = W_tile @ x_tile^T, weight rows as the MMA's M side
   (64 rows per warpgroup) and the tokens as its N side, so a 128-token batch fills one tile; the
-  few (M, N) tiles are split over K (the counter fix-up of ``common.store_or_fix_up``: fp32
+  few (M, N) tiles are split over K (the counter fix-up of ``split_k.store_or_fix_up``: fp32
   partials summed in split order, one launch, deterministic) until they cover the SMs.
 * plain (large M): acc[BM, BN] = x_tile @ W_tile^T in 128 x 128 / 128 x 256 tiles, programs in
   groups of GROUP_M row tiles sharing the weight columns (L2 reuse of the decoded weights' bytes).
@@ -32,10 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, device_capability, FMT_FP8, FMT_MXFP4, FMT_NVFP4, FORMAT_CODES, INTERPRET, counters, dequant_tile, dot_dtype, num_sms, \
-    store_or_fix_up
 from .dequant_gemm import DENSE_MIN_M, dense_gemm, dense_supported
+from .host import INTERPRET, cdiv, counters, device_capability, dot_dtype, num_sms
 from .launch import launch
+from .split_k import store_or_fix_up
+from .weight_decode import FMT_FP8, FMT_MXFP4, FMT_NVFP4, FORMAT_CODES, dequant_tile
 
 try:  # Gluon (triton >= 3.5): the async-wgmma GEMM for 64..511 tokens of the FP4 formats
     from .linear_gemm_wgmma import launch_wgmma_gemm, wgmma_supported

@@ -34,7 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .common import FMT_MXFP4, FMT_NVFP4, FORMAT_CODES, cdiv, counters, device_capability, num_sms
+from .host import cdiv, counters, device_capability, num_sms
+from .weight_decode import FMT_MXFP4, FMT_NVFP4, FORMAT_CODES
 
 # the TMA load's name: ``async_copy_global_to_shared`` in triton 3.6 (the device), ``async_load`` later
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared

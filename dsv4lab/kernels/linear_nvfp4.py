@@ -33,7 +33,7 @@ The global scale is applied to the fp32 accumulator, not folded into the weights
 (``NVFP4Weight.dequantize`` then matmul) rounds the weight to the activation dtype instead, so
 the two differ by accumulation order and one bf16 rounding of W (tolerances in docs/kernels.md).
 
-Shared device helpers (decodes, group dot, split-K finish) are in ``dsv4lab.kernels.common``.
+Shared device helpers: the decodes and group dot in ``weight_decode``, the split-K finish in ``split_k``.
 Import has no side effects; triton is imported here, so import this module lazily
 (``dsv4lab.kernels.dispatch`` does).
 """
@@ -47,27 +47,16 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from .common import (
-    cdiv,
-    next_pow2,
-    INTERPRET,
-    counters,
-    dot_dtype,
-    e4m3_to_f32,
-    gemv_rows_m1,
-    group_dot,
-    nibble_plane_dots,
-    num_sms,
-    store_or_fix_up,
-    weight_cached,
-)
 from ..model.linear import grouped_linear
 from .dequant_gemm import DENSE_MIN_M, SCRATCH_BYTES, dense_supported, dequantize_rows
 from .device import env_value, on_input_device
+from .host import INTERPRET, cdiv, counters, dot_dtype, next_pow2, num_sms, weight_cached
 from .launch import launch
 from .linear_gemm import gemm_supported, prefill_gemm
 from .linear_nvfp4_tma import GemvTmaPlan, emits_pairs, launch_gemv_tma, pair_fits, run_gemv_tma, run_gemv_tma_pair, \
     tma_default_config, tma_supported
+from .split_k import store_or_fix_up
+from .weight_decode import e4m3_to_f32, gemv_rows_m1, group_dot, nibble_plane_dots
 
 
 @triton.jit
@@ -440,7 +429,7 @@ def _decode_plan(x2: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tens
                  M: int) -> _DecodePlan | None:
     """The cached ``_DecodePlan`` of this weight for x2's dtype, device and batch bucket (x2 [..., K]
     rows; None when the weight's tensors need a per-call copy: a byte-offset or strided view). Keyed
-    on the weight tensors' identities and data pointers (``common.weight_cached``) and on DSV4LAB_KERNEL_TMA."""
+    on the weight tensors' identities and data pointers (``host.weight_cached``) and on DSV4LAB_KERNEL_TMA."""
     key = (id(block_scale), block_scale.data_ptr(), id(global_scale), global_scale.data_ptr(), M == 1, x2.dtype,
            x2.device, env_value("DSV4LAB_KERNEL_TMA", "1"))
     return weight_cached(packed, key, lambda: _build_decode_plan(x2.reshape(-1, x2.shape[-1]), packed, block_scale,

@@ -45,34 +45,14 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .common import (
-    device_capability,
-    cdiv,
-    BOX_GROUPS,
-    INTERPRET,
-    INV_PAD,
-    PDL_ON,
-    arrive,
-    block_scales,
-    counters,
-    dot_dtype,
-    group_dot,
-    nibble_plane_dots,
-    num_sms,
-    pairs_and_inv,
-    pairs_buffers,
-    pairs_descriptor,
-    pairs_written,
-    pdl_kw,
-    round_to,
-    scratch,
-    store_or_fix_up,
-    store_pair_rows,
-    sum_partials,
-    weight_global_scale,
-    x_pairs,
-)
+from .activation_pairs import (BOX_GROUPS, INV_PAD, pairs_and_inv, pairs_buffers, pairs_descriptor, pairs_written,
+                               store_pair_rows, x_pairs)
+from .host import INTERPRET, cdiv, counters, device_capability, dot_dtype, num_sms, scratch
 from .launch import LaunchSite
+from .pdl import PDL_ON, pdl_kw
+from .rounding import round_to
+from .split_k import arrive, store_or_fix_up, sum_partials
+from .weight_decode import block_scales, group_dot, nibble_plane_dots, weight_global_scale
 
 _INV_PAD = tl.constexpr(INV_PAD)  # a global a jitted function reads must be a constexpr
 
@@ -273,7 +253,7 @@ def tma_default_config(N: int, K: int, device: torch.device, M: int = 1) -> dict
 class GemvTmaPlan:
     """What a TMA GEMV launch derives from the weight, the config and the activation dtype alone:
     descriptors over the weight words and scales, the split arithmetic, the grid and the kernel's
-    constexpr arguments. ``nvfp4_matmul`` keeps one per weight (``common.weight_cached``), so a decode
+    constexpr arguments. ``nvfp4_matmul`` keeps one per weight (``host.weight_cached``), so a decode
     call only allocates and launches."""
 
     __slots__ = ("N", "KG", "gps", "split", "n_tiles", "grid", "wd", "sd", "g", "m1", "pdl", "xinv", "kw", "site",

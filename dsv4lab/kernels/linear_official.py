@@ -37,13 +37,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import cdiv, device_capability, INTERPRET, counters, dot_dtype, e8m0_to_f32, nibble_plane_dots, num_sms, store_or_fix_up, weight_cached
 from .device import on_input_device
+from .host import INTERPRET, cdiv, counters, device_capability, dot_dtype, num_sms, weight_cached
 from .launch import launch
 from .dequant_gemm import DENSE_MIN_M
 from .linear_fp8_tma import fp8_gemv, fp8_pair_gemv, scales_f32
 from .linear_gemm import GEMM_MIN_M, gemm_supported, prefill_gemm
 from .linear_nvfp4_tma import GemvTmaPlan, run_gemv_tma, tma_default_config, tma_supported
+from .split_k import store_or_fix_up
+from .weight_decode import e8m0_to_f32, nibble_plane_dots
 
 
 @triton.jit
@@ -147,7 +149,7 @@ def mx_tma_supported(x2: torch.Tensor, w) -> bool:
 def _mx_decode_tma(x2: torch.Tensor, w, y: torch.Tensor, cfg: dict) -> None:
     """M <= 16 MXFP4: the NVFP4 TMA GEMV's tiles with 32-group boxes (one E8M0 per two groups),
     rows capped at 128 (a 256-row box of 32 groups would be 64 KB per stage), global scale 1."""
-    if not any(k != "TMA" for k in cfg):  # the default tiles: plan cached per weight (common.weight_cached)
+    if not any(k != "TMA" for k in cfg):  # the default tiles: plan cached per weight (host.weight_cached)
         key = (id(w.scale), w.scale.data_ptr(), x2.shape[0] == 1, x2.dtype, x2.device)
         plan, s8 = weight_cached(w.packed, key, lambda: _mx_plan(x2, w, cfg))
         run_gemv_tma(plan, x2, s8, y)  # MX: no global scale (the gs argument is not read)

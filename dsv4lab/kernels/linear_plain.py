@@ -21,9 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, counters, pdl_enter, pdl_kw, scratch, store_or_fix_up, use_pdl, INTERPRET
 from .device import on_input_device
+from .host import INTERPRET, cdiv, counters, next_pow2, scratch
 from .launch import LaunchSite, new_site
+from .pdl import pdl_enter, pdl_kw, use_pdl
+from .split_k import store_or_fix_up
 
 MAX_ROWS = 4            # x rows (decode batch) this kernel takes; dispatch.plain_linear sends more to cuBLAS
 # tiles from an H200 sweep (scratch sweep of BN 8-32, BK 256-1024, 128-512 programs, 4 / 8 warps; graph

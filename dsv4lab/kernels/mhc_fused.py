@@ -47,10 +47,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INV_PAD, cdiv, next_pow2, INTERPRET, counters, pairs_buffers, pairs_written, pdl_enter, pdl_kw,
-                     scratch, store_pair_rows, use_pdl)
+from .activation_pairs import INV_PAD, pairs_buffers, pairs_written, store_pair_rows
 from .device import on_input_device
+from .host import INTERPRET, cdiv, counters, next_pow2, scratch
 from .launch import new_site
+from .pdl import pdl_enter, pdl_kw, use_pdl
 
 BT_MAX = 16         # token rows per program of hc_pre
 ACC_ELEMS = 256     # BT * BK: the per-program K step (fp32 accumulators ~ 25 * 256 / 128 threads)

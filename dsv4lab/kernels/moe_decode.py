@@ -24,10 +24,12 @@ import triton
 import triton.language as tl
 
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
-from .common import cdiv, decode_swiglu, expert_ids, INTERPRET, gemv_rows_m1, round_to
 from .device import env_value, on_input_device
+from .host import INTERPRET, cdiv, expert_ids
 from .launch import launch
 from .moe_decode_tma import moe_decode_tma, tma_moe_supported
+from .rounding import decode_swiglu, round_to
+from .weight_decode import gemv_rows_m1
 
 
 @triton.jit

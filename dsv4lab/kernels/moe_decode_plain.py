@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, cdiv, decode_swiglu, expert_ids, round_to
 from .device import on_input_device
+from .host import INTERPRET, cdiv, expert_ids
 from .launch import LaunchSite
+from .rounding import decode_swiglu, round_to
 
 BN = 16 if INTERPRET else 32     # output rows per program
 BK = 64 if INTERPRET else 256    # reduction step (fp32 accumulators BN x BK)

@@ -34,28 +34,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quant.stacked import StackedMXFP4
-from .common import (
-    cdiv,
-    device_capability,
-    BOX_GROUPS,
-    INTERPRET,
-    arrive,
-    block_scales,
-    counters,
-    decode_swiglu,
-    group_dot,
-    pairs_and_inv,
-    pairs_descriptor,
-    pdl_kw,
-    scratch,
-    store_pair_rows,
-    round_to,
-    store_or_fix_up,
-    sum_partials,
-    weight_global_scale,
-    x_pairs,
-)
+from .activation_pairs import BOX_GROUPS, pairs_and_inv, pairs_descriptor, store_pair_rows, x_pairs
+from .host import INTERPRET, cdiv, counters, device_capability, scratch
 from .launch import new_site
+from .pdl import pdl_kw
+from .rounding import decode_swiglu, round_to
+from .split_k import arrive, store_or_fix_up, sum_partials
+from .weight_decode import block_scales, group_dot, weight_global_scale
 
 _SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite (2 launches an eager MoE layer)
 

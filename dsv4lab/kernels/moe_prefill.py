@@ -8,7 +8,7 @@ bound and surplus programs return at once, so it is CUDA-graph safe):
    counts (a scatter-add), and a list of BM-row tiles, each inside one expert's rows.
 2. up (``_grouped_kernel`` with ``DUAL``): per (tile, BN columns of I) the x rows of the tile's
    tokens (gathered by index) times the expert's w1 and w3 tiles (dequantised in registers,
-   ``common.dequant_tile``), two fp32 accumulators; the epilogue rounds gate and up to x.dtype (what
+   ``weight_decode.dequant_tile``), two fp32 accumulators; the epilogue rounds gate and up to x.dtype (what
    the reference's linears return), applies ``clamped_swiglu`` (clamp BEFORE SiLU) with the
    reference's roundings and, with ``weight_before_w2``, the routing weight: h [T*k, I] in x.dtype.
 3. down: the same kernel over h rows (no gather) and w2: y [T*k, H] in x.dtype.
@@ -37,10 +37,12 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
-from .common import cdiv, device_capability, FMT_NVFP4, INTERPRET, dequant_tile, dot_dtype, round_to
 from .dequant_gemm import DENSE_MIN_M, dense_supported, dequantize_rows
 from .device import copy_to_host, on_input_device, wait_for_host
+from .host import INTERPRET, cdiv, device_capability, dot_dtype
 from .linear_gemm import block_k
+from .rounding import round_to
+from .weight_decode import FMT_NVFP4, dequant_tile
 
 try:  # Gluon (triton >= 3.5): the async-wgmma grouped GEMMs, sm_90
     from .linear_gemm_wgmma import fragment_order

@@ -29,8 +29,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..quant.stacked import StackedMXFP4, StackedNVFP4
-from .common import FMT_NVFP4, FORMAT_CODES, cdiv, device_capability
+from .host import cdiv, device_capability
 from .linear_gemm_wgmma import FRAG_WORDS, k_step, k_step_fragment, cta_barrier, fragment_column, tma_load
+from .weight_decode import FMT_NVFP4, FORMAT_CODES
 
 BN, BK, STAGES, WARPS = 128, 64, 4, 8  # the dense kernel's tile (H100 probe, linear_gemm_wgmma.wgmma_tiles)
 

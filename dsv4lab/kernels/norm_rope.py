@@ -18,9 +18,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import INV_PAD, cdiv, next_pow2, pairs_buffers, pairs_written, pdl_enter, pdl_kw, store_pair_rows, use_pdl, INTERPRET
+from .activation_pairs import INV_PAD, pairs_buffers, pairs_written, store_pair_rows
 from .device import on_input_device
+from .host import INTERPRET, cdiv, next_pow2
 from .launch import LaunchSite
+from .pdl import pdl_enter, pdl_kw, use_pdl
 
 NORM_NONE, NORM_PLAIN, NORM_WEIGHTED = 0, 1, 2  # NORM constexpr: none, unweighted (q heads), weighted
 E4M3_MAX = tl.constexpr(448.0)
@@ -132,7 +134,7 @@ def _norm_rope_rows(x_ptr, y_ptr, w_ptr, pos_ptr, inv_ptr, ring_ptr, xp_ptr, xin
         ve, vo = _fp8_nope(ve, vo, nope, HB, BP)
     yy = tl.reshape(tl.join(ve.to(y_ptr.dtype.element_ty), vo.to(y_ptr.dtype.element_ty)), [HB, 2 * BP])
     tl.store(y_ptr + t * stride_yt + heads[:, None] * stride_yh + chans[None, :], yy, mask=ok)
-    if PAIRS:  # the row's x_pairs rows as the next GEMVs read them (common.pair_rows): one head, or
+    if PAIRS:  # the row's x_pairs rows as the next GEMVs read them (activation_pairs.pair_rows): one head, or
         NG: tl.constexpr = 2 * BP // 16  # HB heads of D = 2 * BP channels each (whole groups per head)
         g = ((t * H + heads) * (D // 16))[:, None] + tl.arange(0, NG)[None, :]
         store_pair_rows(tl.reshape(yy.to(tl.float32), (HB * NG, 16)), xp_ptr, xinv_ptr, tl.reshape(g, (HB * NG,)),

@@ -15,9 +15,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import next_pow2, pdl_enter, pdl_kw, use_pdl, INTERPRET
 from .device import on_input_device
+from .host import INTERPRET, next_pow2
 from .launch import new_site
+from .pdl import pdl_enter, pdl_kw, use_pdl
 
 SCORES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 _SITES: dict = {}  # (id(kernel), constexprs) -> LaunchSite

@@ -33,7 +33,7 @@ for fmt in ("nvfp4",):
 
 # the microbench's order: each variant's eager call, then its graph timing; counters after each
 from moe_tile_sweep import graph_us
-from dsv4lab.kernels.common import counters
+from dsv4lab.kernels.host import counters
 print("--- microbench order")
 m.SCHEDULE = "two"
 base = run()

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 from benchmarks.gemm import SHAPES, matmul, rand_weight, timed_graph  # noqa: E402
 from dsv4lab.kernels.linear_gemm import gemm_tiles  # noqa: E402
 from dsv4lab.kernels.linear_gemm_wgmma import launch_wgmma_gemm, wgmma_tiles  # noqa: E402
-from dsv4lab.kernels.common import num_sms  # noqa: E402
+from dsv4lab.kernels.host import num_sms  # noqa: E402
 
 
 RULE_ONLY = False  # argv[3] == "rule": the rule's tiles only (no variants)
