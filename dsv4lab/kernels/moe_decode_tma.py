@@ -257,7 +257,7 @@ FUSED_UP_TILES = {False: (16, 2, 1), True: (16, 2, 1)} if INTERPRET else {False:
 EMIT_H_PAIRS = True  # the up launch writes h's pairs (False: h + the x_pairs prelude; tests compare both)
 # "two": the up and the down launch; "pdl": the same, the down launch programmatic-dependent on the
 # up one (no launch gap); "fused": one launch of up and down tiles (``_moe_fused_kernel``, up tile
-# ``FUSED_UP_TILES``). ``SCHEDULE`` None takes ``DEFAULT_SCHEDULE`` per weight format (MXFP4?), a
+# ``FUSED_UP_TILES``). ``SCHEDULE`` None takes ``DEFAULT_SCHEDULE`` (both formats since stop 57), a
 # name forces one (tests, benchmarks). Measured on H100s (benchmarks/results/decode/moe_schedule/,
 # one token, 6 routed + the shared expert of V4-Pro, graph replay): two launches NVFP4 109-117 us
 # (up 71 + down 42: the down GEMV's short K = 3072 loop at 68 % of the copy ceiling), MXFP4 120-125
@@ -266,7 +266,7 @@ EMIT_H_PAIRS = True  # the up launch writes h's pairs (False: h + the x_pairs pr
 # 15.98 / 16.01 ms a token against 16.05 / 16.07 for two launches with 64-row ones
 # (benchmarks/results/decode/stop57/).
 SCHEDULES = ("two", "pdl", "fused")
-DEFAULT_SCHEDULE = {False: "fused", True: "fused"}
+DEFAULT_SCHEDULE = "fused"
 SCHEDULE: str | None = None
 
 
@@ -316,7 +316,7 @@ def moe_decode_tma(x: torch.Tensor, ids_c: torch.Tensor, wts: torch.Tensor, w1, 
     E, I, _ = w1.shape
     mx = _is_mx(w1)
     g = 32 if mx else BOX_GROUPS
-    schedule = SCHEDULE or DEFAULT_SCHEDULE[mx]
+    schedule = SCHEDULE or DEFAULT_SCHEDULE
     if schedule not in SCHEDULES:
         raise ValueError(f"moe_decode_tma.SCHEDULE={schedule!r}: expected None or one of {', '.join(SCHEDULES)}")
     if schedule == "fused" and not (EMIT_H_PAIRS and I % FUSED_UP_TILES[mx][0] == 0):

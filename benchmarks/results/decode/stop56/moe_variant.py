@@ -12,13 +12,13 @@ from dsv4lab.kernels import moe_decode_tma as m  # noqa: E402
 
 variant = sys.argv.pop(1)
 if variant == "fused128":
-    m.DEFAULT_SCHEDULE = {**m.DEFAULT_SCHEDULE, False: "fused"}
+    m.SCHEDULE = "fused"
     m.FUSED_UP_TILES, m.DOWN_TILES = {**m.FUSED_UP_TILES, False: (64, 4, 4)}, {**m.DOWN_TILES, False: (128, 3, 4)}
 elif variant == "two64":
-    m.DEFAULT_SCHEDULE = {**m.DEFAULT_SCHEDULE, False: "two"}
+    m.SCHEDULE = "two"
     m.DOWN_TILES = {**m.DOWN_TILES, False: (64, 3, 4)}
 elif variant != "default":
     sys.exit(f"moe_variant.py: VARIANT must be default, two64 or fused128, got {variant!r}")
-print("moe variant", variant, m.DEFAULT_SCHEDULE, m.FUSED_UP_TILES, m.DOWN_TILES, flush=True)
+print("moe variant", variant, m.SCHEDULE or m.DEFAULT_SCHEDULE, m.FUSED_UP_TILES, m.DOWN_TILES, flush=True)
 sys.argv[0] = str(ROOT / "benchmarks/full_model.py")
 runpy.run_path(sys.argv[0], run_name="__main__")
